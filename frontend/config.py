@@ -1,0 +1,671 @@
+"""One frozen, validated description of a DeepSeek-V4 model.
+
+Configs arrive in three spellings and all load into :class:`ModelConfig`:
+
+* the official Hugging Face hub ``config.json`` (``compress_ratios``, ``num_hash_layers``,
+  ``qk_rope_head_dim``, ``rope_scaling``),
+* the official ``inference/config.json`` (``dim``, ``n_layers``, ``window_size``, ...),
+* the ``transformers`` spelling (``layer_types``, ``mlp_layer_types``, ``compress_rates``,
+  ``rope_parameters`` with ``main`` / ``compress``).
+
+The per-layer schedule is kept as a plain list of :class:`LayerSpec`, never a formula.
+Anything we do not implement (V4.1 ratios 1/2, DSpark tails, unknown fields) is refused
+with a :class:`~dsv4c.errors.ConfigError` that names the field: a silently ignored field
+would compile a wrong model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsv4c.errors import ConfigError, UnsupportedModelError
+
+SLIDING, CSA, HCA = "sliding", "csa", "hca"
+ATTENTION_KINDS = (SLIDING, CSA, HCA)
+HASH_MOE, ROUTED_MOE = "hash", "routed"
+
+_HF_LAYER_TYPES = {
+    "sliding_attention": SLIDING,
+    "compressed_sparse_attention": CSA,
+    "heavily_compressed_attention": HCA,
+}
+_HF_MLP_TYPES = {"hash_moe": HASH_MOE, "moe": ROUTED_MOE}
+PRESETS = ("pro", "flash", "tiny")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN extension of the compressed-attention rope (SPEC §2)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    yarn: Yarn | None = None
+
+    def inv_freq(self, rope_dim: int) -> np.ndarray:
+        """Per-pair inverse frequencies, float32, as ``transformers`` computes them
+        (``attention_factor`` forced to 1.0 for YaRN, truncated correction range)."""
+        exponent = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
+        pos_freqs = np.power(np.float32(self.theta), exponent, dtype=np.float32)
+        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+        if self.yarn is None:
+            return extrapolation
+        y = self.yarn
+        interpolation = (np.float32(1.0) / (np.float32(y.factor) * pos_freqs)).astype(np.float32)
+
+        def correction_dim(rotations: float) -> float:
+            return (rope_dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
+        low = max(math.floor(correction_dim(y.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(y.beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001  # the reference avoids a zero-width ramp the same way
+        ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
+        extrapolation_factor = (1 - ramp).astype(np.float32)
+        return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One transformer block: its attention kind and compress ratio, its MoE routing."""
+
+    index: int
+    attention: str  # SLIDING / CSA / HCA
+    compress_ratio: int  # 0 for sliding layers
+    moe: str  # HASH_MOE / ROUTED_MOE
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.attention != SLIDING
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.attention == CSA
+
+
+@dataclass(frozen=True)
+class WeightFormats:
+    """How the checkpoint stores weights (SPEC §3); the loader also accepts other dtypes."""
+
+    dense: str = "fp8"  # fp8 (128x128 blocks) / bf16 / fp32
+    experts: str = "fp4"  # fp4 (1x32 groups) / fp8 / bf16 / fp32
+    scale: str = "e8m0"  # e8m0 / fp32 scales of fp8 blocks
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_routed_experts: int
+    n_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    swiglu_limit: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    sliding_window: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    main_rope: Rope
+    compress_rope: Rope
+    layers: tuple[LayerSpec, ...]
+    mtp_layers: tuple[LayerSpec, ...] = ()
+    max_position_embeddings: int = 1048576
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    weights: WeightFormats = field(default_factory=WeightFormats)
+    name: str = "custom"
+
+    # ----- derived sizes, one place for each -----
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def hc_mix_size(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    def compress_ratios(self, kind: str) -> tuple[int, ...]:
+        return tuple(sorted({l.compress_ratio for l in self.layers + self.mtp_layers if l.attention == kind}))
+
+    def layers_of(self, kind: str) -> list[LayerSpec]:
+        return [l for l in self.layers if l.attention == kind]
+
+    def rope_for(self, layer: LayerSpec) -> Rope:
+        # Sliding-only layers use the plain rope; compressed layers, their compressors
+        # and the indexer use the YaRN-extended compress rope (SPEC §2).
+        return self.compress_rope if layer.is_compressed else self.main_rope
+
+    # ----- serialisation -----
+    def to_json_dict(self, spelling: str | None = None) -> dict[str, Any]:
+        """A ``config.json`` that this loader and ``transformers`` both read.
+
+        ``official`` is the hub spelling (``compress_ratios``); ``transformers`` reads it
+        only for ratios 0/4/128, so ``hf`` (``layer_types`` + ``compress_rates``) is the
+        default for anything else."""
+        standard = all(l.compress_ratio in (0, 4, 128) for l in self.layers + self.mtp_layers) and all(
+            l.compress_ratio == {SLIDING: 0, CSA: 4, HCA: 128}[l.attention] for l in self.layers + self.mtp_layers
+        )
+        spelling = spelling or ("official" if standard else "hf")
+        if spelling not in ("official", "hf"):
+            raise ConfigError(f"unknown config spelling {spelling!r}; use 'official' or 'hf'")
+        if spelling == "official" and not standard:
+            raise ConfigError("the official config spelling only expresses compress ratios 0/4/128; use spelling='hf'")
+        d: dict[str, Any] = {
+            "architectures": ["DeepseekV4ForCausalLM"],
+            "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": 1,
+            "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.rope_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank,
+            "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": self.n_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "scoring_func": "sqrtsoftplus",
+            "norm_topk_prob": True,
+            "swiglu_limit": self.swiglu_limit,
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+            "sliding_window": self.sliding_window,
+            "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
+            "hc_eps": self.hc_eps,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.main_rope.theta,
+            "compress_rope_theta": self.compress_rope.theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_nextn_predict_layers": len(self.mtp_layers),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+        }
+        yarn = self.compress_rope.yarn
+        if spelling == "official":
+            d["compress_ratios"] = [l.compress_ratio for l in self.layers + self.mtp_layers]
+            d["num_hash_layers"] = self._hash_prefix_length()
+            if yarn:
+                d["rope_scaling"] = {
+                    "type": "yarn",
+                    "factor": yarn.factor,
+                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
+                    "beta_fast": yarn.beta_fast,
+                    "beta_slow": yarn.beta_slow,
+                }
+        else:
+            inverse = {v: k for k, v in _HF_LAYER_TYPES.items()}
+            d["layer_types"] = [inverse[l.attention] for l in self.layers]
+            d["mlp_layer_types"] = [{HASH_MOE: "hash_moe", ROUTED_MOE: "moe"}[l.moe] for l in self.layers]
+            rates = {}
+            for kind in (CSA, HCA):
+                ratios = self.compress_ratios(kind)
+                if len(ratios) > 1:
+                    raise ConfigError(f"the hf spelling holds one ratio per attention kind; {kind} layers use {ratios}")
+                if ratios:
+                    rates[inverse[kind]] = ratios[0]
+            d["compress_rates"] = rates
+            compress: dict[str, Any] = {"rope_type": "default", "rope_theta": self.compress_rope.theta}
+            if yarn:
+                compress = {
+                    "rope_type": "yarn",
+                    "rope_theta": self.compress_rope.theta,
+                    "factor": yarn.factor,
+                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
+                    "beta_fast": yarn.beta_fast,
+                    "beta_slow": yarn.beta_slow,
+                    "attention_factor": 1.0,
+                }
+            partial = self.rope_dim / self.head_dim
+            d["partial_rotary_factor"] = partial
+            d["rope_parameters"] = {
+                "main": {"rope_type": "default", "rope_theta": self.main_rope.theta, "partial_rotary_factor": partial},
+                "compress": {**compress, "partial_rotary_factor": partial},
+            }
+        if self.weights.dense == "fp8":
+            d["quantization_config"] = {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
+                "weight_block_size": [128, 128],
+            }
+        if self.weights.experts == "fp4":
+            d["expert_dtype"] = "fp4"
+        d["torch_dtype"] = "float32" if self.weights.dense == "fp32" else "bfloat16"
+        return d
+
+    def _hash_prefix_length(self) -> int:
+        kinds = [l.moe for l in self.layers]
+        n = kinds.count(HASH_MOE)
+        if kinds != [HASH_MOE] * n + [ROUTED_MOE] * (len(kinds) - n):
+            raise ConfigError("num_hash_layers only expresses hash layers as a prefix; use the hf spelling")
+        return n
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly description, stored in artifact manifests."""
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- parsing
+
+# Keys every transformers config may carry that do not change the model.
+_INERT_KEYS = {
+    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "use_cache", "initializer_range",
+    "attention_dropout", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "pad_token_id",
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
+    "output_hidden_states", "problem_type", "return_dict", "max_batch_size", "max_seq_len", "auto_map",
+    "topk_method", "model_type", "scale_dtype", "tokenizer_class", "max_length", "dtype", "n_group", "topk_group",
+}
+
+# Canonical field <- accepted spellings.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "hidden_size": ("hidden_size", "dim"),
+    "num_layers": ("num_hidden_layers", "n_layers"),
+    "num_heads": ("num_attention_heads", "n_heads"),
+    "head_dim": ("head_dim",),
+    "rope_dim": ("qk_rope_head_dim", "rope_head_dim"),
+    "q_lora_rank": ("q_lora_rank",),
+    "o_groups": ("o_groups",),
+    "o_lora_rank": ("o_lora_rank",),
+    "n_routed_experts": ("n_routed_experts", "num_local_experts"),
+    "n_experts_per_tok": ("num_experts_per_tok", "n_activated_experts"),
+    "n_shared_experts": ("n_shared_experts",),
+    "moe_intermediate_size": ("moe_intermediate_size", "moe_inter_dim", "intermediate_size"),
+    "routed_scaling_factor": ("routed_scaling_factor", "route_scale"),
+    "scoring_func": ("scoring_func", "score_func"),
+    "swiglu_limit": ("swiglu_limit",),
+    "index_n_heads": ("index_n_heads",),
+    "index_head_dim": ("index_head_dim",),
+    "index_topk": ("index_topk",),
+    "sliding_window": ("sliding_window", "window_size"),
+    "hc_mult": ("hc_mult",),
+    "hc_sinkhorn_iters": ("hc_sinkhorn_iters",),
+    "hc_eps": ("hc_eps",),
+    "rms_norm_eps": ("rms_norm_eps", "norm_eps"),
+    "rope_theta": ("rope_theta",),
+    "compress_rope_theta": ("compress_rope_theta",),
+    "num_mtp": ("num_nextn_predict_layers", "n_mtp_layers"),
+    "num_hash_layers": ("num_hash_layers", "n_hash_layers"),
+    "max_position_embeddings": ("max_position_embeddings",),
+    "partial_rotary_factor": ("partial_rotary_factor",),
+}
+_OTHER_KNOWN = {
+    "compress_ratios", "layer_types", "mlp_layer_types", "compress_rates", "compress_rate_csa", "compress_rate_hca",
+    "rope_scaling", "rope_parameters", "rope_factor", "original_seq_len", "beta_fast", "beta_slow",
+    "num_key_value_heads", "bos_token_id", "eos_token_id", "quantization_config", "expert_dtype", "scale_fmt",
+    "tie_word_embeddings", "hidden_act", "norm_topk_prob", "attention_bias", "mlp_bias",
+}
+_REQUIRED = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+    "n_routed_experts", "n_experts_per_tok", "moe_intermediate_size", "index_n_heads", "index_head_dim",
+    "index_topk", "sliding_window",
+)
+_DEFAULTS: dict[str, Any] = {
+    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0, "max_position_embeddings": 1048576,
+    # Both the official ModelArgs and transformers default to one MTP layer.
+    "num_mtp": 1,
+}
+
+
+def _refuse_unsupported_variants(raw: dict[str, Any]) -> None:
+    for key in raw:
+        low = key.lower()
+        if "dspark" in low:
+            raise UnsupportedModelError(
+                f"config field {key!r}: DSpark speculative tails (V4-Pro-0813) are not implemented by dsv4c"
+            )
+    for key in ("compress_ratios",):
+        for i, r in enumerate(raw.get(key) or []):
+            if r in (1, 2):
+                raise UnsupportedModelError(
+                    f"config field compress_ratios[{i}] = {r}: V4.1-style ratios 1/2 (KV owners, delayed mHC) "
+                    "are not implemented by dsv4c"
+                )
+    for kind, rate in (raw.get("compress_rates") or {}).items():
+        if rate in (1, 2):
+            raise UnsupportedModelError(
+                f"config field compress_rates[{kind!r}] = {rate}: V4.1-style ratios 1/2 are not implemented by dsv4c"
+            )
+    unknown = [k for k in raw if k not in _INERT_KEYS and k not in _OTHER_KNOWN
+               and not any(k in spellings for spellings in _ALIASES.values())]
+    if unknown:
+        raise UnsupportedModelError(
+            f"config field {unknown[0]!r} is not understood by dsv4c; refusing rather than compiling a different model"
+        )
+
+
+def _gather(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fold every spelling of a field into its canonical name; conflicting spellings are errors."""
+    out: dict[str, Any] = {}
+    for canon, spellings in _ALIASES.items():
+        given = [(s, raw[s]) for s in spellings if s in raw and raw[s] is not None]
+        if not given:
+            continue
+        if any(v != given[0][1] for _, v in given[1:]):
+            names = " vs ".join(f"{s}={v!r}" for s, v in given)
+            raise ConfigError(f"config fields disagree: {names}")
+        out[canon] = given[0][1]
+    return out
+
+
+def _positive_int(f: dict[str, Any], key: str) -> int:
+    v = f[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"config field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def _number(f: dict[str, Any], key: str, positive: bool = True) -> float:
+    v = f[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (positive and not v > 0):
+        raise ConfigError(f"config field {key!r} must be a {'positive ' if positive else ''}number, got {v!r}")
+    return float(v)
+
+
+def _parse_rope(raw: dict[str, Any], f: dict[str, Any]) -> tuple[Rope, Rope]:
+    main_theta = _number(f, "rope_theta")
+    compress_theta = _number(f, "compress_rope_theta")
+    yarn_src: dict[str, Any] | None = None
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main_theta = float(params["main"].get("rope_theta", main_theta))
+        if params["main"].get("rope_type", "default") != "default":
+            raise UnsupportedModelError("config field rope_parameters.main.rope_type must be 'default'")
+        compress = params["compress"]
+        compress_theta = float(compress.get("rope_theta", compress_theta))
+        yarn_src = compress
+    elif isinstance(raw.get("rope_scaling"), dict):
+        yarn_src = raw["rope_scaling"]
+    elif isinstance(params, dict):
+        yarn_src = params
+    elif "rope_factor" in raw:  # official inference/config.json
+        yarn_src = {
+            "type": "yarn",
+            "factor": raw["rope_factor"],
+            "original_max_position_embeddings": raw.get("original_seq_len"),
+            "beta_fast": raw.get("beta_fast", 32),
+            "beta_slow": raw.get("beta_slow", 1),
+        }
+    yarn = None
+    if yarn_src:
+        kind = yarn_src.get("rope_type", yarn_src.get("type", "default"))
+        if kind == "yarn":
+            orig = yarn_src.get("original_max_position_embeddings")
+            if not orig:  # official inference configs use original_seq_len = 0 to switch YaRN off
+                yarn = None
+            else:
+                factor = yarn_src.get("factor")
+                if not isinstance(factor, (int, float)) or factor <= 0:
+                    raise ConfigError(f"config field rope_scaling.factor must be a positive number, got {factor!r}")
+                attention_factor = yarn_src.get("attention_factor", 1.0)
+                if attention_factor not in (None, 1, 1.0):
+                    raise UnsupportedModelError(
+                        f"config field rope attention_factor = {attention_factor}: V4 forces 1.0 on the compress rope"
+                    )
+                yarn = Yarn(
+                    factor=float(factor),
+                    original_max_position_embeddings=int(orig),
+                    beta_fast=float(yarn_src.get("beta_fast") or 32),
+                    beta_slow=float(yarn_src.get("beta_slow") or 1),
+                )
+        elif kind != "default":
+            raise UnsupportedModelError(f"config field rope type {kind!r}: only 'default' and 'yarn' are implemented")
+    return Rope(main_theta), Rope(compress_theta, yarn)
+
+
+def _attention_schedule(raw: dict[str, Any], n: int, n_mtp: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(kind, ratio) for every backbone layer, then for every MTP layer."""
+    rates = dict(raw.get("compress_rates") or {})
+    csa_rate = raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4))
+    hca_rate = raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128))
+    for name, rate in (("compress_rate_csa", csa_rate), ("compress_rate_hca", hca_rate)):
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+            raise ConfigError(f"config field {name!r} must be a positive integer, got {rate!r}")
+    bad_rates = [k for k in rates if k not in _HF_LAYER_TYPES or k == "sliding_attention"]
+    if bad_rates:
+        raise UnsupportedModelError(f"config field compress_rates[{bad_rates[0]!r}] names an unknown attention kind")
+    ratio_of = {SLIDING: 0, CSA: csa_rate, HCA: hca_rate}
+
+    if raw.get("layer_types") is not None:
+        types = raw["layer_types"]
+        if not isinstance(types, list):
+            raise ConfigError("config field 'layer_types' must be a list")
+        if len(types) != n:
+            raise ConfigError(f"config field 'layer_types' has {len(types)} entries for num_hidden_layers = {n}")
+        kinds = []
+        for i, t in enumerate(types):
+            if t not in _HF_LAYER_TYPES:
+                raise UnsupportedModelError(
+                    f"config field layer_types[{i}] = {t!r} is not one of {sorted(_HF_LAYER_TYPES)}"
+                )
+            kinds.append(_HF_LAYER_TYPES[t])
+        backbone = [(k, ratio_of[k]) for k in kinds]
+        # transformers does not instantiate MTP; the official MTP block is sliding-only.
+        return backbone, [(SLIDING, 0)] * n_mtp
+
+    ratios = raw.get("compress_ratios")
+    if ratios is None:
+        raise ConfigError("config has neither 'compress_ratios' nor 'layer_types': the layer schedule is missing")
+    if not isinstance(ratios, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ratios):
+        raise ConfigError("config field 'compress_ratios' must be a list of integers")
+    if len(ratios) not in (n, n + n_mtp):
+        raise ConfigError(
+            f"config field 'compress_ratios' has {len(ratios)} entries; expected num_hidden_layers ({n})"
+            f" or num_hidden_layers + MTP layers ({n + n_mtp})"
+        )
+    kind_of = {0: SLIDING, csa_rate: CSA, hca_rate: HCA}
+    schedule = []
+    for i, r in enumerate(ratios):
+        if r not in kind_of:
+            raise UnsupportedModelError(
+                f"config field compress_ratios[{i}] = {r} is neither 0, the CSA rate ({csa_rate}) nor the HCA rate "
+                f"({hca_rate}); set compress_rate_csa / compress_rate_hca or use layer_types + compress_rates"
+            )
+        schedule.append((kind_of[r], r))
+    mtp = schedule[n:] if len(ratios) == n + n_mtp else [(SLIDING, 0)] * n_mtp
+    return schedule[:n], mtp
+
+
+def _moe_schedule(raw: dict[str, Any], f: dict[str, Any], n: int) -> list[str]:
+    if raw.get("mlp_layer_types") is not None:
+        types = raw["mlp_layer_types"]
+        if not isinstance(types, list) or len(types) != n:
+            got = len(types) if isinstance(types, list) else type(types).__name__
+            raise ConfigError(f"config field 'mlp_layer_types' has {got} entries for num_hidden_layers = {n}")
+        out = []
+        for i, t in enumerate(types):
+            if t not in _HF_MLP_TYPES:
+                raise UnsupportedModelError(f"config field mlp_layer_types[{i}] = {t!r} is not 'hash_moe' or 'moe'")
+            out.append(_HF_MLP_TYPES[t])
+        return out
+    n_hash = f.get("num_hash_layers", 3)
+    if isinstance(n_hash, bool) or not isinstance(n_hash, int) or not 0 <= n_hash <= n:
+        raise ConfigError(f"config field 'num_hash_layers' must be an integer in [0, {n}], got {n_hash!r}")
+    return [HASH_MOE] * n_hash + [ROUTED_MOE] * (n - n_hash)
+
+
+def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
+    qc = raw.get("quantization_config")
+    dense, scale = "bf16", "e8m0"
+    if raw.get("dtype") in ("fp8", "bf16"):  # official inference/config.json
+        dense = raw["dtype"]
+        scale = "e8m0" if raw.get("scale_fmt") == "ue8m0" or raw.get("scale_dtype") == "fp8" else "fp32"
+    if isinstance(qc, dict):
+        method, fmt = qc.get("quant_method"), qc.get("fmt", "e4m3")
+        if method != "fp8" or fmt != "e4m3":
+            raise UnsupportedModelError(
+                f"config field quantization_config: quant_method={method!r} fmt={fmt!r}; only fp8 e4m3 is implemented"
+            )
+        if list(qc.get("weight_block_size", [128, 128])) != [128, 128]:
+            raise UnsupportedModelError("config field quantization_config.weight_block_size must be [128, 128]")
+        dense = "fp8"
+        scale = "e8m0" if qc.get("scale_fmt") == "ue8m0" else "fp32"
+    elif qc is not None:
+        raise ConfigError("config field 'quantization_config' must be an object")
+    if dense == "bf16" and raw.get("torch_dtype", raw.get("dtype")) == "float32":
+        dense = "fp32"
+    experts = raw.get("expert_dtype") or (qc or {}).get("expert_dtype")
+    if experts not in (None, "fp4", "fp8", "bf16", "fp32"):
+        raise UnsupportedModelError(f"config field expert_dtype = {experts!r}; expected fp4 (or none)")
+    # Released FP8 V4 checkpoints store routed experts as FP4 even where the hub config
+    # (V4-Flash) does not say so; the loader follows each tensor's real dtype anyway.
+    return WeightFormats(dense=dense, experts=experts or ("fp4" if dense == "fp8" else dense), scale=scale)
+
+
+def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
+    """Validate and normalise a config dict in any supported spelling."""
+    if not isinstance(raw, dict):
+        raise ConfigError("a model config must be a JSON object")
+    model_type = raw.get("model_type", "deepseek_v4")
+    if model_type != "deepseek_v4":
+        raise UnsupportedModelError(f"config field model_type = {model_type!r}; dsv4c compiles 'deepseek_v4' only")
+    _refuse_unsupported_variants(raw)
+    f = {**_DEFAULTS, **_gather(raw)}
+    missing = [k for k in _REQUIRED if k not in f]
+    if missing:
+        raise ConfigError(f"config is missing the field {_ALIASES[missing[0]][0]!r}")
+    ints = {k: _positive_int(f, k) for k in _REQUIRED}
+    for k in ("hc_mult", "hc_sinkhorn_iters"):
+        ints[k] = _positive_int(f, k)
+    n = ints["num_layers"]
+    n_mtp = f["num_mtp"]
+    if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or not 0 <= n_mtp <= 1:
+        raise UnsupportedModelError(f"config field num_nextn_predict_layers = {n_mtp!r}; dsv4c implements 0 or 1")
+
+    head_dim = ints["head_dim"]
+    if "rope_dim" in f:
+        rope_dim = f["rope_dim"]
+    elif "partial_rotary_factor" in f:
+        rope_dim = head_dim * f["partial_rotary_factor"]
+        if abs(rope_dim - round(rope_dim)) > 1e-9:
+            raise ConfigError(f"config field partial_rotary_factor * head_dim = {rope_dim} is not an integer")
+        rope_dim = int(round(rope_dim))
+    else:
+        rope_dim = 64
+    if not isinstance(rope_dim, int) or rope_dim <= 0 or rope_dim % 2 or rope_dim >= head_dim:
+        raise ConfigError(f"config field 'qk_rope_head_dim' = {rope_dim!r} must be even and smaller than head_dim")
+    if rope_dim > ints["index_head_dim"]:
+        raise ConfigError(f"config field 'index_head_dim' = {ints['index_head_dim']} is smaller than the rope dims")
+
+    checks = [
+        (raw.get("num_key_value_heads", 1) == 1, "num_key_value_heads must be 1 (V4 is MQA with K == V)"),
+        (f["n_shared_experts"] == 1, "n_shared_experts must be 1"),
+        (f["scoring_func"] == "sqrtsoftplus", f"scoring_func = {f['scoring_func']!r}; V4 routes with 'sqrtsoftplus'"),
+        (raw.get("hidden_act", "silu") == "silu", "hidden_act must be 'silu'"),
+        (raw.get("norm_topk_prob", True) is True, "norm_topk_prob must be true"),
+        (not raw.get("tie_word_embeddings", False), "tie_word_embeddings must be false (V4's head is not tied)"),
+        (not raw.get("attention_bias", False) and not raw.get("mlp_bias", False), "V4 has no attention / mlp biases"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UnsupportedModelError(f"config: {msg}")
+    if (ints["num_heads"] * head_dim) % ints["o_groups"]:
+        raise ConfigError(
+            f"config: num_attention_heads * head_dim ({ints['num_heads'] * head_dim}) is not divisible by o_groups"
+        )
+    if ints["n_experts_per_tok"] > ints["n_routed_experts"]:
+        raise ConfigError("config: num_experts_per_tok is larger than n_routed_experts")
+
+    main_rope, compress_rope = _parse_rope(raw, f)
+    attention, mtp_attention = _attention_schedule(raw, n, n_mtp)
+    moe = _moe_schedule(raw, f, n)
+    layers = tuple(LayerSpec(i, k, r, m) for i, ((k, r), m) in enumerate(zip(attention, moe)))
+    mtp_layers = tuple(LayerSpec(n + i, k, r, ROUTED_MOE) for i, (k, r) in enumerate(mtp_attention))
+    weights = _weight_formats(raw)
+    if weights.experts == "fp4" and (ints["hidden_size"] % 32 or ints["moe_intermediate_size"] % 32):
+        raise ConfigError("config: FP4 experts need hidden_size and moe_intermediate_size divisible by 32")
+
+    eos = raw.get("eos_token_id", 1)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        vocab_size=ints["vocab_size"], hidden_size=ints["hidden_size"], num_heads=ints["num_heads"],
+        head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=ints["q_lora_rank"], o_groups=ints["o_groups"],
+        o_lora_rank=ints["o_lora_rank"], n_routed_experts=ints["n_routed_experts"],
+        n_experts_per_tok=ints["n_experts_per_tok"], moe_intermediate_size=ints["moe_intermediate_size"],
+        routed_scaling_factor=_number(f, "routed_scaling_factor"), swiglu_limit=_number(f, "swiglu_limit"),
+        index_n_heads=ints["index_n_heads"], index_head_dim=ints["index_head_dim"], index_topk=ints["index_topk"],
+        sliding_window=ints["sliding_window"], hc_mult=ints["hc_mult"], hc_sinkhorn_iters=ints["hc_sinkhorn_iters"],
+        hc_eps=_number(f, "hc_eps"), rms_norm_eps=_number(f, "rms_norm_eps"), main_rope=main_rope,
+        compress_rope=compress_rope, layers=layers, mtp_layers=mtp_layers,
+        max_position_embeddings=_positive_int(f, "max_position_embeddings"),
+        bos_token_id=raw.get("bos_token_id", 0), eos_token_ids=eos_ids, weights=weights, name=name,
+    )
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Load ``config.json`` from a file or a model directory (also ``inference/config.json``)."""
+    p = Path(path)
+    if p.is_dir():
+        candidates = [p / "config.json", p / "inference" / "config.json"]
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise ConfigError(f"{p}: no config.json (or inference/config.json) in this model directory")
+        p = found
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: not a readable JSON config ({e.__class__.__name__}: {str(e).splitlines()[0]})") from None
+    try:
+        return config_from_dict(raw, name=p.parent.name if p.name == "config.json" else p.stem)
+    except ConfigError as e:
+        raise type(e)(f"{p}: {e}") from None
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give a model directory")
+    raw = json.loads(resources.files("dsv4c.frontend").joinpath(f"presets/{name}.json").read_text())
+    return config_from_dict(raw, name=name)
+
+
+def resolve_model(spec: str | Path) -> ModelConfig:
+    """A preset name or a path to a model directory / config file."""
+    if str(spec) in PRESETS and not Path(spec).exists():
+        return preset(str(spec))
+    return load_config(spec)
+
+
+def with_weights(cfg: ModelConfig, **formats: str) -> ModelConfig:
+    return replace(cfg, weights=replace(cfg.weights, **formats))

@@ -1,0 +1,284 @@
+"""Low-bit number formats of the DeepSeek-V4 checkpoint and its QAT activation rules.
+
+Everything is plain numpy with its own bit manipulation, so the reference path needs
+neither torch nor ml_dtypes (those serve only as test oracles):
+
+* FP8 e4m3fn (OCP): bias 7, max 448, no infinities, 0x7F/0xFF are NaN.
+* FP4 e2m1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 0..15 with the sign in bit 3.
+* e8m0: a bare biased exponent (bias 127) used for power-of-two scales; 0xFF is NaN.
+
+Encoders round to nearest, ties to even, and saturate out-of-range magnitudes to the
+largest finite value, which is how the quantizers clamp ``x / scale``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+# amax floors of the reference kernels: they keep an all-zero block's scale finite
+# and (for FP4) inside the e8m0 range, whose smallest normal power used is 2**-126.
+FP8_AMAX_FLOOR = 1e-4
+FP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
+
+_E4M3_NAN = 0x7F
+_E8M0_NAN = 0xFF
+_E8M0_BIAS = 127
+
+
+class _Minifloat(NamedTuple):
+    """A small binary float: ``man_bits`` mantissa bits, smallest normal exponent
+    ``emin``, largest finite magnitude ``max_value``, sign at bit ``sign_bit``."""
+
+    man_bits: int
+    emin: int
+    max_value: float
+    sign_bit: int
+
+
+_E4M3 = _Minifloat(man_bits=3, emin=-6, max_value=E4M3_MAX, sign_bit=7)
+_E2M1 = _Minifloat(man_bits=1, emin=0, max_value=E2M1_MAX, sign_bit=3)
+
+
+def _encode_minifloat(x: np.ndarray, fmt: _Minifloat) -> np.ndarray:
+    """Codes (int64) of float32 ``x`` rounded to nearest-even onto ``fmt``, saturating.
+
+    NaN inputs get code +0; callers that have a NaN code substitute it.
+    """
+    magnitude = np.minimum(np.abs(x), np.float32(fmt.max_value))
+    bits = np.where(np.isnan(x), np.float32(0), magnitude).view(np.uint32).astype(np.int64)
+    exp_field = bits >> 23
+    # float32 subnormals share the exponent of the smallest normal and lack the implicit one
+    exponent = np.maximum(exp_field, 1) - 127
+    mantissa = (bits & 0x7FFFFF) | np.where(exp_field > 0, 0x800000, 0)
+    # The target grid spacing is 2**(max(exponent, emin) - man_bits); the float32
+    # mantissa counts units of 2**(exponent - 23). Their ratio is the right shift.
+    # Capping it at 25 keeps shifts defined: mantissa < 2**24 rounds to 0 from there on.
+    shift = np.minimum(23 - fmt.man_bits + np.maximum(fmt.emin - exponent, 0), 25)
+    steps = mantissa >> shift
+    remainder = mantissa - (steps << shift)
+    half = 1 << (shift - 1)
+    steps += (remainder > half) | ((remainder == half) & (steps & 1 == 1))
+    # steps already holds the implicit one (normals) or is the subnormal mantissa, so
+    # this is exponent_field << man_bits | mantissa_field, carries included.
+    code = ((np.maximum(exponent, fmt.emin) - fmt.emin) << fmt.man_bits) + steps
+    sign = (x.view(np.uint32) >> 31).astype(np.int64)
+    return code | (sign << fmt.sign_bit)
+
+
+def _decode_minifloat(codes: np.ndarray, fmt: _Minifloat) -> np.ndarray:
+    """float32 values of ``fmt`` codes (no NaN handling)."""
+    codes = np.asarray(codes).astype(np.int32)
+    magnitude = codes & ((1 << fmt.sign_bit) - 1)
+    exp_field = magnitude >> fmt.man_bits
+    mantissa = magnitude & ((1 << fmt.man_bits) - 1)
+    significand = np.where(exp_field > 0, mantissa + (1 << fmt.man_bits), mantissa)
+    value = np.ldexp(significand.astype(np.float32), np.maximum(exp_field, 1) + fmt.emin - 1 - fmt.man_bits)
+    return np.where((codes >> fmt.sign_bit) & 1 == 1, -value, value)
+
+
+def encode_e4m3fn(x) -> np.ndarray:
+    """uint8 e4m3fn codes of float32 ``x``: nearest-even, |x| > 448 saturates, NaN -> 0x7F."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.isnan(x), _E4M3_NAN, _encode_minifloat(x, _E4M3)).astype(np.uint8)
+
+
+def decode_e4m3fn(codes) -> np.ndarray:
+    """float32 values of uint8 e4m3fn codes (0x7F and 0xFF are NaN)."""
+    codes = np.asarray(codes)
+    return np.where(codes & 0x7F == _E4M3_NAN, np.float32(np.nan), _decode_minifloat(codes, _E4M3))
+
+
+def encode_e2m1(x) -> np.ndarray:
+    """uint8 e2m1 codes 0..15 of float32 ``x``: nearest, ties to the even code, |x| > 6 saturates.
+
+    e2m1 has no NaN; NaN encodes as +0. The quantizers below still surface NaN input,
+    because its block scale is NaN.
+    """
+    return _encode_minifloat(np.asarray(x, np.float32), _E2M1).astype(np.uint8)
+
+
+def decode_e2m1(codes) -> np.ndarray:
+    """float32 values of e2m1 codes 0..15."""
+    return _decode_minifloat(codes, _E2M1)
+
+
+def encode_e8m0(scale) -> np.ndarray:
+    """uint8 e8m0 codes (biased exponent) of power-of-two float32 scales 2**-127..2**127.
+
+    NaN encodes as 0xFF; anything else that is not such a power of two raises ValueError.
+    """
+    scale = np.asarray(scale, np.float32)
+    mantissa, exponent = np.frexp(scale)  # a power of two is 0.5 * 2**exponent
+    codes = exponent.astype(np.int32) - 1 + _E8M0_BIAS
+    nan = np.isnan(scale)
+    if not np.all(nan | ((mantissa == 0.5) & (codes >= 0))):
+        raise ValueError("e8m0 scales must be powers of two in [2**-127, 2**127]")
+    return np.where(nan, _E8M0_NAN, codes).astype(np.uint8)
+
+
+def decode_e8m0(codes) -> np.ndarray:
+    """float32 power-of-two scales of uint8 e8m0 codes (0xFF is NaN)."""
+    codes = np.asarray(codes).astype(np.uint32)
+    # A code is exactly a float32 exponent field; only 2**-127 (code 0) is a float32 subnormal.
+    bits = np.where(codes == 0, 0x00400000, codes << 23)
+    bits = np.where(codes == _E8M0_NAN, 0x7FC00000, bits)
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def pack_fp4(codes) -> np.ndarray:
+    """Pack e2m1 codes ``[..., 2n]`` into int8 ``[..., n]``: element 2i low nibble, 2i+1 high."""
+    codes = np.asarray(codes, np.uint8)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4 needs an even last axis, got shape {codes.shape}")
+    if np.any(codes > 0xF):
+        raise ValueError("pack_fp4 codes must lie in 0..15")
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(np.int8)
+
+
+def unpack_fp4(packed) -> np.ndarray:
+    """Inverse of :func:`pack_fp4`: int8/uint8 ``[..., n]`` -> uint8 codes ``[..., 2n]``."""
+    packed = np.asarray(packed)
+    if packed.dtype not in (np.int8, np.uint8):
+        raise ValueError(f"unpack_fp4 needs int8 or uint8 bytes, got {packed.dtype}")
+    nibbles = packed.view(np.uint8)
+    return np.stack([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(*nibbles.shape[:-1], -1)
+
+
+def pow2_ceil_scale(amax, qmax) -> np.ndarray:
+    """``2**ceil(log2(amax / qmax))`` as float32, exact (frexp, not a rounded log2).
+
+    The ratio is the float32 quotient, as in the reference kernels. Zero, inf and NaN
+    ratios pass through unchanged.
+    """
+    ratio = np.asarray(amax, np.float32) / np.float32(qmax)
+    mantissa, exponent = np.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5)  # an exact power of two is not rounded up
+    scale = np.ldexp(np.float32(1), exponent)
+    return np.where(np.isfinite(ratio) & (ratio > 0), scale, ratio)
+
+
+def _split_last_axis(x: np.ndarray, block: int) -> np.ndarray:
+    """View ``x [..., n]`` as ``[..., n / block, block]``."""
+    if x.shape[-1] % block:
+        raise ValueError(f"last axis {x.shape[-1]} is not a multiple of the block size {block}")
+    return x.reshape(*x.shape[:-1], -1, block)
+
+
+def _pow2_block_scale(blocks: np.ndarray, amax_floor: float, qmax: float) -> np.ndarray:
+    """Power-of-two scale per block (last axis, kept) mapping the block's amax onto qmax."""
+    amax = np.maximum(np.abs(blocks).max(axis=-1, keepdims=True), np.float32(amax_floor))
+    return pow2_ceil_scale(amax, qmax)
+
+
+def _check_scale_format(scale_format: str) -> None:
+    if scale_format not in ("e8m0", "fp32"):
+        raise ValueError(f"scale_format must be 'e8m0' or 'fp32', got {scale_format!r}")
+
+
+def _block_grid(shape: tuple[int, int], block: int) -> tuple[int, int]:
+    return -(-shape[0] // block), -(-shape[1] // block)
+
+
+def _expand_blocks(scale: np.ndarray, block: int, shape: tuple[int, int]) -> np.ndarray:
+    """Per-element copy of a per-block scale grid, cropped to ``shape`` (edge blocks are partial)."""
+    return np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[: shape[0], : shape[1]]
+
+
+def quantize_fp8_blocks(w, block: int = 128, scale_format: str = "e8m0") -> tuple[np.ndarray, np.ndarray]:
+    """FP8 weight ``[O, I]`` -> (e4m3fn codes ``[O, I]``, one scale per ``block`` x ``block`` tile).
+
+    Scales have shape ``[ceil(O/block), ceil(I/block)]``: e8m0 codes of
+    ``pow2_ceil_scale(amax, 448)``, or float32 ``amax / 448``. amax is floored at
+    FP8_AMAX_FLOOR (1e-4) in both formats, so an all-zero tile gets a finite scale.
+    """
+    _check_scale_format(scale_format)
+    w = np.asarray(w, np.float32)
+    row_starts, col_starts = np.arange(0, w.shape[0], block), np.arange(0, w.shape[1], block)
+    amax = np.maximum.reduceat(np.maximum.reduceat(np.abs(w), row_starts, axis=0), col_starts, axis=1)
+    amax = np.maximum(amax, np.float32(FP8_AMAX_FLOOR))
+    if scale_format == "e8m0":
+        scale = pow2_ceil_scale(amax, E4M3_MAX)
+        stored = encode_e8m0(scale)
+    else:
+        scale = stored = amax / np.float32(E4M3_MAX)
+    return encode_e4m3fn(w / _expand_blocks(scale, block, w.shape)), stored
+
+
+def dequantize_fp8_blocks(codes, scales, block: int = 128, scale_format: str = "e8m0") -> np.ndarray:
+    """float32 ``[O, I]`` weight of :func:`quantize_fp8_blocks` output."""
+    _check_scale_format(scale_format)
+    codes, scales = np.asarray(codes), np.asarray(scales)
+    if scales.shape != _block_grid(codes.shape, block):
+        raise ValueError(f"{block}x{block} block scales of a {codes.shape} weight must have shape "
+                         f"{_block_grid(codes.shape, block)}, got {scales.shape}")
+    scale = decode_e8m0(scales) if scale_format == "e8m0" else scales.astype(np.float32)
+    return decode_e4m3fn(codes) * _expand_blocks(scale, block, codes.shape)
+
+
+def quantize_fp4_groups(w, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """FP4 weight ``[O, I]`` -> (packed int8 ``[O, I/2]``, e8m0 scales ``[O, I/group]``).
+
+    Per group of ``group`` inputs: scale = pow2_ceil_scale(max(amax, 6 * 2**-126), 6),
+    codes = e2m1(clamp(w / scale, -6, 6)).
+    """
+    w = np.asarray(w, np.float32)
+    groups = _split_last_axis(w, group)
+    scale = _pow2_block_scale(groups, FP4_AMAX_FLOOR, E2M1_MAX)
+    codes = encode_e2m1(groups / scale)  # saturation is the clamp to +-6
+    return pack_fp4(codes.reshape(w.shape)), encode_e8m0(scale[..., 0])
+
+
+def dequantize_fp4_groups(packed, scales, group: int = 32) -> np.ndarray:
+    """float32 ``[O, I]`` weight of :func:`quantize_fp4_groups` output."""
+    values = decode_e2m1(unpack_fp4(packed))
+    groups = _split_last_axis(values, group)
+    scales = np.asarray(scales)
+    if scales.shape != groups.shape[:-1]:
+        raise ValueError(f"group-{group} scales of a {values.shape} weight must have shape "
+                         f"{groups.shape[:-1]}, got {scales.shape}")
+    return (groups * decode_e8m0(scales)[..., None]).reshape(values.shape)
+
+
+def fp8_roundtrip(x, block: int = 64) -> np.ndarray:
+    """QAT FP8 activation round trip over blocks of the last axis.
+
+    s = pow2_ceil_scale(max(amax, 1e-4), 448); y = e4m3(clamp(x / s, +-448)) * s.
+    """
+    blocks = _split_last_axis(np.asarray(x, np.float32), block)
+    scale = _pow2_block_scale(blocks, FP8_AMAX_FLOOR, E4M3_MAX)
+    return (decode_e4m3fn(encode_e4m3fn(blocks / scale)) * scale).reshape(np.shape(x))
+
+
+def fp4_roundtrip(x, block: int = 32) -> np.ndarray:
+    """QAT FP4 activation round trip over blocks of the last axis.
+
+    s = pow2_ceil_scale(max(amax, 6 * 2**-126), 6); y = e2m1(clamp(x / s, +-6)) * s.
+    """
+    blocks = _split_last_axis(np.asarray(x, np.float32), block)
+    scale = _pow2_block_scale(blocks, FP4_AMAX_FLOOR, E2M1_MAX)
+    return (decode_e2m1(encode_e2m1(blocks / scale)) * scale).reshape(np.shape(x))
+
+
+def hadamard(x) -> np.ndarray:
+    """Normalised Walsh-Hadamard rotation of the last axis: ``x @ H / sqrt(d)``.
+
+    H is Sylvester's (Kronecker powers of [[1, 1], [1, -1]]), d a power of two. Computed
+    by the O(d log d) butterfly: stage h combines elements h apart within blocks of 2h.
+    """
+    x = np.asarray(x, np.float32)
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard needs a power-of-two last axis, got {d}")
+    rows = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        pairs = rows.reshape(rows.shape[0], d // (2 * h), 2, h)
+        low, high = pairs[:, :, 0], pairs[:, :, 1]
+        rows = np.stack([low + high, low - high], axis=2)
+        h *= 2
+    return rows.reshape(x.shape) * np.float32(d**-0.5)

@@ -1,0 +1,227 @@
+"""Trace a model description into the dsv4c IR (SPEC §2).
+
+The model reads top-down like an MLC-LLM model definition: ``Block`` = two mHC seams around
+attention and MoE; ``Attention`` picks its compressor and indexer from the layer's kind.
+Weight names are the official checkpoint names (``layers.3.attn.wq_a.weight``); routed
+experts appear as one stacked logical weight per projection (``layers.3.ffn.experts.w1``,
+``[E, I, D]``) that the weight loader assembles from the per-expert tensors.
+
+The traced ``step`` function runs T tokens of any number of requests: token ``t`` belongs
+to request ``seq_ids[t]`` at absolute position ``positions[t]``.
+"""
+
+from __future__ import annotations
+
+from dsv4c.frontend.config import CSA, HASH_MOE, HCA, SLIDING, LayerSpec, ModelConfig
+from dsv4c.ir.core import Builder, Function, Program, Value
+from dsv4c.ir.ops import f32, i32
+
+NUMERICS = ("exact", "qat")
+
+
+class Model:
+    """Emits the step and MTP programs of one configuration."""
+
+    def __init__(self, cfg: ModelConfig, numerics: str = "exact"):
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}")
+        self.cfg, self.numerics = cfg, numerics
+        w = cfg.weights
+        # The storage format each projection arrives in; passes re-plan it per target.
+        self.dense_quant = {"fp8": "fp8_b128"}.get(w.dense, w.dense)
+        self.expert_quant = {"fp4": "fp4_g32", "fp8": "fp8_b128"}.get(w.experts, w.experts)
+
+    # ------------------------------------------------------------------ helpers
+    def _w(self, b: Builder, name: str, *shape: int) -> Value:
+        return b.weight(name, f32(*shape))
+
+    def _linear(self, b: Builder, x: Value, name: str, out: int, inp: int, quant: str, hint: str) -> Value:
+        return b.emit("linear", [x, self._w(b, name, out, inp)], {"quant": quant}, hint)
+
+    def _norm(self, b: Builder, x: Value, weight: str | None, size: int, hint: str) -> Value:
+        ins = [x] if weight is None else [x, self._w(b, weight, size)]
+        return b.emit("rmsnorm", ins, {"eps": self.cfg.rms_norm_eps}, hint)
+
+    def _hc_attrs(self) -> dict:
+        c = self.cfg
+        return {"hc_mult": c.hc_mult, "sinkhorn_iters": c.hc_sinkhorn_iters, "hc_eps": c.hc_eps,
+                "norm_eps": c.rms_norm_eps}
+
+    # ------------------------------------------------------------------ blocks
+    def seam(self, b: Builder, h: Value, prefix: str, which: str, hint: str):
+        c = self.cfg
+        n, d = c.hc_mult, c.hidden_size
+        fn = self._w(b, f"{prefix}hc_{which}_fn", c.hc_mix_size, n * d)
+        base = self._w(b, f"{prefix}hc_{which}_base", c.hc_mix_size)
+        scale = self._w(b, f"{prefix}hc_{which}_scale", 3)
+        return b.emit("mhc_pre", [h, fn, base, scale], self._hc_attrs(),
+                      [f"{hint}.{which}_in", f"{hint}.{which}_post", f"{hint}.{which}_comb"])
+
+    def block(self, b: Builder, layer: LayerSpec, prefix: str, h: Value, tokens: Value, pos: Value, seq: Value):
+        c, tag = self.cfg, f"l{layer.index}"
+        y, post, comb = self.seam(b, h, prefix, "attn", tag)
+        y = self._norm(b, y, f"{prefix}attn_norm.weight", c.hidden_size, f"{tag}.attn_x")
+        out = self.attention(b, layer, prefix, y, pos, seq)
+        h = b.emit("mhc_post", [out, h, post, comb], {}, f"{tag}.h_attn")
+        y, post, comb = self.seam(b, h, prefix, "ffn", tag)
+        y = self._norm(b, y, f"{prefix}ffn_norm.weight", c.hidden_size, f"{tag}.ffn_x")
+        out = self.moe(b, layer, prefix, y, tokens)
+        return b.emit("mhc_post", [out, h, post, comb], {}, f"{tag}.h")
+
+    def compressor(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, pos: Value, seq: Value,
+                   stream: str, head_dim: int) -> Value:
+        """The gated pooling compressor of a CSA / HCA layer or of its indexer: returns the state
+        token after this step's entries are written."""
+        c, tag = self.cfg, f"l{layer.index}.{stream}"
+        overlap = layer.attention == CSA
+        width = (2 if overlap else 1) * head_dim
+        kv = self._linear(b, x, f"{prefix}wkv.weight", width, c.hidden_size, "bf16", f"{tag}.ckv")
+        gate = self._linear(b, x, f"{prefix}wgate.weight", width, c.hidden_size, "bf16", f"{tag}.cgate")
+        ape = self._w(b, f"{prefix}ape", layer.compress_ratio, width)
+        norm = self._w(b, f"{prefix}norm.weight", head_dim)
+        quant = "none"
+        if self.numerics == "qat":
+            quant = "fp8" if stream == "main" else "hadamard_fp4"
+        attrs = {"layer": layer.index, "stream": stream, "ratio": layer.compress_ratio, "overlap": overlap,
+                 "head_dim": head_dim, "rope_dim": c.rope_dim, "entry_quant": quant, "eps": c.rms_norm_eps}
+        return b.emit("compress", [kv, gate, ape, norm, pos, seq], attrs, f"{tag}.entries")
+
+    def indexer(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, q_res: Value, pos: Value,
+                seq: Value) -> Value:
+        c, tag = self.cfg, f"l{layer.index}.index"
+        hi, di = c.index_n_heads, c.index_head_dim
+        state = self.compressor(b, layer, f"{prefix}indexer.compressor.", x, pos, seq, "index", di)
+        q = self._linear(b, q_res, f"{prefix}indexer.wq_b.weight", hi * di, c.q_lora_rank, self.dense_quant,
+                         f"{tag}.q")
+        q = b.emit("reshape", [q], {"shape": ["T", hi, di]}, f"{tag}.q_heads")
+        q = b.emit("rope", [q, pos], {"rope": "compress", "rope_dim": c.rope_dim, "inverse": False}, f"{tag}.q_rope")
+        if self.numerics == "qat":
+            q = b.emit("hadamard", [q], {}, f"{tag}.q_rot")
+            q = b.emit("fp4_roundtrip", [q], {"block": 32}, f"{tag}.q_fp4")
+        weights = self._linear(b, x, f"{prefix}indexer.weights_proj.weight", hi, c.hidden_size, "bf16", f"{tag}.w")
+        scores = b.emit("index_score", [q, weights, pos, seq, state], {"layer": layer.index,
+                                                                      "ratio": layer.compress_ratio},
+                        f"{tag}.scores")
+        return b.emit("index_topk", [scores], {"k": c.index_topk}, f"{tag}.topk")
+
+    def attention(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, pos: Value, seq: Value) -> Value:
+        c, tag = self.cfg, f"l{layer.index}"
+        p = f"{prefix}attn."
+        rope = {"rope": "compress" if layer.is_compressed else "main", "rope_dim": c.rope_dim}
+        q_res = self._linear(b, x, f"{p}wq_a.weight", c.q_lora_rank, c.hidden_size, self.dense_quant, f"{tag}.q_a")
+        q_res = self._norm(b, q_res, f"{p}q_norm.weight", c.q_lora_rank, f"{tag}.q_res")
+        q = self._linear(b, q_res, f"{p}wq_b.weight", c.num_heads * c.head_dim, c.q_lora_rank, self.dense_quant,
+                         f"{tag}.q")
+        q = b.emit("reshape", [q], {"shape": ["T", c.num_heads, c.head_dim]}, f"{tag}.q_heads")
+        q = self._norm(b, q, None, c.head_dim, f"{tag}.q_normed")
+        q = b.emit("rope", [q, pos], {**rope, "inverse": False}, f"{tag}.q_rope")
+        kv = self._linear(b, x, f"{p}wkv.weight", c.head_dim, c.hidden_size, self.dense_quant, f"{tag}.kv_a")
+        kv = self._norm(b, kv, f"{p}kv_norm.weight", c.head_dim, f"{tag}.kv_normed")
+        kv = b.emit("rope", [kv, pos], {**rope, "inverse": False}, f"{tag}.kv")
+        if self.numerics == "qat":
+            kv = b.emit("fp8_roundtrip", [kv], {"block": 64, "channels": c.nope_dim}, f"{tag}.kv_fp8")
+
+        compressed = []
+        if layer.is_compressed:
+            compressed.append(self.compressor(b, layer, f"{p}compressor.", x, pos, seq, "main", c.head_dim))
+        if layer.attention == CSA:
+            compressed.append(self.indexer(b, layer, p, x, q_res, pos, seq))
+        sink = self._w(b, f"{p}attn_sink", c.num_heads)
+        attrs = {"layer": layer.index, "kind": layer.attention, "ratio": layer.compress_ratio,
+                 "window": c.sliding_window, "scale": c.head_dim ** -0.5}
+        o = b.emit("sparse_attn", [q, kv, sink, pos, seq] + compressed, attrs, f"{tag}.attn")
+        # The window rows are written after attention read the older ones: a chunk longer
+        # than the window must not overwrite ring rows its own first queries still need.
+        b.emit("kv_write", [kv, pos, seq], {"layer": layer.index, "window": c.sliding_window}, f"{tag}.window")
+        o = b.emit("rope", [o, pos], {**rope, "inverse": True}, f"{tag}.attn_derope")
+        group_in = c.num_heads * c.head_dim // c.o_groups
+        o = b.emit("reshape", [o], {"shape": ["T", c.o_groups, group_in]}, f"{tag}.attn_groups")
+        wo_a = self._w(b, f"{p}wo_a.weight", c.o_groups * c.o_lora_rank, group_in)
+        o = b.emit("grouped_linear", [o, wo_a], {"groups": c.o_groups, "quant": self.dense_quant}, f"{tag}.o_a")
+        o = b.emit("reshape", [o], {"shape": ["T", c.o_groups * c.o_lora_rank]}, f"{tag}.o_a_flat")
+        return self._linear(b, o, f"{p}wo_b.weight", c.hidden_size, c.o_groups * c.o_lora_rank, self.dense_quant,
+                            f"{tag}.attn_out")
+
+    def moe(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, tokens: Value) -> Value:
+        c, tag, p = self.cfg, f"l{layer.index}", f"{prefix}ffn."
+        d, inter, e, k = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.n_experts_per_tok
+        gate = self._w(b, f"{p}gate.weight", e, d)
+        if layer.moe == HASH_MOE:
+            table = b.weight(f"{p}gate.tid2eid", i32(c.vocab_size, k))
+            route = {"mode": "hash", "k": k, "scale": c.routed_scaling_factor}
+        else:
+            table = self._w(b, f"{p}gate.bias", e)
+            route = {"mode": "topk", "k": k, "scale": c.routed_scaling_factor}
+        weights, ids = b.emit("moe_route", [x, gate, table, tokens], route, [f"{tag}.route_w", f"{tag}.route_ids"])
+        ex = [self._w(b, f"{p}experts.{w}", e, *shape) for w, shape in
+              (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d)))]
+        routed = b.emit("experts", [x, weights, ids] + ex, {"limit": c.swiglu_limit, "quant": self.expert_quant},
+                        f"{tag}.routed")
+        sh = [self._w(b, f"{p}shared_experts.{w}.weight", *shape) for w, shape in
+              (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d)))]
+        shared = b.emit("shared_expert", [x] + sh, {"limit": c.swiglu_limit, "quant": self.dense_quant},
+                        f"{tag}.shared")
+        return b.emit("add", [routed, shared], {}, f"{tag}.moe_out")
+
+    def head(self, b: Builder, h: Value, prefix: str) -> Value:
+        c = self.cfg
+        n, d = c.hc_mult, c.hidden_size
+        fn = self._w(b, f"{prefix}hc_head_fn", n, n * d)
+        base = self._w(b, f"{prefix}hc_head_base", n)
+        scale = self._w(b, f"{prefix}hc_head_scale", 1)
+        y = b.emit("hc_head", [h, fn, base, scale], {"hc_mult": n, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps},
+                   f"{prefix}y")
+        y = self._norm(b, y, f"{prefix}norm.weight", d, f"{prefix}y_normed")
+        return b.emit("lm_head", [y, self._w(b, "head.weight", c.vocab_size, d)], {"quant": "bf16"}, "logits")
+
+    # ------------------------------------------------------------------ functions
+    def step(self) -> Function:
+        c = self.cfg
+        fn = Function("step")
+        b = Builder(fn)
+        tokens, pos, seq = b.input("tokens", i32("T")), b.input("positions", i32("T")), b.input("seq_ids", i32("T"))
+        x = b.emit("embed", [tokens, self._w(b, "embed.weight", c.vocab_size, c.hidden_size)], {}, "x")
+        h = b.emit("hc_expand", [x], {"hc_mult": c.hc_mult}, "h0")
+        for layer in c.layers:
+            h = self.block(b, layer, f"layers.{layer.index}.", h, tokens, pos, seq)
+        fn.outputs = [self.head(b, h, ""), h]
+        return fn
+
+    def mtp(self, index: int) -> Function:
+        """MTP layer: streams of the backbone's last layer + the next token -> draft logits."""
+        c = self.cfg
+        layer, prefix = c.mtp_layers[index], f"mtp.{index}."
+        fn = Function(f"mtp{index}")
+        b = Builder(fn)
+        h = b.input("streams", f32("T", c.hc_mult, c.hidden_size))
+        nxt = b.input("next_tokens", i32("T"))
+        pos, seq = b.input("positions", i32("T")), b.input("seq_ids", i32("T"))
+        d = c.hidden_size
+        e = b.emit("embed", [nxt, self._w(b, "embed.weight", c.vocab_size, d)], {}, "mtp.e")
+        e = self._norm(b, e, f"{prefix}enorm.weight", d, "mtp.e_normed")
+        e = self._linear(b, e, f"{prefix}e_proj.weight", d, d, self.dense_quant, "mtp.e_proj")
+        e = b.emit("hc_expand", [e], {"hc_mult": c.hc_mult}, "mtp.e_streams")
+        g = self._norm(b, h, f"{prefix}hnorm.weight", d, "mtp.h_normed")
+        g = self._linear(b, g, f"{prefix}h_proj.weight", d, d, self.dense_quant, "mtp.h_proj")
+        x = b.emit("add", [e, g], {}, "mtp.h0")
+        x = self.block(b, layer, prefix, x, nxt, pos, seq)
+        fn.outputs = [self.head(b, x, prefix)]
+        return fn
+
+
+def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True) -> Program:
+    """The step program of ``cfg`` (plus one function per MTP layer), verified."""
+    from dsv4c.ir.verify import verify
+
+    model = Model(cfg, numerics)
+    functions = {"step": model.step()}
+    if mtp:
+        for i in range(len(cfg.mtp_layers)):
+            f = model.mtp(i)
+            functions[f.name] = f
+    program = Program(cfg, functions, numerics)
+    verify(program)
+    return program
+
+
+__all__ = ["trace", "Model", "NUMERICS", "SLIDING", "CSA", "HCA"]

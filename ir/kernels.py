@@ -1,0 +1,354 @@
+"""Reference kernels: numpy fp32 implementations of every IR op (SPEC §2).
+
+These are the oracle for every backend. Stateless ops are plain functions of arrays; the
+stateful ones (``kv_write``, ``compress``, ``index_score``, ``sparse_attn``) read and write a
+KV store through the small interface documented on :class:`KVStore`, implemented by the dense
+per-request cache (``dsv4c.runtime.dense_cache``) and by the paged pool.
+
+Compressed entries are computed by one pooling routine whatever the chunking: tokens enter
+the compressor ring, and every window that closes is pooled from exactly the same rows with
+the same sequential reductions, so prefill, chunked prefill and decode emit bit-identical
+entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from dsv4c.frontend import lowbit
+
+F32 = np.float32
+
+
+class KVStore(Protocol):
+    """What the stateful kernels need from a KV cache (per request ``seq``, per ``layer``)."""
+
+    def window_rows(self, layer: int, seq: int, start: int, stop: int) -> np.ndarray:
+        """Window KV rows of positions ``[start, stop)`` written by earlier steps, ``[stop-start, Dh]``."""
+
+    def write_window(self, layer: int, seq: int, positions: np.ndarray, rows: np.ndarray) -> None: ...
+
+    def ring(self, layer: int, stream: str, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """The compressor ring ``(kv, score)`` of fp32 rows, updated in place."""
+
+    def write_entries(self, layer: int, stream: str, seq: int, first: int, entries: np.ndarray) -> None: ...
+
+    def entries(self, layer: int, stream: str, seq: int, count: int) -> np.ndarray:
+        """Compressed entries ``0 .. count-1`` of a request, ``[count, d]``."""
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    x = x.astype(F32, copy=False)
+    y = x * (F32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps)))
+    return (y * w if w is not None else y).astype(F32, copy=False)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return np.matmul(x, w.T).astype(F32, copy=False)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, rope_dim: int, inverse: bool) -> np.ndarray:
+    """GPT-J (interleaved pairs) rotation of the trailing ``rope_dim`` channels."""
+    angles = positions.astype(F32)[:, None] * inv_freq[None, :]  # [T, rope_dim/2]
+    cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
+    if inverse:
+        sin = -sin
+    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (rope_dim // 2,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    out = x.astype(F32, copy=True)
+    even, odd = x[..., -rope_dim::2], x[..., -rope_dim + 1::2]
+    out[..., -rope_dim::2] = even * cos - odd * sin
+    out[..., -rope_dim + 1::2] = odd * cos + even * sin
+    return out
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return (F32(1.0) / (F32(1.0) + np.exp(-x))).astype(F32)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return (e / np.sum(e, axis=axis, keepdims=True)).astype(F32)
+
+
+# ----------------------------------------------------------------------------- mHC
+
+
+def mhc_pre(h, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
+    """Collapse N streams into the block input; return (y, post, comb). All fp32."""
+    t, n, d = h.shape
+    mix = linear(rmsnorm(h.reshape(t, n * d), None, norm_eps), fn)
+    eps = F32(hc_eps)
+    pre = sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = F32(2.0) * sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb = softmax(mix[:, 2 * n:].reshape(t, n, n) * scale[2] + base[2 * n:].reshape(n, n), axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    y = np.einsum("tn,tnd->td", pre, h).astype(F32)
+    return y, post.astype(F32), comb.astype(F32)
+
+
+def mhc_post(out, h, post, comb):
+    """h'[k] = post[k] * out + sum_j comb[j, k] * h[j]."""
+    return (post[:, :, None] * out[:, None, :] + np.einsum("tjk,tjd->tkd", comb, h)).astype(F32)
+
+
+def hc_head(h, fn, base, scale, hc_mult, hc_eps, norm_eps):
+    t, n, d = h.shape
+    mix = linear(rmsnorm(h.reshape(t, n * d), None, norm_eps), fn)
+    pre = sigmoid(mix * scale[0] + base) + F32(hc_eps)
+    return np.einsum("tn,tnd->td", pre, h).astype(F32)
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def moe_route(y, gate, table, tokens, mode: str, k: int, scale: float):
+    logits = linear(y, gate)
+    scores = np.sqrt(np.logaddexp(F32(0.0), logits)).astype(F32)  # sqrt(softplus)
+    if mode == "hash":
+        ids = table[tokens].astype(np.int32)
+    else:
+        # The bias only selects; a stable sort makes ties pick the lower expert id.
+        ids = np.argsort(-(scores + table), axis=-1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(scores, ids, axis=-1)
+    w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20)) * F32(scale)
+    return w.astype(F32), ids
+
+
+def swiglu(x, w1, w2, w3, limit: float):
+    gate = np.minimum(linear(x, w1), F32(limit))
+    up = np.clip(linear(x, w3), -F32(limit), F32(limit))
+    act = gate / (F32(1.0) + np.exp(-gate))  # silu
+    return linear((act * up).astype(F32), w2)
+
+
+def experts(y, weights, ids, w1, w2, w3, limit: float):
+    out = np.zeros_like(y, dtype=F32)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        out_e = swiglu(y[tok], w1[e], w2[e], w3[e], limit) * weights[tok, slot][:, None]
+        np.add.at(out, tok, out_e)
+    return out
+
+
+def grouped_linear(x, w, groups: int):
+    wg = w.reshape(groups, -1, x.shape[2])  # [G, R, in_g]
+    return np.einsum("tgi,gri->tgr", x, wg).astype(F32)
+
+
+# ----------------------------------------------------------------------------- QAT round trips
+
+
+def fp8_roundtrip(x, block: int, channels: int):
+    """FP8 e4m3 round trip of the leading ``channels`` (the NoPE part); rope stays exact."""
+    out = x.astype(F32, copy=True)
+    out[..., :channels] = lowbit.fp8_roundtrip(x[..., :channels], block)
+    return out
+
+
+# ----------------------------------------------------------------------------- request grouping
+
+
+def request_groups(positions: np.ndarray, seq_ids: np.ndarray):
+    """Yield (seq, token indices, first position) for each request in a step.
+
+    A request's tokens in one step are consecutive positions in ascending order (the
+    runtime guarantees it; the interpreter checks it)."""
+    for seq in dict.fromkeys(seq_ids.tolist()):
+        idx = np.nonzero(seq_ids == seq)[0]
+        pos = positions[idx]
+        if np.any(np.diff(pos) != 1):
+            raise ValueError(f"request {seq}: positions in one step must be consecutive, got {pos.tolist()}")
+        yield seq, idx, int(pos[0])
+
+
+# ----------------------------------------------------------------------------- KV state
+
+
+def kv_write(store: KVStore, kv, positions, seq_ids, layer: int, window: int) -> None:
+    for seq, idx, _ in request_groups(positions, seq_ids):
+        keep = idx[-window:]  # older rows of this step fall out of the window anyway
+        store.write_window(layer, seq, positions[keep], kv[keep])
+
+
+def pool_windows(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Gated pooling of closed windows: ``[n, S, d] -> [n, d]``, softmax over S per channel.
+
+    The sums run sequentially over S so that a window's result never depends on how many
+    windows are pooled together (chunking invariance)."""
+    m = score.max(axis=1)
+    num = np.zeros(m.shape, F32)
+    den = np.zeros(m.shape, F32)
+    for s in range(kv.shape[1]):
+        e = np.exp(score[:, s] - m)
+        den += e
+        num += e * kv[:, s]
+    return (num / den).astype(F32)
+
+
+def compress(store: KVStore, kv, gate, ape, norm, positions, seq_ids, *, layer, stream, ratio, overlap, head_dim,
+             rope_dim, entry_quant, eps, inv_freq) -> None:
+    r, d = ratio, head_dim
+    cur = r if overlap else 0  # ring rows [0, r) hold the previous window when windows overlap
+    score_all = gate + ape[positions % r]
+    for seq, idx, p0 in request_groups(positions, seq_ids):
+        ring_kv, ring_score = store.ring(layer, stream, seq)
+        pending = p0 % r
+        seq_kv = np.concatenate([ring_kv[cur:cur + pending], kv[idx]])
+        seq_score = np.concatenate([ring_score[cur:cur + pending], score_all[idx]])
+        closed = len(seq_kv) // r
+        if closed:
+            win_kv = seq_kv[:closed * r].reshape(closed, r, -1)
+            win_score = seq_score[:closed * r].reshape(closed, r, -1)
+            if overlap:
+                # Entry w pools the first half of window w-1's columns with the second half of
+                # window w's; before window 0 the ring holds zero kv / -inf scores (weight 0).
+                prev_kv = np.concatenate([ring_kv[None, :r], win_kv[:-1]])
+                prev_score = np.concatenate([ring_score[None, :r], win_score[:-1]])
+                pool_kv = np.concatenate([prev_kv[..., :d], win_kv[..., d:]], axis=1)
+                pool_score = np.concatenate([prev_score[..., :d], win_score[..., d:]], axis=1)
+                ring_kv[:r], ring_score[:r] = win_kv[-1], win_score[-1]
+            else:
+                pool_kv, pool_score = win_kv, win_score
+            entries = rmsnorm(pool_windows(pool_kv, pool_score), norm, eps)
+            first = p0 // r
+            entry_pos = (np.arange(first, first + closed) * r).astype(np.int32)
+            entries = rope(entries, entry_pos, inv_freq, rope_dim, inverse=False)
+            if entry_quant == "fp8":
+                entries = fp8_roundtrip(entries, 64, d - rope_dim)
+            elif entry_quant == "hadamard_fp4":
+                entries = lowbit.fp4_roundtrip(lowbit.hadamard(entries), 32)
+            store.write_entries(layer, stream, seq, first, entries)
+        rest = len(seq_kv) - closed * r
+        ring_kv[cur:cur + rest] = seq_kv[closed * r:]
+        ring_score[cur:cur + rest] = seq_score[closed * r:]
+
+
+def index_score(store: KVStore, q, w, positions, seq_ids, *, layer, ratio):
+    """I[t, s] = sum_h w[t,h] * H^-0.5 * relu(<q[t,h], k[s]>) * d^-0.5; invisible entries -inf."""
+    t, heads, dim = q.shape
+    visible = (positions + 1) // ratio
+    out = np.full((t, max(int(visible.max(initial=0)), 0)), -np.inf, F32)
+    weights = w * F32(heads ** -0.5) * F32(dim ** -0.5)
+    for seq, idx, _ in request_groups(positions, seq_ids):
+        count = int(visible[idx].max())
+        if count == 0:
+            continue
+        keys = store.entries(layer, "index", seq, count)  # [E, d]
+        dots = np.maximum(np.einsum("thd,ed->the", q[idx], keys), F32(0.0))
+        scores = np.einsum("the,th->te", dots, weights[idx]).astype(F32)
+        scores[np.arange(count)[None, :] >= visible[idx][:, None]] = -np.inf
+        out[idx, :count] = scores
+    return out
+
+
+def index_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Top-k entry numbers per query, ``-1`` where fewer are visible. Ties go to the lower
+    entry number (stable sort), so every chunking and batch selects the same rows."""
+    t, e = scores.shape
+    out = np.full((t, k), -1, np.int32)
+    if e == 0:
+        return out
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    chosen = np.take_along_axis(scores, order, axis=1)
+    order[~np.isfinite(chosen)] = -1
+    out[:, :order.shape[1]] = order
+    return out
+
+
+def sparse_attn(store: KVStore, q, kv, sink, positions, seq_ids, topk=None, *, layer, kind, ratio, window, scale):
+    """Softmax attention with the sink in the denominator over window + compressed rows."""
+    t, heads, dim = q.shape
+    out = np.zeros_like(q, dtype=F32)
+    for seq, idx, p0 in request_groups(positions, seq_ids):
+        old_start = max(0, p0 - window + 1)
+        keys = np.concatenate([store.window_rows(layer, seq, old_start, p0), kv[idx]])  # positions old_start..
+        n_comp = 0
+        if kind != "sliding":
+            n_comp = int((positions[idx[-1]] + 1) // ratio)
+            comp = store.entries(layer, "main", seq, n_comp)
+        for i, ti in enumerate(idx):
+            p = p0 + i
+            lo = max(0, p - window + 1) - old_start
+            rows = keys[lo:p - old_start + 1]
+            if kind == "hca":
+                rows = np.concatenate([rows, comp[:(p + 1) // ratio]])
+            elif kind == "csa":
+                sel = topk[ti][topk[ti] >= 0]
+                rows = np.concatenate([rows, comp[sel]])
+            logits = (q[ti] @ rows.T) * F32(scale)  # [H, n]
+            m = np.maximum(logits.max(axis=1), sink)
+            e = np.exp(logits - m[:, None])
+            den = e.sum(axis=1) + np.exp(sink - m)
+            out[ti] = (e @ rows) / den[:, None]
+    return out.astype(F32)
+
+
+def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
+    """Execute one op. ``ctx`` provides ``store`` (KVStore) and ``inv_freq(table)``."""
+    a = attrs
+    if op == "embed":
+        return args[1][args[0]]
+    if op == "hc_expand":
+        return np.repeat(args[0][:, None, :], a["hc_mult"], axis=1)
+    if op == "mhc_pre":
+        return mhc_pre(*args, a["hc_mult"], a["sinkhorn_iters"], a["hc_eps"], a["norm_eps"])
+    if op == "mhc_post":
+        return mhc_post(*args)
+    if op == "mhc_seam":
+        h = mhc_post(*args[:4])
+        return (h,) + mhc_pre(h, *args[4:], a["hc_mult"], a["sinkhorn_iters"], a["hc_eps"], a["norm_eps"])
+    if op == "hc_head":
+        return hc_head(*args, a["hc_mult"], a["hc_eps"], a["norm_eps"])
+    if op == "rmsnorm":
+        return rmsnorm(args[0], args[1] if len(args) > 1 else None, a["eps"])
+    if op in ("linear", "lm_head"):
+        return linear(*args)
+    if op == "linear_split":
+        y = linear(*args)
+        return tuple(np.split(y, np.cumsum(a["sizes"])[:-1], axis=-1))
+    if op == "reshape":
+        return args[0].reshape((args[0].shape[0],) + tuple(a["shape"][1:]))
+    if op == "add":
+        return (args[0] + args[1]).astype(F32)
+    if op == "rope":
+        return rope(args[0], args[1], ctx.inv_freq(a["rope"]), a["rope_dim"], a["inverse"])
+    if op == "fp8_roundtrip":
+        return fp8_roundtrip(args[0], a["block"], a["channels"])
+    if op == "fp4_roundtrip":
+        return lowbit.fp4_roundtrip(args[0], a["block"])
+    if op == "hadamard":
+        return lowbit.hadamard(args[0])
+    if op == "kv_write":
+        kv_write(ctx.store, *args, layer=a["layer"], window=a["window"])
+        return None
+    if op == "compress":
+        compress(ctx.store, *args, layer=a["layer"], stream=a["stream"], ratio=a["ratio"], overlap=a["overlap"],
+                 head_dim=a["head_dim"], rope_dim=a["rope_dim"], entry_quant=a["entry_quant"], eps=a["eps"],
+                 inv_freq=ctx.inv_freq("compress"))
+        return None
+    if op == "index_score":
+        return index_score(ctx.store, *args[:4], layer=a["layer"], ratio=a["ratio"])
+    if op == "index_topk":
+        return index_topk(args[0], a["k"])
+    if op == "sparse_attn":
+        topk = args[6] if len(args) > 6 else None
+        return sparse_attn(ctx.store, *args[:5], topk, layer=a["layer"], kind=a["kind"], ratio=a["ratio"],
+                           window=a["window"], scale=a["scale"])
+    if op == "grouped_linear":
+        return grouped_linear(*args, a["groups"])
+    if op == "moe_route":
+        return moe_route(*args, a["mode"], a["k"], a["scale"])
+    if op == "experts":
+        return experts(*args, a["limit"])
+    if op == "shared_expert":
+        return swiglu(args[0], *args[1:], a["limit"])
+    raise NotImplementedError(f"no reference kernel for op {op!r}")

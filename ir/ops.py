@@ -1,0 +1,357 @@
+"""Op definitions: the attributes each op needs and how its output types follow from its inputs.
+
+One entry per op. The verifier and the builder both call :func:`infer_types`, so a node's
+recorded output types are always what its inputs imply. Semantics live with the reference
+kernels (``dsv4c.ir.kernels``); SPEC §2 is the normative description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dsv4c.errors import IRError
+from dsv4c.ir.core import STATE, Dim, StateType, TensorType, Type
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    attrs: tuple[str, ...]  # required attributes
+    infer: Callable[[list[Type], dict[str, Any]], list[Type]]
+    effect: bool = False  # writes KV / compressor state: never dead code
+    arity: tuple[int, ...] = ()  # accepted input counts (empty: any)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def _op(name: str, attrs: tuple[str, ...] = (), effect: bool = False, arity: tuple[int, ...] = ()):
+    def register(fn):
+        OPS[name] = OpDef(name, attrs, fn, effect, arity)
+        return fn
+
+    return register
+
+
+def _t(ty: Type, what: str) -> TensorType:
+    if not isinstance(ty, TensorType):
+        raise IRError(f"{what} must be a tensor, got {ty}")
+    return ty
+
+
+def _same(a: Dim, b: Dim, what: str) -> None:
+    if a != b:
+        raise IRError(f"{what}: {a} != {b}")
+
+
+def _float(ty: Type, what: str, rank: int | None = None) -> TensorType:
+    t = _t(ty, what)
+    if t.dtype != "f32":
+        raise IRError(f"{what} must be f32, got {t}")
+    if rank is not None and len(t.shape) != rank:
+        raise IRError(f"{what} must have rank {rank}, got {t}")
+    return t
+
+
+def _ints(ty: Type, what: str, rank: int) -> TensorType:
+    t = _t(ty, what)
+    if t.dtype not in ("i32", "i64") or len(t.shape) != rank:
+        raise IRError(f"{what} must be an integer tensor of rank {rank}, got {t}")
+    return t
+
+
+def _state(ty: Type, what: str) -> None:
+    if not isinstance(ty, StateType):
+        raise IRError(f"{what} must be a state token, got {ty}")
+
+
+def f32(*shape: Dim) -> TensorType:
+    return TensorType("f32", tuple(shape))
+
+
+def i32(*shape: Dim) -> TensorType:
+    return TensorType("i32", tuple(shape))
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@_op("embed", arity=(2,))
+def _embed(ins, attrs):
+    tok = _ints(ins[0], "embed tokens", 1)
+    w = _float(ins[1], "embed table", 2)
+    return [f32(tok.shape[0], w.shape[1])]
+
+
+@_op("hc_expand", attrs=("hc_mult",), arity=(1,))
+def _hc_expand(ins, attrs):
+    x = _float(ins[0], "hc_expand input", 2)
+    return [f32(x.shape[0], attrs["hc_mult"], x.shape[1])]
+
+
+def _check_hc(h: TensorType, fn: TensorType, base: TensorType, scale: TensorType, mix: int, n_scale: int, what: str):
+    t, n, d = h.shape
+    _same(fn.shape, (mix, n * d) if isinstance(n, int) and isinstance(d, int) else fn.shape, f"{what} fn shape")
+    _same(base.shape, (mix,), f"{what} base shape")
+    _same(scale.shape, (n_scale,), f"{what} scale shape")
+
+
+@_op("mhc_pre", attrs=("hc_mult", "sinkhorn_iters", "hc_eps", "norm_eps"), arity=(4,))
+def _mhc_pre(ins, attrs):
+    h = _float(ins[0], "mhc_pre streams", 3)
+    n = attrs["hc_mult"]
+    _same(h.shape[1], n, "mhc_pre stream count")
+    _check_hc(h, _float(ins[1], "fn", 2), _float(ins[2], "base", 1), _float(ins[3], "scale", 1), (2 + n) * n, 3,
+              "mhc_pre")
+    t, _, d = h.shape
+    return [f32(t, d), f32(t, n), f32(t, n, n)]
+
+
+@_op("mhc_post", arity=(4,))
+def _mhc_post(ins, attrs):
+    out = _float(ins[0], "mhc_post block output", 2)
+    h = _float(ins[1], "mhc_post streams", 3)
+    post = _float(ins[2], "mhc_post post", 2)
+    comb = _float(ins[3], "mhc_post comb", 3)
+    t, n, d = h.shape
+    _same(out.shape, (t, d), "mhc_post output shape")
+    _same(post.shape, (t, n), "mhc_post post shape")
+    _same(comb.shape, (t, n, n), "mhc_post comb shape")
+    return [h]
+
+
+@_op("mhc_seam", attrs=("hc_mult", "sinkhorn_iters", "hc_eps", "norm_eps"), arity=(7,))
+def _mhc_seam(ins, attrs):
+    """mhc_post of one sub-layer fused with mhc_pre of the next: (h', y, post', comb')."""
+    h_new = _mhc_post(ins[:4], attrs)[0]
+    return [h_new] + _mhc_pre([h_new] + ins[4:], attrs)
+
+
+@_op("hc_head", attrs=("hc_mult", "hc_eps", "norm_eps"), arity=(4,))
+def _hc_head(ins, attrs):
+    h = _float(ins[0], "hc_head streams", 3)
+    n = attrs["hc_mult"]
+    _check_hc(h, _float(ins[1], "fn", 2), _float(ins[2], "base", 1), _float(ins[3], "scale", 1), n, 1, "hc_head")
+    return [f32(h.shape[0], h.shape[2])]
+
+
+@_op("rmsnorm", attrs=("eps",), arity=(1, 2))
+def _rmsnorm(ins, attrs):
+    x = _float(ins[0], "rmsnorm input")
+    if len(ins) == 2:
+        w = _float(ins[1], "rmsnorm weight", 1)
+        _same(w.shape[0], x.shape[-1], "rmsnorm weight size")
+    return [x]
+
+
+@_op("linear", attrs=("quant",), arity=(2,))
+def _linear(ins, attrs):
+    x = _float(ins[0], "linear input")
+    w = _float(ins[1], "linear weight", 2)
+    _same(x.shape[-1], w.shape[1], "linear reduction dim")
+    return [f32(*x.shape[:-1], w.shape[0])]
+
+
+@_op("linear_split", attrs=("quant", "sizes"), arity=(2,))
+def _linear_split(ins, attrs):
+    """One GEMM over concatenated weights, outputs split along the last axis."""
+    (y,) = _linear(ins, attrs)
+    if sum(attrs["sizes"]) != y.shape[-1]:
+        raise IRError(f"linear_split sizes {attrs['sizes']} do not add up to {y.shape[-1]}")
+    return [f32(*y.shape[:-1], s) for s in attrs["sizes"]]
+
+
+@_op("lm_head", attrs=("quant",), arity=(2,))
+def _lm_head(ins, attrs):
+    return _linear(ins, attrs)
+
+
+@_op("reshape", attrs=("shape",), arity=(1,))
+def _reshape(ins, attrs):
+    x = _float(ins[0], "reshape input")
+    shape = tuple(attrs["shape"])
+    if x.shape[0] != shape[0]:
+        raise IRError(f"reshape must keep the token dim: {x.shape} -> {shape}")
+    _same(_numel(x.shape[1:]), _numel(shape[1:]), "reshape element count")
+    return [f32(*shape)]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        if not isinstance(d, int):
+            raise IRError(f"reshape over symbolic dim {d}")
+        n *= d
+    return n
+
+
+@_op("add", arity=(2,))
+def _add(ins, attrs):
+    a, b = _float(ins[0], "add lhs"), _float(ins[1], "add rhs")
+    _same(a.shape, b.shape, "add shapes")
+    return [a]
+
+
+@_op("rope", attrs=("rope", "rope_dim", "inverse"), arity=(2,))
+def _rope(ins, attrs):
+    x = _float(ins[0], "rope input")
+    pos = _ints(ins[1], "rope positions", 1)
+    _same(x.shape[0], pos.shape[0], "rope token dim")
+    if attrs["rope"] not in ("main", "compress"):
+        raise IRError(f"rope table {attrs['rope']!r} is not main/compress")
+    return [x]
+
+
+# Quantization round trips of the official QAT reference (numerics="qat").
+@_op("fp8_roundtrip", attrs=("block", "channels"), arity=(1,))
+def _fp8_rt(ins, attrs):
+    return [_float(ins[0], "fp8_roundtrip input")]
+
+
+@_op("fp4_roundtrip", attrs=("block",), arity=(1,))
+def _fp4_rt(ins, attrs):
+    return [_float(ins[0], "fp4_roundtrip input")]
+
+
+@_op("hadamard", arity=(1,))
+def _hadamard(ins, attrs):
+    x = _float(ins[0], "hadamard input")
+    d = x.shape[-1]
+    if not isinstance(d, int) or d & (d - 1):
+        raise IRError(f"hadamard needs a power-of-two last dim, got {d}")
+    return [x]
+
+
+def _token_meta(ins, first: int, what: str) -> Dim:
+    pos = _ints(ins[first], f"{what} positions", 1)
+    seq = _ints(ins[first + 1], f"{what} sequence ids", 1)
+    _same(pos.shape, seq.shape, f"{what} positions vs sequence ids")
+    return pos.shape[0]
+
+
+@_op("kv_write", attrs=("layer", "window"), effect=True, arity=(3,))
+def _kv_write(ins, attrs):
+    kv = _float(ins[0], "kv_write rows", 2)
+    _same(kv.shape[0], _token_meta(ins, 1, "kv_write"), "kv_write token dim")
+    return [STATE]
+
+
+@_op("compress", attrs=("layer", "stream", "ratio", "overlap", "head_dim", "rope_dim", "entry_quant", "eps"),
+     effect=True, arity=(6,))
+def _compress(ins, attrs):
+    """Feed T tokens' (kv, gate) into the compressor ring; emit every window they close."""
+    kv = _float(ins[0], "compress kv", 2)
+    gate = _float(ins[1], "compress gate", 2)
+    ape = _float(ins[2], "compress ape", 2)
+    norm = _float(ins[3], "compress norm", 1)
+    width = (2 if attrs["overlap"] else 1) * attrs["head_dim"]
+    _same(kv.shape[1], width, "compress kv width")
+    _same(gate.shape, kv.shape, "compress gate shape")
+    _same(ape.shape, (attrs["ratio"], width), "compress ape shape")
+    _same(norm.shape, (attrs["head_dim"],), "compress norm shape")
+    _same(kv.shape[0], _token_meta(ins, 4, "compress"), "compress token dim")
+    if attrs["stream"] not in ("main", "index") or attrs["entry_quant"] not in ("none", "fp8", "hadamard_fp4"):
+        raise IRError(f"compress stream/entry_quant invalid: {attrs['stream']}/{attrs['entry_quant']}")
+    return [STATE]
+
+
+@_op("index_score", attrs=("layer", "ratio"), arity=(5,))
+def _index_score(ins, attrs):
+    q = _float(ins[0], "index_score queries", 3)
+    w = _float(ins[1], "index_score head weights", 2)
+    _same(w.shape, q.shape[:2], "index_score weights shape")
+    _same(q.shape[0], _token_meta(ins, 2, "index_score"), "index_score token dim")
+    _state(ins[4], "index_score index state")
+    return [f32(q.shape[0], "E")]
+
+
+@_op("index_topk", attrs=("k",), arity=(1,))
+def _index_topk(ins, attrs):
+    s = _float(ins[0], "index_topk scores", 2)
+    return [i32(s.shape[0], attrs["k"])]
+
+
+@_op("sparse_attn", attrs=("layer", "kind", "ratio", "window", "scale"), arity=(5, 6, 7))
+def _sparse_attn(ins, attrs):
+    """Attention of each query over its window rows (this step's kv for positions in the step,
+    the cache for older ones) and its compressed rows: every visible one (HCA) or the index
+    top-k (CSA). Compressed layers take the state token of their compressor, CSA the top-k."""
+    q = _float(ins[0], "sparse_attn queries", 3)
+    kv = _float(ins[1], "sparse_attn step kv", 2)
+    sink = _float(ins[2], "sparse_attn sink", 1)
+    _same(kv.shape, (q.shape[0], q.shape[2]), "sparse_attn kv shape")
+    _same(sink.shape, (q.shape[1],), "sparse_attn sink shape")
+    _same(q.shape[0], _token_meta(ins, 3, "sparse_attn"), "sparse_attn token dim")
+    expected = {"sliding": 5, "hca": 6, "csa": 7}.get(attrs["kind"])
+    if expected != len(ins):
+        raise IRError(f"sparse_attn of kind {attrs['kind']!r} takes {expected} inputs, got {len(ins)}")
+    if len(ins) > 5:
+        _state(ins[5], "sparse_attn compressed state")
+    if len(ins) > 6:
+        _ints(ins[6], "sparse_attn top-k", 2)
+    return [q]
+
+
+@_op("grouped_linear", attrs=("groups", "quant"), arity=(2,))
+def _grouped_linear(ins, attrs):
+    x = _float(ins[0], "grouped_linear input", 3)
+    w = _float(ins[1], "grouped_linear weight", 2)
+    g = attrs["groups"]
+    _same(x.shape[1], g, "grouped_linear group count")
+    _same(w.shape[1], x.shape[2], "grouped_linear reduction dim")
+    if w.shape[0] % g:
+        raise IRError(f"grouped_linear weight rows {w.shape[0]} not divisible by {g} groups")
+    return [f32(x.shape[0], g, w.shape[0] // g)]
+
+
+@_op("moe_route", attrs=("mode", "k", "scale"), arity=(4,))
+def _moe_route(ins, attrs):
+    y = _float(ins[0], "moe_route input", 2)
+    gate = _float(ins[1], "moe_route gate", 2)
+    _same(gate.shape[1], y.shape[1], "moe_route gate width")
+    if attrs["mode"] == "hash":
+        tid2eid = _ints(ins[2], "moe_route tid2eid", 2)
+        _same(tid2eid.shape[1], attrs["k"], "moe_route tid2eid width")
+    elif attrs["mode"] == "topk":
+        _same(_float(ins[2], "moe_route bias", 1).shape, (gate.shape[0],), "moe_route bias shape")
+    else:
+        raise IRError(f"moe_route mode {attrs['mode']!r} is not hash/topk")
+    tok = _ints(ins[3], "moe_route tokens", 1)
+    _same(tok.shape[0], y.shape[0], "moe_route token dim")
+    return [f32(y.shape[0], attrs["k"]), i32(y.shape[0], attrs["k"])]
+
+
+@_op("experts", attrs=("limit", "quant"), arity=(6,))
+def _experts(ins, attrs):
+    y = _float(ins[0], "experts input", 2)
+    weights = _float(ins[1], "experts routing weights", 2)
+    ids = _ints(ins[2], "experts ids", 2)
+    _same(weights.shape, ids.shape, "experts weights vs ids")
+    w1, w2, w3 = (_float(v, "expert weight", 3) for v in ins[3:])
+    _same(w1.shape, w3.shape, "expert w1 vs w3")
+    _same(w1.shape[2], y.shape[1], "expert w1 width")
+    _same(w2.shape, (w1.shape[0], w1.shape[2], w1.shape[1]), "expert w2 shape")
+    return [y]
+
+
+@_op("shared_expert", attrs=("limit", "quant"), arity=(4,))
+def _shared_expert(ins, attrs):
+    y = _float(ins[0], "shared_expert input", 2)
+    w1, w2, w3 = (_float(v, "shared expert weight", 2) for v in ins[1:])
+    _same(w1.shape, w3.shape, "shared expert w1 vs w3")
+    _same(w2.shape, (w1.shape[1], w1.shape[0]), "shared expert w2 shape")
+    _same(w1.shape[1], y.shape[1], "shared expert width")
+    return [y]
+
+
+def infer_types(op: str, in_types: list[Type], attrs: dict[str, Any]) -> list[Type]:
+    d = OPS.get(op)
+    if d is None:
+        raise IRError(f"unknown op {op!r}")
+    missing = [a for a in d.attrs if a not in attrs]
+    if missing:
+        raise IRError(f"{op}: missing attribute {missing[0]!r}")
+    if d.arity and len(in_types) not in d.arity:
+        raise IRError(f"{op}: takes {' or '.join(map(str, d.arity))} inputs, got {len(in_types)}")
+    return d.infer(in_types, attrs)
