@@ -407,6 +407,9 @@ def write_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: 
         (tmp / "config.json").write_text(json.dumps(cfg.to_json_dict(spelling), indent=2))
         if out.exists():
             out.rmdir()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model directory is not
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -664,6 +664,8 @@ def resolve_model(spec: str | Path) -> ModelConfig:
     """A preset name or a path to a model directory / config file."""
     if str(spec) in PRESETS and not Path(spec).exists():
         return preset(str(spec))
+    if not Path(spec).exists():
+        raise ConfigError(f"{spec}: neither a preset ({', '.join(PRESETS)}) nor an existing model directory or config")
     return load_config(spec)
 
 

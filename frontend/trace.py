@@ -12,6 +12,7 @@ to request ``seq_ids[t]`` at absolute position ``positions[t]``.
 
 from __future__ import annotations
 
+from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.frontend.config import CSA, HASH_MOE, HCA, SLIDING, LayerSpec, ModelConfig
 from dsv4c.ir.core import Builder, Function, Program, Value
 from dsv4c.ir.ops import f32, i32
@@ -24,8 +25,15 @@ class Model:
 
     def __init__(self, cfg: ModelConfig, numerics: str = "exact"):
         if numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {NUMERICS}")
+            raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.cfg, self.numerics = cfg, numerics
+        if numerics == "qat":
+            d_i = cfg.index_head_dim
+            if cfg.nope_dim % 64 or d_i % 32 or d_i & (d_i - 1):
+                raise UnsupportedModelError(
+                    f"qat numerics need head_dim - qk_rope_head_dim divisible by 64 (got {cfg.nope_dim}) and a "
+                    f"power-of-two index_head_dim divisible by 32 (got {d_i}), as the official FP8/FP4 blocks do"
+                )
         w = cfg.weights
         # The storage format each projection arrives in; passes re-plan it per target.
         self.dense_quant = {"fp8": "fp8_b128"}.get(w.dense, w.dense)

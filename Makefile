@@ -1,0 +1,29 @@
+# Two entry points, each sets itself up from a fresh clone:
+#   make demo   compile and run the built-in tiny model on the CPU
+#   make test   run the test suite (what CI runs, through .ci/run)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+DEMO   := build/demo
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch==2.13.0 resolves to the CPU build on the build machines' local index; see pyproject.toml.
+	$(BIN)/pip install -q -e '.[test,tvm,tokenizer]'
+	touch $@
+
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(BIN)/dsv4c make-tiny --out $(DEMO)/tiny-model --seed 0
+	$(BIN)/dsv4c trace --model $(DEMO)/tiny-model > $(DEMO)/tiny.ir
+	@echo "traced IR: $(DEMO)/tiny.ir ($$(wc -l < $(DEMO)/tiny.ir) lines)"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,5 @@
+import sys
+
+from dsv4c.cli import main
+
+sys.exit(main())
