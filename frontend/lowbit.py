@@ -282,3 +282,23 @@ def hadamard(x) -> np.ndarray:
         rows = np.stack([low + high, low - high], axis=2)
         h *= 2
     return rows.reshape(x.shape) * np.float32(d**-0.5)
+
+
+def bf16_bits_from_f32(x) -> np.ndarray:
+    """uint16 bfloat16 bits of float32 ``x``, rounded to nearest even; NaN stays (quiet) NaN."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit rounds to nearest, ties to even, before truncating.
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    # Rounding could carry a NaN payload into inf or wrap it; set the quiet bit instead.
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return np.where(is_nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)
+
+
+def f32_from_bf16_bits(bits) -> np.ndarray:
+    """float32 values of uint16 bfloat16 bits (exact: bf16 is the top half of a float32)."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bf16_roundtrip(x) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest even) and back."""
+    return f32_from_bf16_bits(bf16_bits_from_f32(x))

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dsv4c.errors import CheckpointError
+from dsv4c.frontend.lowbit import bf16_bits_from_f32, f32_from_bf16_bits
 
 # numpy storage dtype of each safetensors dtype; formats numpy lacks are kept as raw bits.
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -36,21 +37,6 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
 MAX_HEADER_BYTES = 100 * 2**20
 
 _REEXPORT = "the file is corrupt or truncated; re-download or re-export the checkpoint"
-
-
-def bf16_bits_from_f32(x) -> np.ndarray:
-    """uint16 bfloat16 bits of float32 ``x``, rounded to nearest even; NaN stays (quiet) NaN."""
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    # Adding 0x7FFF plus the lowest kept bit rounds to nearest, ties to even, before truncating.
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    # Rounding could carry a NaN payload into inf or wrap it; set the quiet bit instead.
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return np.where(is_nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)
-
-
-def f32_from_bf16_bits(bits) -> np.ndarray:
-    """float32 values of uint16 bfloat16 bits (exact: bf16 is the top half of a float32)."""
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 class _Entry(NamedTuple):

@@ -148,9 +148,11 @@ def grouped_linear(x, w, groups: int):
 
 
 def fp8_roundtrip(x, block: int, channels: int):
-    """FP8 e4m3 round trip of the leading ``channels`` (the NoPE part); rope stays exact."""
-    out = x.astype(F32, copy=True)
+    """The official KV row format: FP8 e4m3 round trip of the leading ``channels`` (NoPE) in
+    power-of-two-scaled blocks, BF16 for the rope channels (never quantized further)."""
+    out = np.empty_like(x, dtype=F32)
     out[..., :channels] = lowbit.fp8_roundtrip(x[..., :channels], block)
+    out[..., channels:] = lowbit.bf16_roundtrip(x[..., channels:])
     return out
 
 
