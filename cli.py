@@ -31,6 +31,66 @@ def _cmd_trace(args) -> int:
     return 0
 
 
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 512MiB)") from None
+
+
+def _cmd_inspect(args) -> int:
+    import json
+
+    from dsv4c.frontend.config import resolve_model
+    from dsv4c.passes.quant_plan import plan_for
+    from dsv4c.runtime.kv_pool import PoolGeometry
+
+    cfg = resolve_model(args.model)
+    plan = plan_for(cfg, args.target, args.numerics)
+    geometry = PoolGeometry.build(cfg, plan)
+    report = {"model": cfg.name, "target": args.target, "numerics": args.numerics, **geometry.summary(),
+              "fp8_format": plan.fp8_format, "expert_format": plan.expert_format}
+    if args.memory is not None:
+        report["memory_bytes"] = args.memory
+        report.update(geometry.budget(args.memory))
+    if args.plan:
+        report["quant_plan"] = plan.to_json()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    mib = 2 ** 20
+    print(f"{cfg.name} on {args.target} ({args.numerics}): {cfg.num_layers} layers, "
+          f"main KV {geometry.main_storage} ({geometry.main_row_bytes} B/row), "
+          f"index KV {geometry.index_storage} ({geometry.index_row_bytes} B/row)")
+    rows = [("rows per 256-token envelope", f"{geometry.rows_per_envelope} main + "
+             f"{geometry.index_rows_per_envelope} index")]
+    for plane, b in geometry.bytes_per_token().items():
+        rows.append((f"bytes per token, {plane} plane", f"{b:,.1f}"))
+    rows.append(("bytes per token, total", f"{report['bytes_per_token']:,.1f}"))
+    rows.append(("window rows per request", f"{geometry.window_rows_per_request:,} "
+                 f"({report['window_bytes_per_request'] / mib:,.2f} MiB)"))
+    rows.append(("compressor state per request", f"{geometry.state_bytes_per_request / mib:,.2f} MiB"))
+    if args.memory is not None:
+        rows.append((f"tokens that fit in {args.memory / 2**30:,.1f} GiB (one request)", f"{report['max_tokens']:,}"))
+        for ctx, n in report["max_requests_at_context"].items():
+            rows.append((f"requests that fit at {int(ctx):,} tokens", f"{n:,}"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    if args.plan:
+        print("quantization plan:")
+        for kind, w in plan.weights.items():
+            block = "x".join(map(str, w.block)) if w.block else "-"
+            print(f"  {kind:<8} storage={w.storage:<9} block={block:<8} scale={w.scale or '-':<5} compute={w.compute}")
+        print(f"  fp8 format {plan.fp8_format}; index layout {plan.index_kv.layout}"
+              f"{' with Hadamard rotation' if plan.index_kv.hadamard else ''}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4c", description="Ahead-of-time compiler for DeepSeek-V4 models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -46,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact",
                    help="exact: fp32 like transformers; qat: the official FP8/FP4 round trips")
     p.set_defaults(run=_cmd_trace)
+
+    p = sub.add_parser("inspect", help="KV pool geometry, memory budget and quantization plan of a model")
+    p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")
+    p.add_argument("--target", default="llvm", choices=("llvm", "sm90", "gfx942", "gfx950"))
+    p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--memory", type=_parse_bytes, help="device memory for the pool, e.g. 80GiB")
+    p.add_argument("--plan", action="store_true", help="also print the quantization plan")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_cmd_inspect)
     return parser
 
 
