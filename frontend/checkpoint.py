@@ -20,10 +20,10 @@ from typing import Iterator
 
 import numpy as np
 
-from dsv4c.errors import CheckpointError
+from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.frontend import lowbit
 from dsv4c.frontend.config import CSA, HASH_MOE, LayerSpec, ModelConfig
-from dsv4c.frontend.safetensors_io import SafetensorsFile, bf16_bits_from_f32, write_safetensors
+from dsv4c.frontend.safetensors_io import SafetensorsFile, write_safetensors
 
 # Storage kinds of SPEC §3.
 DENSE = "dense"  # FP8 e4m3 with 128x128 block scales in released checkpoints
@@ -139,6 +139,9 @@ _HF_TO_OFFICIAL = [
     (r"\.q_a_norm\.", ".q_norm."),
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
     (r"\.self_attn\.", ".attn."),
+    # save_pretrained reverses the mapping and its norm -> kv_norm rule also hits the
+    # attention's own kv_norm (transformers 5.23 writes ``model.layers.N.attn.norm.weight``).
+    (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"),
     (r"\.mlp\.", ".ffn."),
     (r"\.weight_scale_inv$", ".scale"),
 ]
@@ -169,18 +172,24 @@ class Checkpoint:
         self._files: dict[Path, SafetensorsFile] = {}
         self._where: dict[str, tuple[Path, str]] = {}  # official name -> (file, stored name)
         self._merged: dict[str, tuple[Path, str, int]] = {}  # virtual per-expert name -> merged tensor
-        for f in files:
-            st = self._open(f)
-            for stored in st.names():
-                self._add(official_name(stored), f, stored)
+        try:
+            for f in files:
+                st = self._open(f)
+                for stored in st.names():
+                    self._add(official_name(stored), f, stored)
+        except BaseException:
+            self.close()
+            raise
 
     def _shard_files(self) -> list[Path]:
         p = self.path
-        if p.is_file():
-            return [p]
-        if not p.is_dir():
-            raise CheckpointError(f"{p}: no such checkpoint file or directory")
         index = p / "model.safetensors.index.json"
+        if p.is_file() and p.name.endswith(".index.json"):
+            p, index = p.parent, p
+        elif p.is_file():
+            return [p]
+        elif not p.is_dir():
+            raise CheckpointError(f"{p}: no such checkpoint file or directory")
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
@@ -203,20 +212,24 @@ class Checkpoint:
 
     def _add(self, name: str, f: Path, stored: str) -> None:
         m = _HF_MERGED_EXPERTS.match(name)
-        if m:
-            st = self._open(f)
-            shape = st.shape(stored)
-            n_experts = shape[0]
-            for e in range(n_experts):
-                if m["which"] == "gate_up_proj":
-                    self._merged[f"{m['prefix']}.{e}.w1.weight"] = (f, stored, e * 2)
-                    self._merged[f"{m['prefix']}.{e}.w3.weight"] = (f, stored, e * 2 + 1)
-                else:
-                    self._merged[f"{m['prefix']}.{e}.w2.weight"] = (f, stored, e * 2)
+        if not m:
+            self._claim(name, f)
+            self._where[name] = (f, stored)
             return
-        if name in self._where:
-            raise CheckpointError(f"{self.path}: tensor {name} is stored twice ({self._where[name][0].name}, {f.name})")
-        self._where[name] = (f, stored)
+        shape = self._open(f).shape(stored)
+        if len(shape) != 3:
+            raise CheckpointError(f"{f.name}: merged expert tensor {stored} has shape {list(shape)}; expected 3-D")
+        for e in range(shape[0]):
+            parts = ("w1", "w3") if m["which"] == "gate_up_proj" else ("w2",)
+            for half, w in enumerate(parts):
+                virtual = f"{m['prefix']}.{e}.{w}.weight"
+                self._claim(virtual, f)
+                self._merged[virtual] = (f, stored, e * 2 + half)
+
+    def _claim(self, name: str, f: Path) -> None:
+        held = self._where.get(name, self._merged.get(name))
+        if held is not None:
+            raise CheckpointError(f"{self.path}: tensor {name} is stored twice ({held[0].name}, {f.name})")
 
     def names(self) -> list[str]:
         return sorted(set(self._where) | set(self._merged))
@@ -315,10 +328,23 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | No
                  progress: bool = False) -> dict[str, np.ndarray]:
     """Read every tensor of the inventory (or those in ``names``) and build the IR's weights:
     routed experts are stacked into ``<layer>.ffn.experts.w{1,2,3}`` of shape ``[E, out, in]``."""
-    specs = [s for s in inventory(cfg) if names is None or _ir_name(s.name) in names]
+    every = inventory(cfg)
+    if names is not None:
+        unknown = sorted(set(names) - {_ir_name(s.name) for s in every})
+        if unknown:
+            raise UsageError(f"load_weights: {unknown[0]} is not a weight of this model ({len(unknown)} unknown names)")
+    specs = [s for s in every if names is None or _ir_name(s.name) in names]
     out: dict[str, np.ndarray] = {}
     stacks: dict[str, list[np.ndarray]] = {}
     with Checkpoint(path) as ckpt:
+        if names is None:
+            # A checkpoint of a deeper or wider model (more layers, experts, an MTP block)
+            # would otherwise load as a truncated one without a word.
+            known = {s.name for s in specs} | {_scale_name(s.name) for s in specs if s.kind in (DENSE, EXPERT)}
+            extra = [n for n in ckpt.names() if n not in known]
+            if extra:
+                raise CheckpointError(f"{ckpt.path}: holds {len(extra)} tensors the config does not describe, e.g. "
+                                      f"{extra[0]}; the checkpoint does not match the model configuration")
         it = specs
         if progress:
             from tqdm import tqdm
@@ -361,7 +387,7 @@ def _encode(spec: TensorSpec, value: np.ndarray, cfg: ModelConfig) -> dict[str, 
         packed, scales = lowbit.quantize_fp4_groups(value, 32)
         return {spec.name: ("I8", packed), _scale_name(spec.name): ("F8_E8M0", scales)}
     if storage == "bf16":
-        return {spec.name: ("BF16", bf16_bits_from_f32(value))}
+        return {spec.name: ("BF16", lowbit.bf16_bits_from_f32(value))}
     return {spec.name: ("F32", value)}
 
 
@@ -372,12 +398,16 @@ def write_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: 
     Written into a temporary directory next to ``out_dir`` and renamed at the end: an
     interrupted write leaves nothing at ``out_dir``."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty; choose a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: exists and is not an empty directory; choose a new directory")
+    specs = inventory(cfg)
+    extra = sorted(set(weights) - {s.name for s in specs})
+    if extra:
+        raise CheckpointError(f"cannot write checkpoint: tensor {extra[0]} is not in the model's inventory "
+                              f"({len(extra)} such tensors; official names, one tensor per expert)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        specs = inventory(cfg)
         shards: list[dict[str, tuple[str, np.ndarray]]] = [{}]
         size = 0
         it = specs
@@ -388,7 +418,11 @@ def write_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: 
         for spec in it:
             if spec.name not in weights:
                 raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} was not provided")
-            stored = _encode(spec, weights[spec.name], cfg)
+            value = np.asarray(weights[spec.name])
+            if value.shape != spec.shape:
+                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} has shape {list(value.shape)}; "
+                                      f"the config implies {list(spec.shape)}")
+            stored = _encode(spec, value, cfg)
             nbytes = sum(a.nbytes for _, a in stored.values())
             if size and size + nbytes > shard_bytes:
                 shards.append({})

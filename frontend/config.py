@@ -174,7 +174,8 @@ class ModelConfig:
         standard = all(l.compress_ratio in (0, 4, 128) for l in self.layers + self.mtp_layers) and all(
             l.compress_ratio == {SLIDING: 0, CSA: 4, HCA: 128}[l.attention] for l in self.layers + self.mtp_layers
         )
-        spelling = spelling or ("official" if standard else "hf")
+        n_hash = self._hash_prefix_length()
+        spelling = spelling or ("official" if standard and n_hash is not None else "hf")
         if spelling not in ("official", "hf"):
             raise ConfigError(f"unknown config spelling {spelling!r}; use 'official' or 'hf'")
         if spelling == "official" and not standard:
@@ -220,7 +221,9 @@ class ModelConfig:
         yarn = self.compress_rope.yarn
         if spelling == "official":
             d["compress_ratios"] = [l.compress_ratio for l in self.layers + self.mtp_layers]
-            d["num_hash_layers"] = self._hash_prefix_length()
+            if n_hash is None:
+                raise ConfigError("num_hash_layers only expresses hash layers as a prefix; use spelling='hf'")
+            d["num_hash_layers"] = n_hash
             if yarn:
                 d["rope_scaling"] = {
                     "type": "yarn",
@@ -230,6 +233,10 @@ class ModelConfig:
                     "beta_slow": yarn.beta_slow,
                 }
         else:
+            if any(l.is_compressed for l in self.mtp_layers):
+                raise ConfigError(
+                    "the hf config spelling has no field for a compressed MTP layer; use spelling='official'"
+                )
             inverse = {v: k for k, v in _HF_LAYER_TYPES.items()}
             d["layer_types"] = [inverse[l.attention] for l in self.layers]
             d["mlp_layer_types"] = [{HASH_MOE: "hash_moe", ROUTED_MOE: "moe"}[l.moe] for l in self.layers]
@@ -253,6 +260,8 @@ class ModelConfig:
                     "attention_factor": 1.0,
                 }
             partial = self.rope_dim / self.head_dim
+            if int(self.head_dim * partial) != self.rope_dim:  # transformers truncates the product
+                partial = math.nextafter(partial, 1.0)
             d["partial_rotary_factor"] = partial
             d["rope_parameters"] = {
                 "main": {"rope_type": "default", "rope_theta": self.main_rope.theta, "partial_rotary_factor": partial},
@@ -266,17 +275,16 @@ class ModelConfig:
                 "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
                 "weight_block_size": [128, 128],
             }
-        if self.weights.experts == "fp4":
-            d["expert_dtype"] = "fp4"
+        # Always written: the loader's default depends on the dense format (fp4 beside fp8).
+        d["expert_dtype"] = self.weights.experts
         d["torch_dtype"] = "float32" if self.weights.dense == "fp32" else "bfloat16"
         return d
 
-    def _hash_prefix_length(self) -> int:
+    def _hash_prefix_length(self) -> int | None:
+        """``num_hash_layers`` of the official spelling; None where hash layers are not a prefix."""
         kinds = [l.moe for l in self.layers]
         n = kinds.count(HASH_MOE)
-        if kinds != [HASH_MOE] * n + [ROUTED_MOE] * (len(kinds) - n):
-            raise ConfigError("num_hash_layers only expresses hash layers as a prefix; use the hf spelling")
-        return n
+        return n if kinds == [HASH_MOE] * n + [ROUTED_MOE] * (len(kinds) - n) else None
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly description, stored in artifact manifests."""
@@ -354,17 +362,16 @@ def _refuse_unsupported_variants(raw: dict[str, Any]) -> None:
             raise UnsupportedModelError(
                 f"config field {key!r}: DSpark speculative tails (V4-Pro-0813) are not implemented by dsv4c"
             )
-    for key in ("compress_ratios",):
-        for i, r in enumerate(raw.get(key) or []):
-            if r in (1, 2):
-                raise UnsupportedModelError(
-                    f"config field compress_ratios[{i}] = {r}: V4.1-style ratios 1/2 (KV owners, delayed mHC) "
-                    "are not implemented by dsv4c"
-                )
-    for kind, rate in (raw.get("compress_rates") or {}).items():
-        if rate in (1, 2):
+    # Malformed containers are reported with their type by _attention_schedule.
+    ratios, rates = raw.get("compress_ratios"), raw.get("compress_rates")
+    given = [(f"compress_ratios[{i}]", r) for i, r in enumerate(ratios if isinstance(ratios, list) else [])]
+    given += [(f"compress_rates[{k!r}]", r) for k, r in (rates.items() if isinstance(rates, dict) else [])]
+    given += [(k, raw[k]) for k in ("compress_rate_csa", "compress_rate_hca") if k in raw]
+    for where, r in given:
+        if r in (1, 2):
             raise UnsupportedModelError(
-                f"config field compress_rates[{kind!r}] = {rate}: V4.1-style ratios 1/2 are not implemented by dsv4c"
+                f"config field {where} = {r}: V4.1-style ratios 1/2 (KV owners, delayed mHC) "
+                "are not implemented by dsv4c"
             )
     unknown = [k for k in raw if k not in _INERT_KEYS and k not in _OTHER_KNOWN
                and not any(k in spellings for spellings in _ALIASES.values())]
@@ -388,140 +395,198 @@ def _gather(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _positive_int(f: dict[str, Any], key: str) -> int:
+def _field(raw: dict[str, Any], key: str) -> str:
+    """The spelling of canonical field ``key`` that ``raw`` uses (its first spelling if none)."""
+    spellings = _ALIASES.get(key, (key,))
+    return next((s for s in spellings if s in raw), spellings[0])
+
+
+def _positive_int(raw: dict[str, Any], f: dict[str, Any], key: str) -> int:
     v = f[key]
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"config field {key!r} must be a positive integer, got {v!r}")
+        raise ConfigError(f"config field {_field(raw, key)!r} must be a positive integer, got {v!r}")
     return v
 
 
-def _number(f: dict[str, Any], key: str, positive: bool = True) -> float:
-    v = f[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (positive and not v > 0):
-        raise ConfigError(f"config field {key!r} must be a {'positive ' if positive else ''}number, got {v!r}")
+def _positive(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(f"config field {name!r} must be a positive number, got {v!r}")
     return float(v)
 
 
+def _number(raw: dict[str, Any], f: dict[str, Any], key: str) -> float:
+    return _positive(f[key], _field(raw, key))
+
+
 def _parse_rope(raw: dict[str, Any], f: dict[str, Any]) -> tuple[Rope, Rope]:
-    main_theta = _number(f, "rope_theta")
-    compress_theta = _number(f, "compress_rope_theta")
-    yarn_src: dict[str, Any] | None = None
+    main_theta = _number(raw, f, "rope_theta")
+    compress_theta = _number(raw, f, "compress_rope_theta")
+    yarn_src: Any = None
+    where = ""  # how the config spells the keys of yarn_src: prefix, or per-key names below
+    names: dict[str, str] = {}
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        main_theta = float(params["main"].get("rope_theta", main_theta))
-        if params["main"].get("rope_type", "default") != "default":
+        main = params["main"]
+        if main.get("rope_type", main.get("type", "default")) != "default":
             raise UnsupportedModelError("config field rope_parameters.main.rope_type must be 'default'")
+        main_theta = _positive(main.get("rope_theta", main_theta), "rope_parameters.main.rope_theta")
         compress = params["compress"]
-        compress_theta = float(compress.get("rope_theta", compress_theta))
-        yarn_src = compress
-    elif isinstance(raw.get("rope_scaling"), dict):
-        yarn_src = raw["rope_scaling"]
-    elif isinstance(params, dict):
-        yarn_src = params
+        compress_theta = _positive(compress.get("rope_theta", compress_theta), "rope_parameters.compress.rope_theta")
+        yarn_src, where = compress, "rope_parameters.compress."
+    elif raw.get("rope_scaling") is not None:
+        yarn_src, where = raw["rope_scaling"], "rope_scaling."
+    elif params is not None:
+        yarn_src, where = params, "rope_parameters."
     elif "rope_factor" in raw:  # official inference/config.json
         yarn_src = {
             "type": "yarn",
             "factor": raw["rope_factor"],
-            "original_max_position_embeddings": raw.get("original_seq_len"),
+            "original_max_position_embeddings": raw.get("original_seq_len", 0),
             "beta_fast": raw.get("beta_fast", 32),
             "beta_slow": raw.get("beta_slow", 1),
         }
+        names = {"factor": "rope_factor", "original_max_position_embeddings": "original_seq_len"}
+    if yarn_src is not None and not isinstance(yarn_src, dict):
+        raise ConfigError(f"config field {where[:-1]!r} must be an object, got {yarn_src!r}")
+
+    def name(key: str) -> str:
+        return names.get(key, where + key)
+
     yarn = None
     if yarn_src:
         kind = yarn_src.get("rope_type", yarn_src.get("type", "default"))
         if kind == "yarn":
             orig = yarn_src.get("original_max_position_embeddings")
-            if not orig:  # official inference configs use original_seq_len = 0 to switch YaRN off
-                yarn = None
-            else:
-                factor = yarn_src.get("factor")
-                if not isinstance(factor, (int, float)) or factor <= 0:
-                    raise ConfigError(f"config field rope_scaling.factor must be a positive number, got {factor!r}")
+            if orig != 0:  # official inference configs use original_seq_len = 0 to switch YaRN off
                 attention_factor = yarn_src.get("attention_factor", 1.0)
                 if attention_factor not in (None, 1, 1.0):
                     raise UnsupportedModelError(
-                        f"config field rope attention_factor = {attention_factor}: V4 forces 1.0 on the compress rope"
+                        f"config field {name('attention_factor')} = {attention_factor}: "
+                        "V4 forces 1.0 on the compress rope"
+                    )
+                if isinstance(orig, float) and orig.is_integer():
+                    orig = int(orig)
+                if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+                    raise ConfigError(
+                        f"config field {name('original_max_position_embeddings')!r} must be a positive integer, "
+                        f"got {orig!r}"
                     )
                 yarn = Yarn(
-                    factor=float(factor),
-                    original_max_position_embeddings=int(orig),
-                    beta_fast=float(yarn_src.get("beta_fast") or 32),
-                    beta_slow=float(yarn_src.get("beta_slow") or 1),
+                    factor=_positive(yarn_src.get("factor"), name("factor")),
+                    original_max_position_embeddings=orig,
+                    # transformers reads a missing or null (or zero) beta as its default.
+                    beta_fast=_positive(yarn_src.get("beta_fast") or 32, name("beta_fast")),
+                    beta_slow=_positive(yarn_src.get("beta_slow") or 1, name("beta_slow")),
                 )
         elif kind != "default":
-            raise UnsupportedModelError(f"config field rope type {kind!r}: only 'default' and 'yarn' are implemented")
+            raise UnsupportedModelError(
+                f"config field {name('rope_type' if 'rope_type' in yarn_src else 'type')} = {kind!r}: "
+                "only 'default' and 'yarn' rope types are implemented"
+            )
     return Rope(main_theta), Rope(compress_theta, yarn)
+
+
+def _compress_rates(raw: dict[str, Any]) -> dict[str, int]:
+    """The compress ratio of each attention kind; the legacy scalar and the dict entry
+    are two spellings of one field."""
+    rates = raw.get("compress_rates")
+    if rates is None:
+        rates = {}
+    if not isinstance(rates, dict):
+        raise ConfigError(f"config field 'compress_rates' must be an object, got {rates!r}")
+    bad_rates = [k for k in rates if k not in _HF_LAYER_TYPES or k == "sliding_attention"]
+    if bad_rates:
+        raise UnsupportedModelError(f"config field compress_rates[{bad_rates[0]!r}] names an unknown attention kind")
+    ratio_of = {SLIDING: 0}
+    for kind, key, legacy, default in ((CSA, "compressed_sparse_attention", "compress_rate_csa", 4),
+                                       (HCA, "heavily_compressed_attention", "compress_rate_hca", 128)):
+        given = [(f"compress_rates[{key!r}]", rates[key])] if key in rates else []
+        given += [(legacy, raw[legacy])] if raw.get(legacy) is not None else []
+        if len(given) == 2 and given[0][1] != given[1][1]:
+            raise ConfigError(f"config fields disagree: {given[0][0]}={given[0][1]!r} vs {legacy}={given[1][1]!r}")
+        name, rate = given[0] if given else (legacy, default)
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
+            raise ConfigError(f"config field {name} must be a positive integer, got {rate!r}")
+        ratio_of[kind] = rate
+    return ratio_of
 
 
 def _attention_schedule(raw: dict[str, Any], n: int, n_mtp: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(kind, ratio) for every backbone layer, then for every MTP layer."""
-    rates = dict(raw.get("compress_rates") or {})
-    csa_rate = raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4))
-    hca_rate = raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128))
-    for name, rate in (("compress_rate_csa", csa_rate), ("compress_rate_hca", hca_rate)):
-        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
-            raise ConfigError(f"config field {name!r} must be a positive integer, got {rate!r}")
-    bad_rates = [k for k in rates if k not in _HF_LAYER_TYPES or k == "sliding_attention"]
-    if bad_rates:
-        raise UnsupportedModelError(f"config field compress_rates[{bad_rates[0]!r}] names an unknown attention kind")
-    ratio_of = {SLIDING: 0, CSA: csa_rate, HCA: hca_rate}
+    ratio_of = _compress_rates(raw)
+    types, ratios = raw.get("layer_types"), raw.get("compress_ratios")
+    if types is None and ratios is None:
+        raise ConfigError("config has neither 'compress_ratios' nor 'layer_types': the layer schedule is missing")
 
-    if raw.get("layer_types") is not None:
-        types = raw["layer_types"]
+    from_types = None
+    if types is not None:
         if not isinstance(types, list):
-            raise ConfigError("config field 'layer_types' must be a list")
+            raise ConfigError(f"config field 'layer_types' must be a list, got {types!r}")
         if len(types) != n:
             raise ConfigError(f"config field 'layer_types' has {len(types)} entries for num_hidden_layers = {n}")
         kinds = []
         for i, t in enumerate(types):
-            if t not in _HF_LAYER_TYPES:
+            if not isinstance(t, str) or t not in _HF_LAYER_TYPES:
                 raise UnsupportedModelError(
                     f"config field layer_types[{i}] = {t!r} is not one of {sorted(_HF_LAYER_TYPES)}"
                 )
             kinds.append(_HF_LAYER_TYPES[t])
-        backbone = [(k, ratio_of[k]) for k in kinds]
         # transformers does not instantiate MTP; the official MTP block is sliding-only.
-        return backbone, [(SLIDING, 0)] * n_mtp
-
-    ratios = raw.get("compress_ratios")
+        from_types = [(k, ratio_of[k]) for k in kinds], [(SLIDING, 0)] * n_mtp
     if ratios is None:
-        raise ConfigError("config has neither 'compress_ratios' nor 'layer_types': the layer schedule is missing")
+        return from_types
+
     if not isinstance(ratios, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ratios):
-        raise ConfigError("config field 'compress_ratios' must be a list of integers")
+        raise ConfigError(f"config field 'compress_ratios' must be a list of integers, got {ratios!r}")
     if len(ratios) not in (n, n + n_mtp):
         raise ConfigError(
             f"config field 'compress_ratios' has {len(ratios)} entries; expected num_hidden_layers ({n})"
             f" or num_hidden_layers + MTP layers ({n + n_mtp})"
         )
-    kind_of = {0: SLIDING, csa_rate: CSA, hca_rate: HCA}
+    if ratio_of[CSA] == ratio_of[HCA]:
+        raise ConfigError(
+            f"config field 'compress_ratios': CSA and HCA both compress by {ratio_of[CSA]}, so a ratio cannot say "
+            "which a layer is; use layer_types + compress_rates"
+        )
+    kind_of = {ratio: kind for kind, ratio in ratio_of.items()}
     schedule = []
     for i, r in enumerate(ratios):
         if r not in kind_of:
             raise UnsupportedModelError(
-                f"config field compress_ratios[{i}] = {r} is neither 0, the CSA rate ({csa_rate}) nor the HCA rate "
-                f"({hca_rate}); set compress_rate_csa / compress_rate_hca or use layer_types + compress_rates"
+                f"config field compress_ratios[{i}] = {r} is neither 0, the CSA rate ({ratio_of[CSA]}) nor the HCA "
+                f"rate ({ratio_of[HCA]}); set compress_rate_csa / compress_rate_hca or use layer_types + compress_rates"
             )
         schedule.append((kind_of[r], r))
     mtp = schedule[n:] if len(ratios) == n + n_mtp else [(SLIDING, 0)] * n_mtp
+    if from_types is not None and from_types[0] != schedule[:n]:
+        i = next(i for i, (a, b) in enumerate(zip(from_types[0], schedule)) if a != b)
+        raise ConfigError(
+            f"config fields disagree: layer_types[{i}] = {types[i]!r} vs compress_ratios[{i}] = {ratios[i]}"
+        )
     return schedule[:n], mtp
 
 
 def _moe_schedule(raw: dict[str, Any], f: dict[str, Any], n: int) -> list[str]:
-    if raw.get("mlp_layer_types") is not None:
-        types = raw["mlp_layer_types"]
-        if not isinstance(types, list) or len(types) != n:
-            got = len(types) if isinstance(types, list) else type(types).__name__
-            raise ConfigError(f"config field 'mlp_layer_types' has {got} entries for num_hidden_layers = {n}")
-        out = []
-        for i, t in enumerate(types):
-            if t not in _HF_MLP_TYPES:
-                raise UnsupportedModelError(f"config field mlp_layer_types[{i}] = {t!r} is not 'hash_moe' or 'moe'")
-            out.append(_HF_MLP_TYPES[t])
-        return out
-    n_hash = f.get("num_hash_layers", 3)
-    if isinstance(n_hash, bool) or not isinstance(n_hash, int) or not 0 <= n_hash <= n:
-        raise ConfigError(f"config field 'num_hash_layers' must be an integer in [0, {n}], got {n_hash!r}")
-    return [HASH_MOE] * n_hash + [ROUTED_MOE] * (n - n_hash)
+    n_hash = f.get("num_hash_layers")
+    if n_hash is not None and (isinstance(n_hash, bool) or not isinstance(n_hash, int) or not 0 <= n_hash <= n):
+        raise ConfigError(f"config field {_field(raw, 'num_hash_layers')!r} must be an integer in [0, {n}], "
+                          f"got {n_hash!r}")
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        # Both the official ModelArgs and transformers default to 3 (capped at the depth).
+        n_hash = min(n, 3) if n_hash is None else n_hash
+        return [HASH_MOE] * n_hash + [ROUTED_MOE] * (n - n_hash)
+    if not isinstance(types, list) or len(types) != n:
+        got = f"{len(types)} entries" if isinstance(types, list) else f"a {type(types).__name__}"
+        raise ConfigError(f"config field 'mlp_layer_types' has {got}; expected a list of num_hidden_layers = {n}")
+    out = []
+    for i, t in enumerate(types):
+        if not isinstance(t, str) or t not in _HF_MLP_TYPES:
+            raise UnsupportedModelError(f"config field mlp_layer_types[{i}] = {t!r} is not 'hash_moe' or 'moe'")
+        out.append(_HF_MLP_TYPES[t])
+    if n_hash is not None and out != [HASH_MOE] * n_hash + [ROUTED_MOE] * (n - n_hash):
+        raise ConfigError(f"config fields disagree: {_field(raw, 'num_hash_layers')} = {n_hash} vs mlp_layer_types")
+    return out
 
 
 def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
@@ -536,7 +601,7 @@ def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
             raise UnsupportedModelError(
                 f"config field quantization_config: quant_method={method!r} fmt={fmt!r}; only fp8 e4m3 is implemented"
             )
-        if list(qc.get("weight_block_size", [128, 128])) != [128, 128]:
+        if qc.get("weight_block_size", [128, 128]) != [128, 128]:
             raise UnsupportedModelError("config field quantization_config.weight_block_size must be [128, 128]")
         dense = "fp8"
         scale = "e8m0" if qc.get("scale_fmt") == "ue8m0" else "fp32"
@@ -544,9 +609,13 @@ def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
         raise ConfigError("config field 'quantization_config' must be an object")
     if dense == "bf16" and raw.get("torch_dtype", raw.get("dtype")) == "float32":
         dense = "fp32"
-    experts = raw.get("expert_dtype") or (qc or {}).get("expert_dtype")
+    experts, qc_experts = raw.get("expert_dtype"), (qc or {}).get("expert_dtype")
+    if experts and qc_experts and experts != qc_experts:
+        raise ConfigError(f"config fields disagree: expert_dtype={experts!r} vs quantization_config.expert_dtype="
+                          f"{qc_experts!r}")
+    experts = experts or qc_experts
     if experts not in (None, "fp4", "fp8", "bf16", "fp32"):
-        raise UnsupportedModelError(f"config field expert_dtype = {experts!r}; expected fp4 (or none)")
+        raise UnsupportedModelError(f"config field expert_dtype = {experts!r}; expected fp4, fp8, bf16 or fp32")
     # Released FP8 V4 checkpoints store routed experts as FP4 even where the hub config
     # (V4-Flash) does not say so; the loader follows each tensor's real dtype anyway.
     return WeightFormats(dense=dense, experts=experts or ("fp4" if dense == "fp8" else dense), scale=scale)
@@ -564,37 +633,53 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
     missing = [k for k in _REQUIRED if k not in f]
     if missing:
         raise ConfigError(f"config is missing the field {_ALIASES[missing[0]][0]!r}")
-    ints = {k: _positive_int(f, k) for k in _REQUIRED}
+    ints = {k: _positive_int(raw, f, k) for k in _REQUIRED}
     for k in ("hc_mult", "hc_sinkhorn_iters"):
-        ints[k] = _positive_int(f, k)
+        ints[k] = _positive_int(raw, f, k)
     n = ints["num_layers"]
     n_mtp = f["num_mtp"]
     if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or not 0 <= n_mtp <= 1:
-        raise UnsupportedModelError(f"config field num_nextn_predict_layers = {n_mtp!r}; dsv4c implements 0 or 1")
+        raise UnsupportedModelError(f"config field {_field(raw, 'num_mtp')} = {n_mtp!r}; dsv4c implements 0 or 1")
 
     head_dim = ints["head_dim"]
-    if "rope_dim" in f:
-        rope_dim = f["rope_dim"]
-    elif "partial_rotary_factor" in f:
-        rope_dim = head_dim * f["partial_rotary_factor"]
-        if abs(rope_dim - round(rope_dim)) > 1e-9:
-            raise ConfigError(f"config field partial_rotary_factor * head_dim = {rope_dim} is not an integer")
-        rope_dim = int(round(rope_dim))
-    else:
+    # transformers sizes the rope as int(head_dim * partial_rotary_factor) of each
+    # rope_parameters entry, the official code reads qk_rope_head_dim: all that are given must agree.
+    rope_dim = f.get("rope_dim")
+    factors = [("partial_rotary_factor", f.get("partial_rotary_factor"))]
+    params = raw.get("rope_parameters")
+    for label in ("main", "compress"):
+        entry = params.get(label) if isinstance(params, dict) else None
+        if isinstance(entry, dict):
+            factors.append((f"rope_parameters.{label}.partial_rotary_factor", entry.get("partial_rotary_factor")))
+    for key, factor in factors:
+        if factor is None:
+            continue
+        dims = head_dim * _positive(factor, key)
+        if abs(dims - int(dims)) > 1e-9:
+            raise ConfigError(f"config field {key} = {factor}: head_dim * {factor} = {dims} is not a whole number")
+        if rope_dim is None:
+            rope_dim = int(dims)
+        elif int(dims) != rope_dim:
+            raise ConfigError(f"config fields disagree: {_field(raw, 'rope_dim')} = {rope_dim!r} vs {key} = {factor} "
+                              f"({int(dims)} rope dims)")
+    if rope_dim is None:
         rope_dim = 64
     if not isinstance(rope_dim, int) or rope_dim <= 0 or rope_dim % 2 or rope_dim >= head_dim:
-        raise ConfigError(f"config field 'qk_rope_head_dim' = {rope_dim!r} must be even and smaller than head_dim")
+        raise ConfigError(f"config field {_field(raw, 'rope_dim')!r} = {rope_dim!r} must be even and smaller than "
+                          f"head_dim ({head_dim})")
     if rope_dim > ints["index_head_dim"]:
         raise ConfigError(f"config field 'index_head_dim' = {ints['index_head_dim']} is smaller than the rope dims")
 
     checks = [
         (raw.get("num_key_value_heads", 1) == 1, "num_key_value_heads must be 1 (V4 is MQA with K == V)"),
         (f["n_shared_experts"] == 1, "n_shared_experts must be 1"),
-        (f["scoring_func"] == "sqrtsoftplus", f"scoring_func = {f['scoring_func']!r}; V4 routes with 'sqrtsoftplus'"),
+        (f["scoring_func"] == "sqrtsoftplus",
+         f"{_field(raw, 'scoring_func')} = {f['scoring_func']!r}; V4 routes with 'sqrtsoftplus'"),
         (raw.get("hidden_act", "silu") == "silu", "hidden_act must be 'silu'"),
         (raw.get("norm_topk_prob", True) is True, "norm_topk_prob must be true"),
         (not raw.get("tie_word_embeddings", False), "tie_word_embeddings must be false (V4's head is not tied)"),
-        (not raw.get("attention_bias", False) and not raw.get("mlp_bias", False), "V4 has no attention / mlp biases"),
+        (not raw.get("attention_bias", False), "attention_bias must be false (V4 has no attention biases)"),
+        (not raw.get("mlp_bias", False), "mlp_bias must be false (V4 has no MLP biases)"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -622,12 +707,12 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
         head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=ints["q_lora_rank"], o_groups=ints["o_groups"],
         o_lora_rank=ints["o_lora_rank"], n_routed_experts=ints["n_routed_experts"],
         n_experts_per_tok=ints["n_experts_per_tok"], moe_intermediate_size=ints["moe_intermediate_size"],
-        routed_scaling_factor=_number(f, "routed_scaling_factor"), swiglu_limit=_number(f, "swiglu_limit"),
+        routed_scaling_factor=_number(raw, f, "routed_scaling_factor"), swiglu_limit=_number(raw, f, "swiglu_limit"),
         index_n_heads=ints["index_n_heads"], index_head_dim=ints["index_head_dim"], index_topk=ints["index_topk"],
         sliding_window=ints["sliding_window"], hc_mult=ints["hc_mult"], hc_sinkhorn_iters=ints["hc_sinkhorn_iters"],
-        hc_eps=_number(f, "hc_eps"), rms_norm_eps=_number(f, "rms_norm_eps"), main_rope=main_rope,
+        hc_eps=_number(raw, f, "hc_eps"), rms_norm_eps=_number(raw, f, "rms_norm_eps"), main_rope=main_rope,
         compress_rope=compress_rope, layers=layers, mtp_layers=mtp_layers,
-        max_position_embeddings=_positive_int(f, "max_position_embeddings"),
+        max_position_embeddings=_positive_int(raw, f, "max_position_embeddings"),
         bos_token_id=raw.get("bos_token_id", 0), eos_token_ids=eos_ids, weights=weights, name=name,
     )
 
