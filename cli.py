@@ -91,6 +91,61 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_compile(args) -> int:
+    from dsv4c.codegen.compile import compile_model
+
+    compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights)
+    return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--token-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--token-ids is empty")
+    return ids
+
+
+def _cmd_generate(args) -> int:
+    import numpy as np
+
+    from dsv4c.errors import UsageError
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.sampling import SamplingParams
+
+    if args.greedy and (args.temperature is not None or args.top_p is not None):
+        raise UsageError("--greedy cannot be combined with --temperature / --top-p")
+    temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
+    if temperature == 0 and args.top_p is not None:
+        raise UsageError("--top-p needs --temperature > 0")
+    engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
+                    max_context=max(4096, args.max_new_tokens + 8192))
+    prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
+                            top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
+                            stop_token_ids=tuple(args.stop_token_ids or ()))
+    streamed: list[int] = []
+
+    def on_token(_rid: int, token: int) -> None:
+        # Text streams as it decodes; ids are printed once, space-separated, at the end.
+        if args.prompt is not None:
+            before = engine.decode(streamed)
+            streamed.append(token)
+            sys.stdout.write(engine.decode(streamed)[len(before):])
+            sys.stdout.flush()
+
+    result = engine.generate(prompt, params, on_token=on_token, record_logits=args.logits_out is not None)
+    if args.prompt is not None:
+        sys.stdout.write("\n")
+    else:
+        print(" ".join(str(t) for t in result.tokens))
+    if args.logits_out is not None:
+        np.save(args.logits_out, result.logits)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4c", description="Ahead-of-time compiler for DeepSeek-V4 models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -106,6 +161,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact",
                    help="exact: fp32 like transformers; qat: the official FP8/FP4 round trips")
     p.set_defaults(run=_cmd_trace)
+
+    p = sub.add_parser("compile", help="compile a model into an artifact for a target")
+    p.add_argument("--model", required=True, help="model directory, or preset (pro, flash, tiny)")
+    p.add_argument("--target", required=True, choices=("llvm", "sm90", "gfx942", "gfx950", "reference"))
+    p.add_argument("-o", "--output", required=True, help="artifact directory to create")
+    p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
+    p.set_defaults(run=_cmd_compile)
+
+    p = sub.add_parser("generate", help="generate tokens with a compiled artifact")
+    p.add_argument("artifact", help="artifact directory written by `dsv4c compile`")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the artifact)")
+    src.add_argument("--token-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token-ids", type=_token_ids, help="stop after any of these ids")
+    p.add_argument("--prefill-chunk", type=int, help="feed the prompt in chunks of at most this many tokens")
+    p.add_argument("--logits-out", help="save float32 logits [prompt_len + N, vocab] to this .npy file")
+    p.set_defaults(run=_cmd_generate)
 
     p = sub.add_parser("inspect", help="KV pool geometry, memory budget and quantization plan of a model")
     p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")

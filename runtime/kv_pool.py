@@ -30,6 +30,21 @@ ENVELOPE_TOKENS = 256
 F32 = np.float32
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array on a 64-byte boundary, so TVM can share it zero-copy (DLPack)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    offset = (-raw.ctypes.data) % 64
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_zeros(shape, dtype) -> np.ndarray:
+    out = aligned_empty(shape, dtype)
+    out[...] = 0
+    return out
+
+
 class PoolExhausted(DsvError):
     """The pool has no room for the request; nothing was changed."""
 
@@ -182,10 +197,10 @@ class _MainCodec:
     def allocate(self, rows: int) -> dict[str, np.ndarray]:
         g = self.g
         if g.main_storage == "fp8":
-            return {"nope": np.zeros((rows, g.main_row_bytes - 2 * g.rope_dim), np.uint8),
-                    "rope": np.zeros((rows, g.rope_dim), np.uint16)}
+            return {"nope": aligned_zeros((rows, g.main_row_bytes - 2 * g.rope_dim), np.uint8),
+                    "rope": aligned_zeros((rows, g.rope_dim), np.uint16)}
         dtype = {"bf16": np.uint16, "fp32": F32}[g.main_storage]
-        return {"kv": np.zeros((rows, g.head_dim), dtype)}
+        return {"kv": aligned_zeros((rows, g.head_dim), dtype)}
 
     def write(self, planes, rows: np.ndarray, values: np.ndarray) -> None:
         s = self.g.main_storage
@@ -219,8 +234,8 @@ class _IndexCodec:
 
     def allocate(self, rows: int) -> np.ndarray:
         if self.g.index_storage == "fp32":
-            return np.zeros((rows, self.g.index_head_dim), F32)
-        return np.zeros((rows, self.g.index_row_bytes), np.uint8)
+            return aligned_zeros((rows, self.g.index_head_dim), F32)
+        return aligned_zeros((rows, self.g.index_row_bytes), np.uint8)
 
     def write(self, plane, rows: np.ndarray, values: np.ndarray) -> None:
         s, d = self.g.index_storage, self.g.index_head_dim
@@ -271,8 +286,8 @@ class KVPool:
         self._main, self._index = _MainCodec(g), _IndexCodec(g)
         self.planes = self._main.allocate(total_rows)
         self.index_plane = self._index.allocate(max(self.max_envelopes * g.index_rows_per_envelope, 1))
-        self.state = {(s.layer, s.stream): (np.zeros((self.max_slots, s.rows, s.width), F32),
-                                            np.zeros((self.max_slots, s.rows, s.width), F32)) for s in g.states}
+        self.state = {(s.layer, s.stream): (aligned_zeros((self.max_slots, s.rows, s.width), F32),
+                                            aligned_zeros((self.max_slots, s.rows, s.width), F32)) for s in g.states}
         self.requests: dict[int, RequestRows] = {}
         self._env_high = 0  # envelopes [0, _env_high) may be in use; rows grow up
         self._slot_high = 0  # slots [0, _slot_high) may be in use; rows grow down from the top

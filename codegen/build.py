@@ -1,0 +1,38 @@
+"""Build the kernels of a program into ``kernels.so`` for the CPU target."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import tvm
+
+from dsv4c.codegen import llvm_kernels
+from dsv4c.codegen.lowering import kernel_table
+from dsv4c.errors import UsageError
+from dsv4c.ir.core import Program
+
+
+def llvm_target() -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+
+
+def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False) -> dict:
+    if plan.target != "llvm":
+        raise UsageError(f"target {plan.target} is not built by this dsv4c yet; use --target llvm or reference")
+    specs, per_node = kernel_table(program)
+    funcs = {}
+    items = specs.items()
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(list(items), desc="generating kernels", unit="kernel", leave=False)
+    for symbol, spec in items:
+        factory = getattr(llvm_kernels, spec.factory)
+        funcs[symbol] = factory(*spec.params).with_attr("global_symbol", symbol)
+    start = time.perf_counter()
+    executable = tvm.compile(tvm.IRModule(funcs), target=llvm_target())
+    executable.export_library(str(out_dir / "kernels.so"))
+    return {"library": "kernels.so", "count": len(funcs), "build_seconds": round(time.perf_counter() - start, 2),
+            "per_node": per_node}

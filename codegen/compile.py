@@ -1,0 +1,97 @@
+"""``dsv4c compile``: trace, run the pass pipeline, lay out weights, build kernels, write the artifact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dsv4c import __version__
+from dsv4c.errors import UsageError
+from dsv4c.frontend.checkpoint import load_weights, random_weights
+from dsv4c.frontend.config import PRESETS, ModelConfig, resolve_model
+from dsv4c.frontend.safetensors_io import write_safetensors
+from dsv4c.frontend.trace import trace
+from dsv4c.ir.core import Program
+from dsv4c.ir.serialize import program_to_json
+from dsv4c.passes.quant_plan import plan_for
+from dsv4c.runtime.artifact import staging, write_manifest
+from dsv4c.runtime.kv_pool import PoolGeometry
+
+TARGETS = ("reference", "llvm", "sm90", "gfx942", "gfx950")
+
+
+def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: bool, progress: bool):
+    if no_weights:
+        return None
+    names = {w for f in program.functions.values() for w in f.weights}
+    if Path(model).is_dir():
+        return load_weights(cfg, model, names, progress=progress)
+    if model == "tiny":
+        # The built-in tiny preset compiles with the same weights `dsv4c make-tiny --seed 0` writes.
+        from dsv4c.frontend.checkpoint import _ir_name
+
+        stacked: dict[str, list] = {}
+        out = {}
+        for name, value in random_weights(cfg, 0).items():
+            ir = _ir_name(name)
+            if ir != name:
+                stacked.setdefault(ir, []).append(value)
+            else:
+                out[name] = value
+        out.update({k: np.stack(v) for k, v in stacked.items()})
+        return out
+    raise UsageError(f"model {model!r} has no weights here; pass a model directory, or --no-weights to compile "
+                     "the structure only")
+
+
+def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
+                  progress: bool | None = None, log=print) -> Path:
+    if target not in TARGETS:
+        raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    progress = sys.stderr.isatty() if progress is None else progress
+    cfg = resolve_model(model)
+    program = trace(cfg, numerics)
+    plan = plan_for(cfg, target, numerics)
+    geometry = PoolGeometry.build(cfg, plan)
+    weights = _weights_for(cfg, model, program, no_weights, progress)
+    with staging(out) as tmp:
+        if weights is not None:
+            if target == "reference":
+                stored = {k: ("F32", np.ascontiguousarray(v, np.float32)) if v.dtype.kind == "f"
+                          else ("I64", v.astype(np.int64)) for k, v in weights.items()}
+            else:
+                from dsv4c.codegen.lowering import weight_layout
+
+                stored = weight_layout(program, weights)
+            write_safetensors(tmp / "weights.safetensors", stored)
+        (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
+        if Path(model).is_dir() and (Path(model) / "tokenizer.json").is_file():
+            shutil.copyfile(Path(model) / "tokenizer.json", tmp / "tokenizer.json")
+        entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
+                                 "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
+        kernels = {}
+        if target not in ("reference",):
+            from dsv4c.codegen.build import build_kernels
+
+            kernels = build_kernels(program, plan, tmp, progress=progress)
+        import tvm
+
+        write_manifest(tmp, {
+            "dsv4c_version": __version__,
+            "tvm_version": tvm.__version__,
+            "target": target,
+            "numerics": numerics,
+            "model_name": cfg.name,
+            "model": cfg.to_json_dict("hf"),
+            "has_weights": weights is not None,
+            "quant_plan": plan.to_json(),
+            "pool_geometry": geometry.summary(),
+            "entry_points": entry_points,
+            "kernels": kernels,
+        })
+    log(f"compiled {cfg.name} for {target} ({numerics}) -> {out}")
+    return Path(out)

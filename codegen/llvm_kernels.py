@@ -1,0 +1,639 @@
+"""TIR kernels for the CPU (llvm) target, one factory per kernel shape.
+
+Every factory takes only static sizes and returns a ``PrimFunc`` whose token dimension is
+symbolic, so one kernel serves every layer of that shape and every step size. Kernel names
+encode their parameters; :func:`node_kernels` maps an IR node to the kernels it calls, and is
+the single source of those names for the builder (which compiles them) and the manifest
+(which the runtime reads).
+
+Low-bit weights are decoded inside the kernels with integer bit operations (TVM's own
+float8 cast rounds subnormals wrongly on llvm and its float4 type does not build).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import s_tir, te, tirx
+from tvm.script import tirx as T
+
+from dsv4c.ir.core import Node
+
+F32 = "float32"
+NEG_INF = -3.4028234663852886e38
+
+
+# --------------------------------------------------------------------------- low-bit decoding (TIR exprs)
+
+
+def _u(x, dtype="int32"):
+    return tirx.Cast(dtype, x)
+
+
+def decode_e4m3fn(code):
+    """float32 value of an e4m3fn byte (0x7F/0xFF NaN never occur in weights)."""
+    c = _u(code)
+    exp, man = (c >> 3) & 15, c & 7
+    normal = tirx.reinterpret(F32, tirx.shift_left(_u(exp + 120, "uint32"), tirx.const(23, "uint32"))
+                              | tirx.shift_left(_u(man, "uint32"), tirx.const(20, "uint32")))
+    subnormal = _u(man, F32) * tirx.const(2.0 ** -9, F32)
+    mag = tirx.if_then_else(exp == 0, subnormal, normal)
+    return tirx.if_then_else(c >= 128, -mag, mag)
+
+
+def decode_e2m1(nibble):
+    """float32 value of an e2m1 code (0..15): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    c = _u(nibble)
+    exp, man = (c >> 1) & 3, c & 1
+    normal = (tirx.const(1.0, F32) + _u(man, F32) * tirx.const(0.5, F32)) * \
+        tirx.reinterpret(F32, tirx.shift_left(_u(exp + 126, "uint32"), tirx.const(23, "uint32")))
+    mag = tirx.if_then_else(exp == 0, _u(man, F32) * tirx.const(0.5, F32), normal)
+    return tirx.if_then_else(c >= 8, -mag, mag)
+
+
+def decode_e8m0(code):
+    return tirx.reinterpret(F32, tirx.shift_left(_u(code, "uint32"), tirx.const(23, "uint32")))
+
+
+# --------------------------------------------------------------------------- GEMM / GEMV
+
+
+def _schedule_matmul(func, block: str, out_dim: int):
+    """Parallel over output rows x column tiles, vectorised over a column tile: enough to make
+    decode GEMVs bandwidth-bound and prefill GEMMs reuse the weight tile across rows."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock(block)
+    n, o, k = sch.get_loops(blk)
+    tile = 16 if out_dim % 16 == 0 else 1
+    oo, oi = sch.split(o, [None, tile])
+    sch.reorder(oo, n, k, oi)
+    sch.parallel(oo)
+    if tile > 1:
+        sch.vectorize(oi)
+    sch.decompose_reduction(blk, k)
+    return sch.mod["main"]
+
+
+def linear(out_dim: int, in_dim: int, quant: str):
+    """y[N, O] = x[N, I] @ W.T, W fp32 [O, I] or FP8 codes [O, I] with fp32 128x128 block scales."""
+    n = te.var("N")
+    x = te.placeholder((n, in_dim), F32, name="x")
+    k = te.reduce_axis((0, in_dim), "k")
+    if quant == "fp8_b128":
+        w = te.placeholder((out_dim, in_dim), "uint8", name="w")
+        s = te.placeholder((-(-out_dim // 128), -(-in_dim // 128)), F32, name="s")
+        y = te.compute((n, out_dim), lambda i, o: te.sum(
+            x[i, k] * decode_e4m3fn(w[o, k]) * s[o // 128, k // 128], axis=k), name="y")
+        args = [x, w, s, y]
+    else:
+        w = te.placeholder((out_dim, in_dim), F32, name="w")
+        y = te.compute((n, out_dim), lambda i, o: te.sum(x[i, k] * w[o, k], axis=k), name="y")
+        args = [x, w, y]
+    return _schedule_matmul(te.create_prim_func(args), "y", out_dim)
+
+
+def grouped_linear(groups: int, rank: int, in_dim: int, quant: str):
+    """y[N, G, R] = x[N, G, I] @ W[g].T with W [G*R, I] (fp32 or FP8 blocks)."""
+    n = te.var("N")
+    x = te.placeholder((n, groups, in_dim), F32, name="x")
+    k = te.reduce_axis((0, in_dim), "k")
+    rows = groups * rank
+    if quant == "fp8_b128":
+        w = te.placeholder((rows, in_dim), "uint8", name="w")
+        s = te.placeholder((-(-rows // 128), -(-in_dim // 128)), F32, name="s")
+        y = te.compute((n, groups, rank), lambda i, g, r: te.sum(
+            x[i, g, k] * decode_e4m3fn(w[g * rank + r, k]) * s[(g * rank + r) // 128, k // 128], axis=k), name="y")
+        args = [x, w, s, y]
+    else:
+        w = te.placeholder((rows, in_dim), F32, name="w")
+        y = te.compute((n, groups, rank), lambda i, g, r: te.sum(x[i, g, k] * w[g * rank + r, k], axis=k), name="y")
+        args = [x, w, y]
+    sch = s_tir.Schedule(te.create_prim_func(args))
+    i, g, r, kk = sch.get_loops(sch.get_sblock("y"))
+    sch.reorder(g, i, r, kk)
+    sch.parallel(g)
+    return sch.mod["main"]
+
+
+def experts(n_experts: int, inter: int, dim: int, k_sel: int, limit: float, quant: str):
+    """Routed experts: out[t] = sum_j w[t,j] * W2[e] @ (silu(min(W1[e] y, L)) * clamp(W3[e] y, -L, L)),
+    e = ids[t, j]; W1/W3 [E, I, D], W2 [E, D, I]; FP4 weights are packed [.., cols/2] with E8M0
+    scales per 32 columns."""
+    n = te.var("N")
+    y = te.placeholder((n, dim), F32, name="y")
+    rw = te.placeholder((n, k_sel), F32, name="route_w")
+    ids = te.placeholder((n, k_sel), "int32", name="ids")
+    if quant == "fp4_g32":
+        w1 = te.placeholder((n_experts, inter, dim // 2), "uint8", name="w1")
+        s1 = te.placeholder((n_experts, inter, dim // 32), "uint8", name="s1")
+        w3 = te.placeholder((n_experts, inter, dim // 2), "uint8", name="w3")
+        s3 = te.placeholder((n_experts, inter, dim // 32), "uint8", name="s3")
+        w2 = te.placeholder((n_experts, dim, inter // 2), "uint8", name="w2")
+        s2 = te.placeholder((n_experts, dim, inter // 32), "uint8", name="s2")
+
+        def fp4(w, s, e, r, c):
+            byte = _u(w[e, r, c // 2])
+            return decode_e2m1((byte >> ((c % 2) * 4)) & 15) * decode_e8m0(s[e, r, c // 32])
+
+        weight_args = [w1, s1, w2, s2, w3, s3]
+        g1 = lambda e, r, c: fp4(w1, s1, e, r, c)  # noqa: E731
+        g3 = lambda e, r, c: fp4(w3, s3, e, r, c)  # noqa: E731
+        g2 = lambda e, r, c: fp4(w2, s2, e, r, c)  # noqa: E731
+    else:
+        w1 = te.placeholder((n_experts, inter, dim), F32, name="w1")
+        w2 = te.placeholder((n_experts, dim, inter), F32, name="w2")
+        w3 = te.placeholder((n_experts, inter, dim), F32, name="w3")
+        weight_args = [w1, w2, w3]
+        g1, g2, g3 = (lambda e, r, c: w1[e, r, c]), (lambda e, r, c: w2[e, r, c]), (lambda e, r, c: w3[e, r, c])
+    d = te.reduce_axis((0, dim), "d")
+    gate = te.compute((n, k_sel, inter), lambda t, j, i: te.sum(y[t, d] * g1(ids[t, j], i, d), axis=d), name="gate")
+    d2 = te.reduce_axis((0, dim), "d2")
+    up = te.compute((n, k_sel, inter), lambda t, j, i: te.sum(y[t, d2] * g3(ids[t, j], i, d2), axis=d2), name="up")
+    lim = tirx.const(limit, F32)
+
+    def act(t, j, i):
+        g = tirx.min(gate[t, j, i], lim)
+        return g / (tirx.const(1, F32) + tirx.exp(-g)) * tirx.max(tirx.min(up[t, j, i], lim), -lim)
+
+    h = te.compute((n, k_sel, inter), act, name="act")
+    jj = te.reduce_axis((0, k_sel), "j")
+    ii = te.reduce_axis((0, inter), "i")
+    out = te.compute((n, dim), lambda t, o: te.sum(rw[t, jj] * g2(ids[t, jj], o, ii) * h[t, jj, ii], axis=[jj, ii]),
+                     name="out")
+    sch = s_tir.Schedule(te.create_prim_func([y, rw, ids] + weight_args + [out]))
+    for name in ("gate", "up", "act", "out"):
+        sch.parallel(sch.get_loops(sch.get_sblock(name))[0])
+    return sch.mod["main"]
+
+
+# --------------------------------------------------------------------------- elementwise / small
+
+
+def embed(vocab: int, dim: int):
+    @T.prim_func
+    def f(tok: T.handle, tab: T.handle, out: T.handle):
+        n = T.int32()
+        TOK = T.match_buffer(tok, (n,), "int32")
+        TAB = T.match_buffer(tab, (vocab, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for i in T.parallel(n):
+            for j in range(dim):
+                OUT[i, j] = TAB[TOK[i], j]
+    return f
+
+
+def rmsnorm(dim: int, eps: float, weighted: bool):
+    @T.prim_func
+    def f(x: T.handle, w: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, dim), F32)
+        W = T.match_buffer(w, (dim,), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for i in T.parallel(n):
+            acc = T.alloc_buffer((1,), F32, scope="local")
+            acc[0] = T.float32(0)
+            for j in range(dim):
+                acc[0] = acc[0] + X[i, j] * X[i, j]
+            for j in range(dim):
+                OUT[i, j] = X[i, j] * (T.float32(1) / T.sqrt(acc[0] / T.float32(dim) + T.float32(eps))) * \
+                    T.if_then_else(weighted, W[j], T.float32(1))
+    return f
+
+
+def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
+    """GPT-J rotation of the trailing rope_dim channels of x [N, heads, dim] at positions [N]."""
+    half = rope_dim // 2
+    nope = dim - rope_dim
+    sign = -1.0 if inverse else 1.0
+
+    @T.prim_func
+    def f(x: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, heads, dim), F32)
+        POS = T.match_buffer(pos, (n,), "int32")
+        INV = T.match_buffer(inv, (half,), F32)
+        OUT = T.match_buffer(out, (n, heads, dim), F32)
+        for i in T.parallel(n):
+            for h in range(heads):
+                for j in range(nope):
+                    OUT[i, h, j] = X[i, h, j]
+                for p in range(half):
+                    ang = T.Cast(F32, POS[i]) * INV[p]
+                    c = T.cos(ang)
+                    s = T.sin(ang) * T.float32(sign)
+                    OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * c - X[i, h, nope + 2 * p + 1] * s
+                    OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * c + X[i, h, nope + 2 * p] * s
+    return f
+
+
+def add(dim: int):
+    @T.prim_func
+    def f(a: T.handle, b: T.handle, out: T.handle):
+        n = T.int32()
+        A = T.match_buffer(a, (n, dim), F32)
+        B = T.match_buffer(b, (n, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for i in T.parallel(n):
+            for j in range(dim):
+                OUT[i, j] = A[i, j] + B[i, j]
+    return f
+
+
+def swiglu(dim: int, limit: float):
+    @T.prim_func
+    def f(g: T.handle, u: T.handle, out: T.handle):
+        n = T.int32()
+        G = T.match_buffer(g, (n, dim), F32)
+        U = T.match_buffer(u, (n, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for i in T.parallel(n):
+            for j in range(dim):
+                gv = T.min(G[i, j], T.float32(limit))
+                OUT[i, j] = gv / (T.float32(1) + T.exp(-gv)) * T.max(T.min(U[i, j], T.float32(limit)),
+                                                                      T.float32(-limit))
+    return f
+
+
+# --------------------------------------------------------------------------- mHC
+
+
+def mhc_coeffs(hc: int, iters: int, eps: float):
+    """pre / post / Sinkhorn-normalised comb of each token from its mixes [N, (2+hc)*hc]; fp32."""
+    mix = (2 + hc) * hc
+
+    @T.prim_func
+    def f(m: T.handle, base: T.handle, scale: T.handle, pre: T.handle, post: T.handle, comb: T.handle):
+        n = T.int32()
+        M = T.match_buffer(m, (n, mix), F32)
+        BASE = T.match_buffer(base, (mix,), F32)
+        SCALE = T.match_buffer(scale, (3,), F32)
+        PRE = T.match_buffer(pre, (n, hc), F32)
+        POST = T.match_buffer(post, (n, hc), F32)
+        COMB = T.match_buffer(comb, (n, hc, hc), F32)
+        for t in T.parallel(n):
+            c = T.alloc_buffer((hc, hc), F32, scope="local")
+            acc = T.alloc_buffer((1,), F32, scope="local")
+            for j in range(hc):
+                PRE[t, j] = T.float32(1) / (T.float32(1) + T.exp(-(M[t, j] * SCALE[0] + BASE[j]))) + T.float32(eps)
+                POST[t, j] = T.float32(2) / (T.float32(1) + T.exp(-(M[t, hc + j] * SCALE[1] + BASE[hc + j])))
+            for r in range(hc):  # softmax over each row, + eps
+                acc[0] = T.float32(NEG_INF)
+                for k in range(hc):
+                    acc[0] = T.max(acc[0], M[t, 2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k])
+                for k in range(hc):
+                    c[r, k] = T.exp(M[t, 2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k] - acc[0])
+                acc[0] = T.float32(0)
+                for k in range(hc):
+                    acc[0] = acc[0] + c[r, k]
+                for k in range(hc):
+                    c[r, k] = c[r, k] / acc[0] + T.float32(eps)
+            for k in range(hc):  # column normalise
+                acc[0] = T.float32(0)
+                for r in range(hc):
+                    acc[0] = acc[0] + c[r, k]
+                for r in range(hc):
+                    c[r, k] = c[r, k] / (acc[0] + T.float32(eps))
+            for _it in range(iters - 1):
+                for r in range(hc):
+                    acc[0] = T.float32(0)
+                    for k in range(hc):
+                        acc[0] = acc[0] + c[r, k]
+                    for k in range(hc):
+                        c[r, k] = c[r, k] / (acc[0] + T.float32(eps))
+                for k in range(hc):
+                    acc[0] = T.float32(0)
+                    for r in range(hc):
+                        acc[0] = acc[0] + c[r, k]
+                    for r in range(hc):
+                        c[r, k] = c[r, k] / (acc[0] + T.float32(eps))
+            for r in range(hc):
+                for k in range(hc):
+                    COMB[t, r, k] = c[r, k]
+    return f
+
+
+def hc_head_coeffs(hc: int, eps: float):
+    @T.prim_func
+    def f(m: T.handle, base: T.handle, scale: T.handle, pre: T.handle):
+        n = T.int32()
+        M = T.match_buffer(m, (n, hc), F32)
+        BASE = T.match_buffer(base, (hc,), F32)
+        SCALE = T.match_buffer(scale, (1,), F32)
+        PRE = T.match_buffer(pre, (n, hc), F32)
+        for t in T.parallel(n):
+            for j in range(hc):
+                PRE[t, j] = T.float32(1) / (T.float32(1) + T.exp(-(M[t, j] * SCALE[0] + BASE[j]))) + T.float32(eps)
+    return f
+
+
+def hc_collapse(hc: int, dim: int):
+    @T.prim_func
+    def f(pre: T.handle, h: T.handle, out: T.handle):
+        n = T.int32()
+        PRE = T.match_buffer(pre, (n, hc), F32)
+        H = T.match_buffer(h, (n, hc, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for t in T.parallel(n):
+            for d in range(dim):
+                OUT[t, d] = T.float32(0)
+                for j in range(hc):
+                    OUT[t, d] = OUT[t, d] + PRE[t, j] * H[t, j, d]
+    return f
+
+
+def hc_expand(hc: int, dim: int):
+    @T.prim_func
+    def f(x: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, dim), F32)
+        OUT = T.match_buffer(out, (n, hc, dim), F32)
+        for t in T.parallel(n):
+            for j in range(hc):
+                for d in range(dim):
+                    OUT[t, j, d] = X[t, d]
+    return f
+
+
+def mhc_post(hc: int, dim: int):
+    """h'[k] = post[k] * out + sum_j comb[j, k] * h[j]."""
+    @T.prim_func
+    def f(o: T.handle, h: T.handle, post: T.handle, comb: T.handle, out: T.handle):
+        n = T.int32()
+        O = T.match_buffer(o, (n, dim), F32)
+        H = T.match_buffer(h, (n, hc, dim), F32)
+        POST = T.match_buffer(post, (n, hc), F32)
+        COMB = T.match_buffer(comb, (n, hc, hc), F32)
+        OUT = T.match_buffer(out, (n, hc, dim), F32)
+        for t in T.parallel(n):
+            for k in range(hc):
+                for d in range(dim):
+                    OUT[t, k, d] = POST[t, k] * O[t, d]
+                    for j in range(hc):
+                        OUT[t, k, d] = OUT[t, k, d] + COMB[t, j, k] * H[t, j, d]
+    return f
+
+
+# --------------------------------------------------------------------------- MoE routing and top-k
+
+
+def route_scores(n_experts: int):
+    """sqrt(softplus(logits)), the router's scores (softplus written overflow-free)."""
+    @T.prim_func
+    def f(lg: T.handle, out: T.handle):
+        n = T.int32()
+        LG = T.match_buffer(lg, (n, n_experts), F32)
+        OUT = T.match_buffer(out, (n, n_experts), F32)
+        for t in T.parallel(n):
+            for e in range(n_experts):
+                OUT[t, e] = T.sqrt(T.max(LG[t, e], T.float32(0)) + T.log(T.float32(1) + T.exp(-T.fabs(LG[t, e]))))
+    return f
+
+
+def add_bias(n_experts: int):
+    @T.prim_func
+    def f(x: T.handle, b: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, n_experts), F32)
+        B = T.match_buffer(b, (n_experts,), F32)
+        OUT = T.match_buffer(out, (n, n_experts), F32)
+        for t in T.parallel(n):
+            for e in range(n_experts):
+                OUT[t, e] = X[t, e] + B[e]
+    return f
+
+
+def topk_rows(k: int):
+    """Per row, the column numbers of the k largest values, best first; a strictly-greater
+    insertion keeps the lower column first on ties, and -inf columns are never picked (-1)."""
+    @T.prim_func
+    def f(x: T.handle, ids: T.handle):
+        n = T.int32()
+        c = T.int32()
+        X = T.match_buffer(x, (n, c), F32)
+        IDS = T.match_buffer(ids, (n, k), "int32")
+        for t in T.parallel(n):
+            val = T.alloc_buffer((k + 1,), F32, scope="local")
+            idx = T.alloc_buffer((k + 1,), "int32", scope="local")
+            tv = T.alloc_buffer((1,), F32, scope="local")
+            ti = T.alloc_buffer((1,), "int32", scope="local")
+            for j in range(k + 1):
+                val[j] = T.float32(NEG_INF)
+                idx[j] = -1
+            for col in range(c):
+                if X[t, col] > val[k - 1]:
+                    val[k] = X[t, col]
+                    idx[k] = col
+                    for jj in range(k):  # bubble the new entry up while strictly larger
+                        if val[k - jj] > val[k - 1 - jj]:
+                            tv[0] = val[k - 1 - jj]
+                            ti[0] = idx[k - 1 - jj]
+                            val[k - 1 - jj] = val[k - jj]
+                            idx[k - 1 - jj] = idx[k - jj]
+                            val[k - jj] = tv[0]
+                            idx[k - jj] = ti[0]
+            for j in range(k):
+                IDS[t, j] = idx[j]
+    return f
+
+
+def hash_ids(vocab: int, k: int):
+    @T.prim_func
+    def f(table: T.handle, tok: T.handle, ids: T.handle):
+        n = T.int32()
+        TABLE = T.match_buffer(table, (vocab, k), "int32")
+        TOK = T.match_buffer(tok, (n,), "int32")
+        IDS = T.match_buffer(ids, (n, k), "int32")
+        for t in T.parallel(n):
+            for j in range(k):
+                IDS[t, j] = TABLE[TOK[t], j]
+    return f
+
+
+def route_weights(n_experts: int, k: int, scale: float):
+    @T.prim_func
+    def f(sc: T.handle, ids: T.handle, w: T.handle):
+        n = T.int32()
+        SC = T.match_buffer(sc, (n, n_experts), F32)
+        IDS = T.match_buffer(ids, (n, k), "int32")
+        W = T.match_buffer(w, (n, k), F32)
+        for t in T.parallel(n):
+            acc = T.alloc_buffer((1,), F32, scope="local")
+            acc[0] = T.float32(0)
+            for j in range(k):
+                acc[0] = acc[0] + SC[t, IDS[t, j]]
+            for j in range(k):
+                W[t, j] = SC[t, IDS[t, j]] / (acc[0] + T.float32(1e-20)) * T.float32(scale)
+    return f
+
+
+
+# --------------------------------------------------------------------------- KV state
+
+
+def scatter_rows(width: int):
+    """plane[rows[i]] = values[i] (in place on the pool plane)."""
+    @T.prim_func
+    def f(plane: T.handle, rows: T.handle, vals: T.handle):
+        r = T.int32()
+        n = T.int32()
+        PLANE = T.match_buffer(plane, (r, width), F32)
+        ROWS = T.match_buffer(rows, (n,), "int32")
+        VALS = T.match_buffer(vals, (n, width), F32)
+        for i in T.parallel(n):
+            for j in range(width):
+                PLANE[ROWS[i], j] = VALS[i, j]
+    return f
+
+
+def ring_gather(width: int, ratio: int):
+    """ring[dst[i]] = source row src[i] (kv and score), where src >= 0 is a step row (its score
+    gets ape[pos % ratio] added) and src < 0 is ring row -src-1."""
+    @T.prim_func
+    def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
+          src: T.handle, dst: T.handle):
+        r = T.int32()
+        n = T.int32()
+        m = T.int32()
+        RKV = T.match_buffer(ring_kv, (r, width), F32)
+        RSC = T.match_buffer(ring_sc, (r, width), F32)
+        KV = T.match_buffer(kv, (n, width), F32)
+        GATE = T.match_buffer(gate, (n, width), F32)
+        POS = T.match_buffer(pos, (n,), "int32")
+        APE = T.match_buffer(ape, (ratio, width), F32)
+        SRC = T.match_buffer(src, (m,), "int32")
+        DST = T.match_buffer(dst, (m,), "int32")
+        for i in T.serial(m):
+            for j in range(width):
+                if SRC[i] >= 0:
+                    RKV[DST[i], j] = KV[SRC[i], j]
+                    RSC[DST[i], j] = GATE[SRC[i], j] + APE[POS[SRC[i]] % ratio, j]
+                else:
+                    RKV[DST[i], j] = RKV[-SRC[i] - 1, j]
+                    RSC[DST[i], j] = RSC[-SRC[i] - 1, j]
+    return f
+
+
+def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
+    """Gated pooling of closed windows: out[w, c] = sum_s softmax_s(score)[c] * kv[c] over the
+    window's slots src[w, s] (step row if >= 0, ring row -src-1 otherwise). With overlap the
+    first ``ratio`` slots read the first half of the columns, the rest the second half."""
+    slots = 2 * ratio if overlap else ratio
+
+    @T.prim_func
+    def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
+          src: T.handle, out: T.handle):
+        r = T.int32()
+        n = T.int32()
+        nw = T.int32()
+        RKV = T.match_buffer(ring_kv, (r, width), F32)
+        RSC = T.match_buffer(ring_sc, (r, width), F32)
+        KV = T.match_buffer(kv, (n, width), F32)
+        GATE = T.match_buffer(gate, (n, width), F32)
+        POS = T.match_buffer(pos, (n,), "int32")
+        APE = T.match_buffer(ape, (ratio, width), F32)
+        SRC = T.match_buffer(src, (nw, slots), "int32")
+        OUT = T.match_buffer(out, (nw, head_dim), F32)
+        for w in T.parallel(nw):
+            sc = T.alloc_buffer((slots,), F32, scope="local")
+            val = T.alloc_buffer((slots,), F32, scope="local")
+            acc = T.alloc_buffer((3,), F32, scope="local")
+            for c in range(head_dim):
+                for s in range(slots):
+                    col = T.if_then_else(overlap and s >= ratio, c + head_dim, c)
+                    if SRC[w, s] >= 0:
+                        val[s] = KV[SRC[w, s], col]
+                        sc[s] = GATE[SRC[w, s], col] + APE[POS[SRC[w, s]] % ratio, col]
+                    else:
+                        val[s] = RKV[-SRC[w, s] - 1, col]
+                        sc[s] = RSC[-SRC[w, s] - 1, col]
+                acc[0] = T.float32(NEG_INF)
+                for s in range(slots):
+                    acc[0] = T.max(acc[0], sc[s])
+                acc[1] = T.float32(0)
+                acc[2] = T.float32(0)
+                for s in range(slots):
+                    acc[1] = acc[1] + T.exp(sc[s] - acc[0])
+                    acc[2] = acc[2] + T.exp(sc[s] - acc[0]) * val[s]
+                OUT[w, c] = acc[2] / acc[1]
+    return f
+
+
+def index_score(heads: int, dim: int):
+    """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0."""
+    scale = (heads ** -0.5) * (dim ** -0.5)
+
+    @T.prim_func
+    def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
+        n = T.int32()
+        r = T.int32()
+        e = T.int32()
+        Q = T.match_buffer(q, (n, heads, dim), F32)
+        W = T.match_buffer(w, (n, heads), F32)
+        PLANE = T.match_buffer(plane, (r, dim), F32)
+        ROWS = T.match_buffer(rows, (n, e), "int32")
+        OUT = T.match_buffer(out, (n, e), F32)
+        for t in T.parallel(n):
+            acc = T.alloc_buffer((2,), F32, scope="local")
+            for j in range(e):
+                if ROWS[t, j] < 0:
+                    OUT[t, j] = T.float32(NEG_INF)
+                else:
+                    acc[0] = T.float32(0)
+                    for h in range(heads):
+                        acc[1] = T.float32(0)
+                        for d in range(dim):
+                            acc[1] = acc[1] + Q[t, h, d] * PLANE[ROWS[t, j], d]
+                        acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[t, h] * T.float32(scale))
+                    OUT[t, j] = acc[0]
+    return f
+
+
+def sparse_attn(heads: int, dim: int, scale: float):
+    """Softmax attention over each query's CSR row list; rows >= R are this step's fresh KV.
+    The per-head sink enters the denominator only."""
+    @T.prim_func
+    def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, indptr: T.handle, indices: T.handle,
+          out: T.handle):
+        n = T.int32()
+        r = T.int32()
+        m = T.int32()
+        nnz = T.int32()
+        Q = T.match_buffer(q, (n, heads, dim), F32)
+        POOL = T.match_buffer(pool, (r, dim), F32)
+        STEP = T.match_buffer(step, (m, dim), F32)
+        SINK = T.match_buffer(sink, (heads,), F32)
+        IP = T.match_buffer(indptr, (n + 1,), "int32")
+        IX = T.match_buffer(indices, (nnz,), "int32")
+        OUT = T.match_buffer(out, (n, heads, dim), F32)
+        for t in T.parallel(n):
+            acc = T.alloc_buffer((3,), F32, scope="local")
+            o = T.alloc_buffer((dim,), F32, scope="local")
+            for h in range(heads):
+                acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
+                for k in range(IP[t + 1] - IP[t]):
+                    acc[1] = T.float32(0)
+                    for d in range(dim):
+                        acc[1] = acc[1] + Q[t, h, d] * T.if_then_else(
+                            IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), d],
+                            STEP[T.max(IX[IP[t] + k] - r, 0), d])
+                    acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
+                acc[2] = T.exp(SINK[h] - acc[0])
+                for d in range(dim):
+                    o[d] = T.float32(0)
+                for k in range(IP[t + 1] - IP[t]):
+                    acc[1] = T.float32(0)
+                    for d in range(dim):
+                        acc[1] = acc[1] + Q[t, h, d] * T.if_then_else(
+                            IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), d],
+                            STEP[T.max(IX[IP[t] + k] - r, 0), d])
+                    acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
+                    acc[2] = acc[2] + acc[1]
+                    for d in range(dim):
+                        o[d] = o[d] + acc[1] * T.if_then_else(
+                            IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), d],
+                            STEP[T.max(IX[IP[t] + k] - r, 0), d])
+                for d in range(dim):
+                    OUT[t, h, d] = o[d] / acc[2]
+    return f

@@ -1,0 +1,158 @@
+"""Which kernels each IR node calls on the CPU target, and how weights are laid out for them.
+
+:func:`node_kernels` is the single place that names kernels: the builder instantiates and
+compiles each distinct one once (kernels of the same shape are shared by all layers), the
+manifest records, per node, the symbol of each role, and the runtime calls them by role.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsv4c.errors import UsageError
+from dsv4c.frontend import lowbit
+from dsv4c.ir.core import Node, Program
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    factory: str  # function name in dsv4c.codegen.llvm_kernels
+    params: tuple
+
+    @property
+    def symbol(self) -> str:
+        raw = "_".join([self.factory] + [str(p) for p in self.params])
+        return re.sub(r"[^A-Za-z0-9_]", "p", raw)
+
+
+def _k(factory: str, *params) -> KernelSpec:
+    return KernelSpec(factory, tuple(params))
+
+
+UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard", "mhc_seam", "linear_split"}
+
+
+def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
+    a, op = node.attrs, node.op
+    ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
+    if op in UNSUPPORTED:
+        raise UsageError(f"the llvm target does not compile op {op!r} yet (qat numerics / fused passes); "
+                         "use --target reference or --numerics exact")
+    if op == "embed":
+        return {"main": _k("embed", *ins[1])}
+    if op == "hc_expand":
+        return {"main": _k("hc_expand", a["hc_mult"], ins[0][1])}
+    if op in ("mhc_pre", "hc_head"):
+        t, n, d = ins[0]
+        mix = ins[1][0]
+        coeffs = _k("mhc_coeffs", n, a["sinkhorn_iters"], a["hc_eps"]) if op == "mhc_pre" else \
+            _k("hc_head_coeffs", n, a["hc_eps"])
+        return {"norm": _k("rmsnorm", n * d, a["norm_eps"], False), "mix": _k("linear", mix, n * d, "fp32"),
+                "coeffs": coeffs, "collapse": _k("hc_collapse", n, d)}
+    if op == "mhc_post":
+        return {"main": _k("mhc_post", ins[1][1], ins[1][2])}
+    if op == "rmsnorm":
+        return {"main": _k("rmsnorm", ins[0][-1], a["eps"], len(ins) == 2)}
+    if op in ("linear", "lm_head"):
+        out_dim, in_dim = ins[1]
+        return {"main": _k("linear", out_dim, in_dim, _dense_quant(a["quant"]))}
+    if op == "reshape":
+        return {}
+    if op == "add":
+        return {"main": _k("add", int(np.prod(ins[0][1:])))}
+    if op == "rope":
+        shape = ins[0]
+        heads = shape[1] if len(shape) == 3 else 1
+        return {"main": _k("rope", heads, shape[-1], a["rope_dim"], a["inverse"])}
+    if op == "kv_write":
+        return {"main": _k("scatter_rows", ins[0][1])}
+    if op == "compress":
+        width, d = ins[0][1], a["head_dim"]
+        return {"ring": _k("ring_gather", width, a["ratio"]), "pool": _k("compress_pool", width, d, a["ratio"],
+                                                                           a["overlap"]),
+                "norm": _k("rmsnorm", d, a["eps"], True), "rope": _k("rope", 1, d, a["rope_dim"], False),
+                "store": _k("scatter_rows", d)}
+    if op == "index_score":
+        return {"main": _k("index_score", ins[0][1], ins[0][2])}
+    if op == "index_topk":
+        return {"main": _k("topk_rows", a["k"])}
+    if op == "sparse_attn":
+        return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"])}
+    if op == "grouped_linear":
+        g, rows_in = a["groups"], ins[1]
+        return {"main": _k("grouped_linear", g, rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]))}
+    if op == "moe_route":
+        e, d = ins[1]
+        out = {"gate": _k("linear", e, d, "fp32"), "scores": _k("route_scores", e),
+               "weights": _k("route_weights", e, a["k"], a["scale"])}
+        if a["mode"] == "hash":
+            out["select"] = _k("hash_ids", ins[2][0], a["k"])
+        else:
+            out.update(bias=_k("add_bias", e), select=_k("topk_rows", a["k"]))
+        return out
+    if op == "experts":
+        e, inter, d = ins[3]
+        return {"main": _k("experts", e, inter, d, ins[1][1], a["limit"], _expert_quant(a["quant"]))}
+    if op == "shared_expert":
+        inter, d = ins[1]
+        q = _dense_quant(a["quant"])
+        return {"up": _k("linear", inter, d, q), "act": _k("swiglu", inter, a["limit"]),
+                "down": _k("linear", d, inter, q)}
+    raise UsageError(f"no llvm lowering for op {op!r}")
+
+
+def _dense_quant(quant: str) -> str:
+    # FP8 blocks stay FP8 (decoded in the kernel); everything else is kept as fp32.
+    return "fp8_b128" if quant == "fp8_b128" else "fp32"
+
+
+def _expert_quant(quant: str) -> str:
+    return "fp4_g32" if quant == "fp4_g32" else "fp32"
+
+
+def kernel_table(program: Program) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
+    """Distinct kernels of the step function, and per node the symbol of each role."""
+    specs: dict[str, KernelSpec] = {}
+    per_node = []
+    for node in program.functions["step"].nodes:
+        roles = node_kernels(node, program.config)
+        for spec in roles.values():
+            specs[spec.symbol] = spec
+        per_node.append({role: spec.symbol for role, spec in roles.items()})
+    return specs, per_node
+
+
+def weight_layout(program: Program, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
+    """Weights as the llvm kernels read them: FP8 128x128 blocks as e4m3 codes + fp32 block
+    scales, FP4 experts packed two per byte + E8M0 scales per 32, tid2eid as int32, the rest
+    fp32. Re-quantizing weights that came from the same format is lossless (power-of-two
+    scales), so a checkpoint's FP8 / FP4 values reach the kernels unchanged."""
+    fmt: dict[str, str] = {}
+    for node in program.functions["step"].nodes:
+        q = node.attrs.get("quant")
+        if node.op in ("linear", "lm_head", "grouped_linear", "shared_expert") and _dense_quant(q or "") == "fp8_b128":
+            for v in node.inputs[1:]:
+                fmt[v.name] = "fp8"
+        if node.op == "experts" and _expert_quant(q) == "fp4_g32":
+            for v in node.inputs[3:]:
+                fmt[v.name] = "fp4"
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, value in weights.items():
+        kind = fmt.get(name)
+        if value.dtype.kind in "iu":
+            out[name] = ("I32", value.astype(np.int32))
+        elif kind == "fp8":
+            codes, scales = lowbit.quantize_fp8_blocks(value, 128, "e8m0")
+            out[name] = ("U8", codes)
+            out[name + ".scale"] = ("F32", lowbit.decode_e8m0(scales).astype(np.float32))
+        elif kind == "fp4":
+            flat = value.reshape(-1, value.shape[-1])
+            packed, scales = lowbit.quantize_fp4_groups(flat, 32)
+            out[name] = ("U8", packed.view(np.uint8).reshape(*value.shape[:-1], -1))
+            out[name + ".scale"] = ("U8", scales.reshape(*value.shape[:-1], -1))
+        else:
+            out[name] = ("F32", np.ascontiguousarray(value, np.float32))
+    return out

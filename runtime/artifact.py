@@ -1,0 +1,99 @@
+"""The artifact directory: what ``dsv4c compile`` writes and the runtime loads.
+
+::
+
+    ART/
+      manifest.json          format version, target, numerics, model description, quant plan,
+                             pool geometry, entry points, TVM version, sha256 of every file
+      weights.safetensors    weights in the target's layout (IR names)
+      kernels.so             compiled kernels (TVM targets only)
+      program.json           the IR program the runtime executes
+      tokenizer.json         copied from the model directory when it has one
+
+Written into a temporary sibling directory and renamed at the end, so an interrupted
+compile leaves no artifact. Loading checks the format version, every file's hash and that
+this host can run the target; any mismatch is an :class:`ArtifactError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from dsv4c.errors import DsvError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(DsvError):
+    """An artifact is missing, tampered with, from another format version, or for another host."""
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextmanager
+def staging(out: str | os.PathLike) -> Iterator[Path]:
+    """A temporary directory that becomes ``out`` only if the block completes."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ArtifactError(f"{out}: already exists; remove it or choose another output path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Hash every file already in ``directory`` and write the manifest last."""
+    files = {p.name: sha256_of(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    full = {"format_version": FORMAT_VERSION, **manifest, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False))
+
+
+def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+    d = Path(directory)
+    path = d / MANIFEST
+    if not d.is_dir():
+        raise ArtifactError(f"{d}: not an artifact directory (run `dsv4c compile` first)")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{d}: no {MANIFEST}; not a dsv4c artifact or an interrupted compile") from None
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: unreadable manifest ({e.__class__.__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        got = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ArtifactError(f"{d}: artifact format version {got!r}, this runtime reads {FORMAT_VERSION}; recompile")
+    if verify:
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            raise ArtifactError(f"{path}: manifest has no file list; recompile")
+        for name, digest in files.items():
+            f = d / name
+            if not f.is_file():
+                raise ArtifactError(f"{d}: file {name} listed in the manifest is missing")
+            if sha256_of(f) != digest:
+                raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
+    return manifest

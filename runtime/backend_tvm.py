@@ -1,0 +1,323 @@
+"""The CPU backend: runs the step program with the compiled kernels of ``kernels.so``.
+
+Tensors live in 64-byte aligned numpy arrays shared zero-copy with TVM (DLPack), so the
+host code that builds row lists and the kernels see the same memory. Host work per step is
+bookkeeping only (which rows a request owns, which windows close); all arithmetic on
+activations, weights and the pool runs in the kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tvm
+
+from dsv4c.errors import UsageError
+from dsv4c.frontend.safetensors_io import SafetensorsFile
+from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.runtime.kv_pool import KVPool, aligned_empty, attention_indices
+
+
+def _tvm(a: np.ndarray):
+    return tvm.runtime.from_dlpack(a)
+
+
+def _aligned_copy(a: np.ndarray) -> np.ndarray:
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
+class TvmBackend:
+    def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool):
+        if pool.geometry.main_storage != "fp32" or pool.geometry.index_storage != "fp32":
+            raise ArtifactError(f"{artifact}: the llvm backend runs fp32 pools (exact numerics) only")
+        self.lib = tvm.runtime.load_module(str(artifact / manifest["kernels"]["library"]))
+        self.per_node = manifest["kernels"]["per_node"]
+        self.program, self.pool, self.cfg = program, pool, program.config
+        with SafetensorsFile(artifact / "weights.safetensors") as st:
+            self.weights = {n: _aligned_copy(st.read_raw(n)) for n in st.names()}
+        self.weight_tensors = {n: _tvm(a) for n, a in self.weights.items()}
+        cfg = self.cfg
+        self.inv_freq = {"main": _aligned_copy(cfg.main_rope.inv_freq(cfg.rope_dim)),
+                         "compress": _aligned_copy(cfg.compress_rope.inv_freq(cfg.rope_dim))}
+        self.layers = {l.index: l for l in cfg.layers}
+        self.plane = pool.planes["kv"]
+        self.plane_t = _tvm(self.plane)
+        self.index_t = _tvm(pool.index_plane)
+        self.state_t = {key: tuple(_tvm(a.reshape(-1, a.shape[-1])) for a in pair) for key, pair in pool.state.items()}
+        self.fns: dict[str, object] = {}
+        self._ones: dict[int, np.ndarray] = {}
+
+    def ones(self, dim: int) -> np.ndarray:
+        """The weight argument of an unweighted rmsnorm kernel (not read by it)."""
+        if dim not in self._ones:
+            self._ones[dim] = _aligned_copy(np.ones(dim, np.float32))
+        return self._ones[dim]
+
+    def _fn(self, symbol: str):
+        if symbol not in self.fns:
+            self.fns[symbol] = self.lib[symbol]
+        return self.fns[symbol]
+
+    def _call(self, symbol: str, *args) -> None:
+        self._fn(symbol)(*[a if not isinstance(a, np.ndarray) else _tvm(a) for a in args])
+
+    def _w(self, v):
+        return self.weights[v.name]
+
+    def _wq(self, v) -> list[np.ndarray]:
+        """A weight and, when it is quantized, its scales (in kernel argument order)."""
+        scale = self.weights.get(v.name + ".scale")
+        return [self.weights[v.name]] if scale is None else [self.weights[v.name], scale]
+
+    # ------------------------------------------------------------------ step
+    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
+        fn = self.program.functions["step"]
+        n = len(tokens)
+        env: dict[int, np.ndarray] = {}
+        for v, arr in zip(fn.inputs, (tokens, positions, seq_ids)):
+            env[id(v)] = _aligned_copy(arr.astype(np.int32))
+        ctx = _StepContext(positions.astype(np.int64), seq_ids.astype(np.int64))
+        for node, roles in zip(fn.nodes, self.per_node):
+            args = [env.get(id(v)) if v.kind != "weight" else None for v in node.inputs]
+            outs = getattr(self, "_op_" + node.op)(node, roles, args, n, ctx)
+            for o, arr in zip(node.outputs, outs):
+                env[id(o)] = arr
+        return env[id(fn.outputs[0])]
+
+    @staticmethod
+    def _out(n: int, *shape, dtype=np.float32) -> np.ndarray:
+        return aligned_empty((n,) + tuple(shape), dtype)
+
+    # ------------------------------------------------------------------ ops
+    def _op_embed(self, node, roles, args, n, ctx):
+        out = self._out(n, node.inputs[1].type.shape[1])
+        self._call(roles["main"], args[0], self._w(node.inputs[1]), out)
+        return [out]
+
+    def _op_hc_expand(self, node, roles, args, n, ctx):
+        out = self._out(n, *node.outputs[0].type.shape[1:])
+        self._call(roles["main"], args[0], out)
+        return [out]
+
+    def _mix(self, node, roles, h, n):
+        t, hc, d = h.shape
+        flat = h.reshape(n, hc * d)
+        normed = self._out(n, hc * d)
+        self._call(roles["norm"], flat, self.ones(hc * d), normed)
+        fn_w, base, scale = (self._w(v) for v in node.inputs[1:4])
+        mix = self._out(n, fn_w.shape[0])
+        self._call(roles["mix"], normed, fn_w, mix)
+        return mix, base, scale
+
+    def _op_mhc_pre(self, node, roles, args, n, ctx):
+        h = args[0]
+        hc, d = h.shape[1], h.shape[2]
+        mix, base, scale = self._mix(node, roles, h, n)
+        pre, post, comb = self._out(n, hc), self._out(n, hc), self._out(n, hc, hc)
+        self._call(roles["coeffs"], mix, base, scale, pre, post, comb)
+        y = self._out(n, d)
+        self._call(roles["collapse"], pre, h, y)
+        return [y, post, comb]
+
+    def _op_hc_head(self, node, roles, args, n, ctx):
+        h = args[0]
+        hc, d = h.shape[1], h.shape[2]
+        mix, base, scale = self._mix(node, roles, h, n)
+        pre = self._out(n, hc)
+        self._call(roles["coeffs"], mix, base, scale, pre)
+        y = self._out(n, d)
+        self._call(roles["collapse"], pre, h, y)
+        return [y]
+
+    def _op_mhc_post(self, node, roles, args, n, ctx):
+        out = self._out(n, *args[1].shape[1:])
+        self._call(roles["main"], args[0], args[1], args[2], args[3], out)
+        return [out]
+
+    def _op_rmsnorm(self, node, roles, args, n, ctx):
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        out = aligned_empty(x.shape, np.float32)
+        w = self._w(node.inputs[1]) if len(node.inputs) == 2 else self.ones(x.shape[-1])
+        self._call(roles["main"], flat, w, out.reshape(flat.shape))
+        return [out]
+
+    def _op_linear(self, node, roles, args, n, ctx):
+        x = args[0]
+        w = self._wq(node.inputs[1])
+        out = aligned_empty(x.shape[:-1] + (w[0].shape[0],), np.float32)
+        self._call(roles["main"], x.reshape(-1, x.shape[-1]), *w, out.reshape(-1, w[0].shape[0]))
+        return [out]
+
+    _op_lm_head = _op_linear
+
+    def _op_reshape(self, node, roles, args, n, ctx):
+        return [args[0].reshape((n,) + tuple(node.attrs["shape"][1:]))]
+
+    def _op_add(self, node, roles, args, n, ctx):
+        out = aligned_empty(args[0].shape, np.float32)
+        self._call(roles["main"], args[0].reshape(n, -1), args[1].reshape(n, -1), out.reshape(n, -1))
+        return [out]
+
+    def _op_rope(self, node, roles, args, n, ctx):
+        x = args[0]
+        out = aligned_empty(x.shape, np.float32)
+        heads = x.shape[1] if x.ndim == 3 else 1
+        self._call(roles["main"], x.reshape(n, heads, x.shape[-1]), args[1], self.inv_freq[node.attrs["rope"]],
+                   out.reshape(n, heads, x.shape[-1]))
+        return [out]
+
+    def _op_grouped_linear(self, node, roles, args, n, ctx):
+        w = self._wq(node.inputs[1])
+        g = node.attrs["groups"]
+        out = self._out(n, g, w[0].shape[0] // g)
+        self._call(roles["main"], args[0], *w, out)
+        return [out]
+
+    def _op_moe_route(self, node, roles, args, n, ctx):
+        gate = self._w(node.inputs[1])
+        k = node.attrs["k"]
+        logits, scores = self._out(n, gate.shape[0]), self._out(n, gate.shape[0])
+        self._call(roles["gate"], args[0], gate, logits)
+        self._call(roles["scores"], logits, scores)
+        ids = self._out(n, k, dtype=np.int32)
+        if node.attrs["mode"] == "hash":
+            self._call(roles["select"], self._w(node.inputs[2]), args[3], ids)
+        else:
+            biased = self._out(n, gate.shape[0])
+            self._call(roles["bias"], scores, self._w(node.inputs[2]), biased)
+            self._call(roles["select"], biased, ids)
+        weights = self._out(n, k)
+        self._call(roles["weights"], scores, ids, weights)
+        return [weights, ids]
+
+    def _op_experts(self, node, roles, args, n, ctx):
+        out = self._out(n, args[0].shape[1])
+        ws = [a for v in node.inputs[3:] for a in self._wq(v)]
+        self._call(roles["main"], args[0], args[1], args[2], *ws, out)
+        return [out]
+
+    def _op_shared_expert(self, node, roles, args, n, ctx):
+        w1, w2, w3 = (self._wq(v) for v in node.inputs[1:])
+        inter = w1[0].shape[0]
+        g, u, h = self._out(n, inter), self._out(n, inter), self._out(n, inter)
+        self._call(roles["up"], args[0], *w1, g)
+        self._call(roles["up"], args[0], *w3, u)
+        self._call(roles["act"], g, u, h)
+        out = self._out(n, args[0].shape[1])
+        self._call(roles["down"], h, *w2, out)
+        return [out]
+
+    # ------------------------------------------------------------------ KV state
+    def _op_kv_write(self, node, roles, args, n, ctx):
+        layer, window = node.attrs["layer"], node.attrs["window"]
+        keep = np.concatenate([idx[-window:] for _, idx, _ in ctx.groups])
+        rows = np.concatenate([self.pool.window_row(seq, layer, ctx.positions[idx[-window:]])
+                               for seq, idx, _ in ctx.groups]).astype(np.int32)
+        self._call(roles["main"], self.plane, _aligned_copy(rows), _aligned_copy(args[0][keep]))
+        return [None]
+
+    def _op_compress(self, node, roles, args, n, ctx):
+        a = node.attrs
+        r, overlap, d = a["ratio"], a["overlap"], a["head_dim"]
+        layer, stream = a["layer"], a["stream"]
+        kv, gate, pos = args[0], args[1], args[4]
+        ape = self._w(node.inputs[2])
+        ring_kv, ring_sc = self.state_t[(layer, stream)]
+        rows_per_slot = self.pool.state[(layer, stream)][0].shape[1]
+        cur = r if overlap else 0
+        windows, entry_pos, entry_rows, prev_src, prev_dst, cur_src, cur_dst = [], [], [], [], [], [], []
+        for seq, idx, p0 in ctx.groups:
+            base = self.pool.requests[seq].slot * rows_per_slot
+            pending = p0 % r
+            # Every row of this request's open windows: ring rows first, then this step's tokens.
+            sources = np.concatenate([-(base + cur + np.arange(pending)) - 1, idx]).astype(np.int64)
+            closed = len(sources) // r
+            if closed:
+                win = sources[:closed * r].reshape(closed, r)
+                if overlap:
+                    prev = np.concatenate([(-(base + np.arange(r)) - 1)[None], win[:-1]])
+                    win = np.concatenate([prev, win], axis=1)
+                    prev_src.append(sources[(closed - 1) * r:closed * r])
+                    prev_dst.append(base + np.arange(r))
+                windows.append(win)
+                first = p0 // r
+                numbers = np.arange(first, first + closed)
+                entry_pos.append(numbers * r)
+                entry_rows.append(self.pool.entry_rows(seq, layer, numbers, index=stream == "index"))
+            # The open window: after a close its rows all come from this step and start at slot 0;
+            # without a close, this step's tokens join it at their slots pos % r.
+            rest = idx[len(idx) - (len(sources) - closed * r):]
+            cur_src.append(rest)
+            cur_dst.append(base + cur + ctx.positions[rest] % r)
+        if windows:
+            src = _aligned_copy(np.concatenate(windows).astype(np.int32))
+            pooled = self._out(len(src), d)
+            self._call(roles["pool"], ring_kv, ring_sc, kv, gate, pos, ape, src, pooled)
+            normed = self._out(len(src), d)
+            self._call(roles["norm"], pooled, self._w(node.inputs[3]), normed)
+            roped = self._out(len(src), d)
+            self._call(roles["rope"], normed.reshape(-1, 1, d), _aligned_copy(np.concatenate(entry_pos).astype(np.int32)),
+                       self.inv_freq["compress"], roped.reshape(-1, 1, d))
+            plane = self.index_t if stream == "index" else self.plane_t
+            self._call(roles["store"], plane, _aligned_copy(np.concatenate(entry_rows).astype(np.int32)), roped)
+        # Ring update after pooling read it: the last closed window becomes the "previous" half
+        # (CSA), then this step's rows of the open window go to their "current" slots.
+        for srcs, dsts in ((prev_src, prev_dst), (cur_src, cur_dst)):
+            if srcs and sum(len(x) for x in srcs):
+                self._call(roles["ring"], ring_kv, ring_sc, kv, gate, pos, ape,
+                           _aligned_copy(np.concatenate(srcs).astype(np.int32)),
+                           _aligned_copy(np.concatenate(dsts).astype(np.int32)))
+        return [None]
+
+    def _op_index_score(self, node, roles, args, n, ctx):
+        layer, ratio = node.attrs["layer"], node.attrs["ratio"]
+        visible = (ctx.positions + 1) // ratio
+        width = int(visible.max(initial=0))
+        rows = np.full((n, width), -1, np.int32)
+        for seq, idx, _ in ctx.groups:
+            count = int(visible[idx].max())
+            if count:
+                phys = self.pool.entry_rows(seq, layer, np.arange(count), index=True)
+                block = np.broadcast_to(phys, (len(idx), count)).copy()
+                block[np.arange(count)[None, :] >= visible[idx][:, None]] = -1
+                rows[idx, :count] = block
+        out = self._out(n, width)
+        if width:
+            self._call(roles["main"], args[0], args[1], self.index_t, _aligned_copy(rows), out)
+        return [out]
+
+    def _op_index_topk(self, node, roles, args, n, ctx):
+        out = self._out(n, node.attrs["k"], dtype=np.int32)
+        if args[0].shape[1] == 0:
+            out[...] = -1
+        else:
+            self._call(roles["main"], args[0], out)
+        return [out]
+
+    def _op_sparse_attn(self, node, roles, args, n, ctx):
+        layer = self.layers[node.attrs["layer"]]
+        topk = args[6] if len(args) > 6 else None
+        indptr, indices = attention_indices(self.pool, layer, ctx.seq_ids, ctx.positions, ctx.step_start, topk)
+        out = self._out(n, *args[0].shape[1:])
+        self._call(roles["main"], args[0], self.plane, args[1], self._w(node.inputs[2]), _aligned_copy(indptr),
+                   _aligned_copy(indices), out)
+        return [out]
+
+
+class _StepContext:
+    """Per-step bookkeeping shared by the stateful ops: each request's token indices and first position."""
+
+    def __init__(self, positions: np.ndarray, seq_ids: np.ndarray):
+        self.positions, self.seq_ids = positions, seq_ids
+        self.groups = []
+        self.step_start = np.empty_like(positions)
+        for seq in dict.fromkeys(seq_ids.tolist()):
+            idx = np.nonzero(seq_ids == seq)[0]
+            if np.any(np.diff(idx) != 1) or np.any(np.diff(positions[idx]) != 1):
+                raise UsageError(f"request {seq}: its tokens must be contiguous in the step, at consecutive positions")
+            self.groups.append((seq, idx, int(positions[idx[0]])))
+            self.step_start[idx] = positions[idx[0]]

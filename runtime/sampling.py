@@ -1,0 +1,52 @@
+"""Token sampling: greedy, temperature and nucleus (top-p), reproducible per request seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dsv4c.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise UsageError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = self.params
+        if p.greedy:
+            return int(np.argmax(logits))  # the lowest id wins ties
+        z = logits.astype(np.float64) / p.temperature
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        if p.top_p < 1:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p)) + 1]  # smallest set reaching top_p
+            mask = np.zeros_like(probs)
+            mask[keep] = probs[keep]
+            probs = mask / mask.sum()
+        return int(self.rng.choice(len(probs), p=probs))
