@@ -250,7 +250,7 @@ class TvmBackend:
                 entry_rows.append(self.pool.entry_rows(seq, layer, numbers, index=stream == "index"))
             # The open window: after a close its rows all come from this step and start at slot 0;
             # without a close, this step's tokens join it at their slots pos % r.
-            rest = idx[len(idx) - (len(sources) - closed * r):]
+            rest = idx[max(0, closed * r - pending):]
             cur_src.append(rest)
             cur_dst.append(base + cur + ctx.positions[rest] % r)
         if windows:

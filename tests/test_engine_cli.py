@@ -1,0 +1,126 @@
+"""Artifacts, the engine's request handling and the generate / compile command lines."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dsv4c.cli import main as cli
+from dsv4c.codegen import compile as compile_mod
+from dsv4c.codegen.compile import compile_model
+from dsv4c.errors import UsageError
+from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    assert cli(["make-tiny", "--out", str(root / "model"), "--seed", "1"]) == 0
+    assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "cpu")]) == 0
+    assert cli(["compile", "--model", str(root / "model"), "--target", "reference", "-o", str(root / "ref")]) == 0
+    return root
+
+
+def _one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dsv4c: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_generate_prints_ids_and_saves_logits(tiny, capsys):
+    out = tiny / "logits.npy"
+    assert cli(["generate", str(tiny / "cpu"), "--token-ids", "5,6,7,8", "--max-new-tokens", "6", "--greedy",
+                "--logits-out", str(out)]) == 0
+    ids = [int(t) for t in capsys.readouterr().out.split()]
+    assert len(ids) == 6
+    logits = np.load(out)
+    assert logits.shape == (4 + 6, 512) and logits.dtype == np.float32
+    # Greedy: each generated id is the argmax of the previous position's logits.
+    assert [int(np.argmax(logits[3 + i])) for i in range(6)] == ids
+    # Same tokens through the reference backend, and with the prompt chunked.
+    assert cli(["generate", str(tiny / "ref"), "--token-ids", "5,6,7,8", "--max-new-tokens", "6"]) == 0
+    assert [int(t) for t in capsys.readouterr().out.split()] == ids
+    assert cli(["generate", str(tiny / "cpu"), "--token-ids", "5,6,7,8", "--max-new-tokens", "6",
+                "--prefill-chunk", "3"]) == 0
+    assert [int(t) for t in capsys.readouterr().out.split()] == ids
+
+
+def test_sampling_is_reproducible_per_seed(tiny, capsys):
+    args = ["generate", str(tiny / "cpu"), "--token-ids", "1,2,3", "--max-new-tokens", "12", "--temperature",
+            "1.5", "--top-p", "0.9"]
+    runs = []
+    for seed in ("4", "4", "5"):
+        assert cli(args + ["--seed", seed]) == 0
+        runs.append(capsys.readouterr().out.split())
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_stop_tokens_and_streaming(tiny):
+    engine = Engine(tiny / "cpu")
+    full = engine.generate([3, 4, 5], SamplingParams(max_new_tokens=10)).tokens
+    seen = []
+    stopped = engine.generate([3, 4, 5], SamplingParams(max_new_tokens=10, stop_token_ids=(full[3],)),
+                              on_token=lambda rid, tok: seen.append(tok)).tokens
+    assert stopped == full[:full.index(full[3]) + 1] == seen
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--token-ids", "1,99999", "--max-new-tokens", "2"], "outside the vocabulary"),
+    (["--prompt", "hello", "--max-new-tokens", "2"], "tokenizer.json"),
+    (["--token-ids", "1,2", "--max-new-tokens", "2", "--greedy", "--temperature", "0.5"], "--greedy"),
+    (["--token-ids", "1,2", "--max-new-tokens", "2", "--temperature", "0.5", "--top-p", "1.5"], "top_p"),
+])
+def test_generate_user_errors_are_one_line(tiny, capsys, argv, fragment):
+    assert cli(["generate", str(tiny / "cpu")] + argv) == 2
+    assert fragment in _one_line_error(capsys)
+
+
+def test_missing_and_tampered_artifacts_are_refused(tiny, tmp_path, capsys):
+    assert cli(["generate", str(tmp_path / "nothing"), "--token-ids", "1", "--max-new-tokens", "1"]) == 2
+    assert "not an artifact" in _one_line_error(capsys)
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny / "cpu", copy)
+    with open(copy / "weights.safetensors", "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x01\x02\x03")
+    with pytest.raises(ArtifactError, match="sha256"):
+        Engine(copy)
+    manifest = json.loads((tiny / "cpu" / "manifest.json").read_text())
+    manifest["format_version"] = 999
+    shutil.rmtree(copy)
+    shutil.copytree(tiny / "cpu", copy)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="format version"):
+        Engine(copy)
+
+
+def test_interrupted_compile_leaves_nothing(tiny, tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dsv4c.codegen.build.build_kernels", boom)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(str(tiny / "model"), "llvm", tmp_path / "art", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_refuses_existing_output_and_weightless_presets(tiny, capsys):
+    assert cli(["compile", "--model", str(tiny / "model"), "--target", "llvm", "-o", str(tiny / "cpu")]) == 2
+    assert "already exists" in _one_line_error(capsys)
+    assert cli(["compile", "--model", "pro", "--target", "reference", "-o", str(tiny / "pro")]) == 2
+    assert "--no-weights" in _one_line_error(capsys)
+
+
+def test_engine_api_errors(tiny):
+    engine = Engine(tiny / "ref")
+    with pytest.raises(UsageError, match="empty"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(UsageError):
+        SamplingParams(max_new_tokens=-1)
+    with pytest.raises(UsageError, match="max_context"):
+        engine.submit([1] * 10, SamplingParams(max_new_tokens=10**6))
