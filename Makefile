@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/dsv4c make-tiny --out $(DEMO)/tiny-model --seed 0
-	$(BIN)/dsv4c trace --model $(DEMO)/tiny-model > $(DEMO)/tiny.ir
-	@echo "traced IR: $(DEMO)/tiny.ir ($$(wc -l < $(DEMO)/tiny.ir) lines)"
+	$(BIN)/dsv4c compile --model $(DEMO)/tiny-model --target llvm -o $(DEMO)/tiny-llvm
+	$(BIN)/dsv4c inspect $(DEMO)/tiny-model --target llvm
+	$(BIN)/dsv4c generate $(DEMO)/tiny-llvm --token-ids 1,2,3,4,5,6,7,8 --max-new-tokens 16 --greedy
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
