@@ -93,8 +93,12 @@ def _cmd_inspect(args) -> int:
 
 def _cmd_compile(args) -> int:
     from dsv4c.codegen.compile import compile_model
+    from dsv4c.passes.pipeline import PipelineOptions
 
-    compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights)
+    passes = PipelineOptions(disable=set(args.disable_pass or ()), print_ir_after_all=args.print_ir_after_all,
+                             print_ir_after=set(args.print_ir_after or ()), verbose=args.verbose)
+    compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights,
+                  passes=passes)
     return 0
 
 
@@ -168,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="artifact directory to create")
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
+    p.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (stderr)")
+    p.add_argument("--print-ir-after", action="append", metavar="PASS", help="print the IR after this pass")
+    p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip this pass")
+    p.add_argument("--verbose", action="store_true", help="per-pass timing and op counts")
     p.set_defaults(run=_cmd_compile)
 
     p = sub.add_parser("generate", help="generate tokens with a compiled artifact")

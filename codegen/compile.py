@@ -17,6 +17,8 @@ from dsv4c.frontend.safetensors_io import write_safetensors
 from dsv4c.frontend.trace import trace
 from dsv4c.ir.core import Program
 from dsv4c.ir.serialize import program_to_json
+from dsv4c.passes.merge_projections import base_weight_names, materialize_weights
+from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.artifact import staging, write_manifest
 from dsv4c.runtime.kv_pool import PoolGeometry
@@ -25,9 +27,10 @@ TARGETS = ("reference", "llvm", "sm90", "gfx942", "gfx950")
 
 
 def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: bool, progress: bool):
+    """Checkpoint weights by their IR names (routed experts stacked), or None."""
     if no_weights:
         return None
-    names = {w for f in program.functions.values() for w in f.weights}
+    names = base_weight_names(program)
     if Path(model).is_dir():
         return load_weights(cfg, model, names, progress=progress)
     if model == "tiny":
@@ -43,21 +46,23 @@ def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: boo
             else:
                 out[name] = value
         out.update({k: np.stack(v) for k, v in stacked.items()})
-        return out
+        return {k: v for k, v in out.items() if k in names}
     raise UsageError(f"model {model!r} has no weights here; pass a model directory, or --no-weights to compile "
                      "the structure only")
 
 
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
-                  progress: bool | None = None, log=print) -> Path:
+                  progress: bool | None = None, log=print, passes: PipelineOptions | None = None) -> Path:
     if target not in TARGETS:
         raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
-    program = trace(cfg, numerics)
+    program = run_pipeline(trace(cfg, numerics), passes)
     plan = plan_for(cfg, target, numerics)
     geometry = PoolGeometry.build(cfg, plan)
     weights = _weights_for(cfg, model, program, no_weights, progress)
+    if weights is not None:
+        weights = materialize_weights(program, weights)
     with staging(out) as tmp:
         if weights is not None:
             if target == "reference":

@@ -259,87 +259,141 @@ def swiglu(dim: int, limit: float):
 # --------------------------------------------------------------------------- mHC
 
 
-def mhc_coeffs(hc: int, iters: int, eps: float):
-    """pre / post / Sinkhorn-normalised comb of each token from its mixes [N, (2+hc)*hc]; fp32."""
-    mix = (2 + hc) * hc
+def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool):
+    """One launch per mHC seam. ``with_post`` first forms the streams h' = post * out + comb^T h
+    of the finished sub-layer; then (mhc_pre) the next sub-layer's pre / post / Sinkhorn comb
+    are computed from rmsnorm(h') @ fn^T and h' is collapsed with pre; ``head`` computes the
+    hc_head's pre only. Per token, everything stays in fp32."""
+    flat = hc * dim
+    mix = hc if head else (2 + hc) * hc
+    n_scale = 1 if head else 3
 
-    @T.prim_func
-    def f(m: T.handle, base: T.handle, scale: T.handle, pre: T.handle, post: T.handle, comb: T.handle):
-        n = T.int32()
-        M = T.match_buffer(m, (n, mix), F32)
-        BASE = T.match_buffer(base, (mix,), F32)
-        SCALE = T.match_buffer(scale, (3,), F32)
-        PRE = T.match_buffer(pre, (n, hc), F32)
-        POST = T.match_buffer(post, (n, hc), F32)
-        COMB = T.match_buffer(comb, (n, hc, hc), F32)
-        for t in T.parallel(n):
-            c = T.alloc_buffer((hc, hc), F32, scope="local")
-            acc = T.alloc_buffer((1,), F32, scope="local")
+    @T.macro
+    def streams(O, H, POST, COMB, H_OUT, t):
+        for k in range(hc):
+            for d in range(dim):
+                H_OUT[t, k, d] = POST[t, k] * O[t, d]
+                for j in range(hc):
+                    H_OUT[t, k, d] = H_OUT[t, k, d] + COMB[t, j, k] * H[t, j, d]
+
+    @T.macro
+    def coefficients(SRC, FN, BASE, SCALE, Y, PRE_OUT, POST_OUT, COMB_OUT, t):
+        acc = T.alloc_buffer((2,), F32, scope="local")
+        m = T.alloc_buffer((mix,), F32, scope="local")
+        pre = T.alloc_buffer((hc,), F32, scope="local")
+        c = T.alloc_buffer((hc, hc), F32, scope="local")
+        acc[0] = T.float32(0)
+        for i in range(flat):
+            acc[0] = acc[0] + SRC[t, i // dim, i % dim] * SRC[t, i // dim, i % dim]
+        acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(flat) + T.float32(norm_eps))
+        for r in range(mix):
+            acc[1] = T.float32(0)
+            for i in range(flat):
+                acc[1] = acc[1] + SRC[t, i // dim, i % dim] * FN[r, i]
+            m[r] = acc[1] * acc[0]
+        for j in range(hc):
+            pre[j] = T.float32(1) / (T.float32(1) + T.exp(-(m[j] * SCALE[0] + BASE[j]))) + T.float32(hc_eps)
+        if not head:
             for j in range(hc):
-                PRE[t, j] = T.float32(1) / (T.float32(1) + T.exp(-(M[t, j] * SCALE[0] + BASE[j]))) + T.float32(eps)
-                POST[t, j] = T.float32(2) / (T.float32(1) + T.exp(-(M[t, hc + j] * SCALE[1] + BASE[hc + j])))
-            for r in range(hc):  # softmax over each row, + eps
+                POST_OUT[t, j] = T.float32(2) / (T.float32(1) + T.exp(-(m[hc + j] * SCALE[1] + BASE[hc + j])))
+            for r in range(hc):  # row softmax + eps
                 acc[0] = T.float32(NEG_INF)
                 for k in range(hc):
-                    acc[0] = T.max(acc[0], M[t, 2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k])
+                    acc[0] = T.max(acc[0], m[2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k])
+                acc[1] = T.float32(0)
                 for k in range(hc):
-                    c[r, k] = T.exp(M[t, 2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k] - acc[0])
-                acc[0] = T.float32(0)
+                    c[r, k] = T.exp(m[2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k] - acc[0])
+                    acc[1] = acc[1] + c[r, k]
                 for k in range(hc):
-                    acc[0] = acc[0] + c[r, k]
-                for k in range(hc):
-                    c[r, k] = c[r, k] / acc[0] + T.float32(eps)
-            for k in range(hc):  # column normalise
-                acc[0] = T.float32(0)
-                for r in range(hc):
-                    acc[0] = acc[0] + c[r, k]
-                for r in range(hc):
-                    c[r, k] = c[r, k] / (acc[0] + T.float32(eps))
-            for _it in range(iters - 1):
-                for r in range(hc):
-                    acc[0] = T.float32(0)
+                    c[r, k] = c[r, k] / acc[1] + T.float32(hc_eps)
+            for it in range(2 * iters - 1):  # columns first, then rows / columns alternately
+                if it % 2 == 0:
                     for k in range(hc):
-                        acc[0] = acc[0] + c[r, k]
-                    for k in range(hc):
-                        c[r, k] = c[r, k] / (acc[0] + T.float32(eps))
-                for k in range(hc):
-                    acc[0] = T.float32(0)
+                        acc[0] = T.float32(0)
+                        for r in range(hc):
+                            acc[0] = acc[0] + c[r, k]
+                        for r in range(hc):
+                            c[r, k] = c[r, k] / (acc[0] + T.float32(hc_eps))
+                else:
                     for r in range(hc):
-                        acc[0] = acc[0] + c[r, k]
-                    for r in range(hc):
-                        c[r, k] = c[r, k] / (acc[0] + T.float32(eps))
+                        acc[0] = T.float32(0)
+                        for k in range(hc):
+                            acc[0] = acc[0] + c[r, k]
+                        for k in range(hc):
+                            c[r, k] = c[r, k] / (acc[0] + T.float32(hc_eps))
             for r in range(hc):
                 for k in range(hc):
-                    COMB[t, r, k] = c[r, k]
-    return f
-
-
-def hc_head_coeffs(hc: int, eps: float):
-    @T.prim_func
-    def f(m: T.handle, base: T.handle, scale: T.handle, pre: T.handle):
-        n = T.int32()
-        M = T.match_buffer(m, (n, hc), F32)
-        BASE = T.match_buffer(base, (hc,), F32)
-        SCALE = T.match_buffer(scale, (1,), F32)
-        PRE = T.match_buffer(pre, (n, hc), F32)
-        for t in T.parallel(n):
+                    COMB_OUT[t, r, k] = c[r, k]
+        for d in range(dim):
+            acc[1] = T.float32(0)
             for j in range(hc):
-                PRE[t, j] = T.float32(1) / (T.float32(1) + T.exp(-(M[t, j] * SCALE[0] + BASE[j]))) + T.float32(eps)
-    return f
+                acc[1] = acc[1] + pre[j] * SRC[t, j, d]
+            Y[t, d] = acc[1]
 
+    if with_post and not head:
+        @T.prim_func
+        def f(o: T.handle, h: T.handle, post: T.handle, comb: T.handle, fn: T.handle, base: T.handle,
+              scale: T.handle, h_out: T.handle, y: T.handle, post_out: T.handle, comb_out: T.handle):
+            n = T.int32()
+            O = T.match_buffer(o, (n, dim), F32)
+            H = T.match_buffer(h, (n, hc, dim), F32)
+            POST = T.match_buffer(post, (n, hc), F32)
+            COMB = T.match_buffer(comb, (n, hc, hc), F32)
+            FN = T.match_buffer(fn, (mix, flat), F32)
+            BASE = T.match_buffer(base, (mix,), F32)
+            SCALE = T.match_buffer(scale, (n_scale,), F32)
+            H_OUT = T.match_buffer(h_out, (n, hc, dim), F32)
+            Y = T.match_buffer(y, (n, dim), F32)
+            POST_OUT = T.match_buffer(post_out, (n, hc), F32)
+            COMB_OUT = T.match_buffer(comb_out, (n, hc, hc), F32)
+            for t in T.parallel(n):
+                streams(O, H, POST, COMB, H_OUT, t)
+                coefficients(H_OUT, FN, BASE, SCALE, Y, Y, POST_OUT, COMB_OUT, t)
+        return f
+    if with_post:
+        @T.prim_func
+        def f(o: T.handle, h: T.handle, post: T.handle, comb: T.handle, fn: T.handle, base: T.handle,
+              scale: T.handle, h_out: T.handle, y: T.handle):
+            n = T.int32()
+            O = T.match_buffer(o, (n, dim), F32)
+            H = T.match_buffer(h, (n, hc, dim), F32)
+            POST = T.match_buffer(post, (n, hc), F32)
+            COMB = T.match_buffer(comb, (n, hc, hc), F32)
+            FN = T.match_buffer(fn, (mix, flat), F32)
+            BASE = T.match_buffer(base, (mix,), F32)
+            SCALE = T.match_buffer(scale, (n_scale,), F32)
+            H_OUT = T.match_buffer(h_out, (n, hc, dim), F32)
+            Y = T.match_buffer(y, (n, dim), F32)
+            for t in T.parallel(n):
+                streams(O, H, POST, COMB, H_OUT, t)
+                coefficients(H_OUT, FN, BASE, SCALE, Y, Y, Y, Y, t)
+        return f
+    if not head:
+        @T.prim_func
+        def f(h: T.handle, fn: T.handle, base: T.handle, scale: T.handle, y: T.handle, post_out: T.handle,
+              comb_out: T.handle):
+            n = T.int32()
+            H = T.match_buffer(h, (n, hc, dim), F32)
+            FN = T.match_buffer(fn, (mix, flat), F32)
+            BASE = T.match_buffer(base, (mix,), F32)
+            SCALE = T.match_buffer(scale, (n_scale,), F32)
+            Y = T.match_buffer(y, (n, dim), F32)
+            POST_OUT = T.match_buffer(post_out, (n, hc), F32)
+            COMB_OUT = T.match_buffer(comb_out, (n, hc, hc), F32)
+            for t in T.parallel(n):
+                coefficients(H, FN, BASE, SCALE, Y, Y, POST_OUT, COMB_OUT, t)
+        return f
 
-def hc_collapse(hc: int, dim: int):
     @T.prim_func
-    def f(pre: T.handle, h: T.handle, out: T.handle):
+    def f(h: T.handle, fn: T.handle, base: T.handle, scale: T.handle, y: T.handle):
         n = T.int32()
-        PRE = T.match_buffer(pre, (n, hc), F32)
         H = T.match_buffer(h, (n, hc, dim), F32)
-        OUT = T.match_buffer(out, (n, dim), F32)
+        FN = T.match_buffer(fn, (mix, flat), F32)
+        BASE = T.match_buffer(base, (mix,), F32)
+        SCALE = T.match_buffer(scale, (n_scale,), F32)
+        Y = T.match_buffer(y, (n, dim), F32)
         for t in T.parallel(n):
-            for d in range(dim):
-                OUT[t, d] = T.float32(0)
-                for j in range(hc):
-                    OUT[t, d] = OUT[t, d] + PRE[t, j] * H[t, j, d]
+            coefficients(H, FN, BASE, SCALE, Y, Y, Y, Y, t)
     return f
 
 

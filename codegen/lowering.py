@@ -32,7 +32,7 @@ def _k(factory: str, *params) -> KernelSpec:
     return KernelSpec(factory, tuple(params))
 
 
-UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard", "mhc_seam", "linear_split"}
+UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard"}
 
 
 def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
@@ -45,18 +45,16 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
         return {"main": _k("embed", *ins[1])}
     if op == "hc_expand":
         return {"main": _k("hc_expand", a["hc_mult"], ins[0][1])}
-    if op in ("mhc_pre", "hc_head"):
-        t, n, d = ins[0]
-        mix = ins[1][0]
-        coeffs = _k("mhc_coeffs", n, a["sinkhorn_iters"], a["hc_eps"]) if op == "mhc_pre" else \
-            _k("hc_head_coeffs", n, a["hc_eps"])
-        return {"norm": _k("rmsnorm", n * d, a["norm_eps"], False), "mix": _k("linear", mix, n * d, "fp32"),
-                "coeffs": coeffs, "collapse": _k("hc_collapse", n, d)}
+    if op in ("mhc_pre", "hc_head", "mhc_seam", "mhc_post_head"):
+        h = ins[0] if op in ("mhc_pre", "hc_head") else ins[1]
+        iters = a.get("sinkhorn_iters", 0)
+        return {"main": _k("mhc", h[1], h[2], iters, a["hc_eps"], a["norm_eps"], op in ("mhc_seam", "mhc_post_head"),
+                           op in ("hc_head", "mhc_post_head"))}
     if op == "mhc_post":
         return {"main": _k("mhc_post", ins[1][1], ins[1][2])}
     if op == "rmsnorm":
         return {"main": _k("rmsnorm", ins[0][-1], a["eps"], len(ins) == 2)}
-    if op in ("linear", "lm_head"):
+    if op in ("linear", "lm_head", "linear_split"):
         out_dim, in_dim = ins[1]
         return {"main": _k("linear", out_dim, in_dim, _dense_quant(a["quant"]))}
     if op == "reshape":
@@ -133,7 +131,7 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray]) -> dict[str,
     fmt: dict[str, str] = {}
     for node in program.functions["step"].nodes:
         q = node.attrs.get("quant")
-        if node.op in ("linear", "lm_head", "grouped_linear", "shared_expert") and _dense_quant(q or "") == "fp8_b128":
+        if node.op in ("linear", "linear_split", "lm_head", "grouped_linear", "shared_expert") and _dense_quant(q or "") == "fp8_b128":
             for v in node.inputs[1:]:
                 fmt[v.name] = "fp8"
         if node.op == "experts" and _expert_quant(q) == "fp4_g32":

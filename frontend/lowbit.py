@@ -302,3 +302,12 @@ def f32_from_bf16_bits(bits) -> np.ndarray:
 def bf16_roundtrip(x) -> np.ndarray:
     """float32 values rounded to bfloat16 (nearest even) and back."""
     return f32_from_bf16_bits(bf16_bits_from_f32(x))
+
+
+def e4m3fn_to_fnuz(codes) -> np.ndarray:
+    """Re-encode OCP e4m3fn bytes as e4m3fnuz for gfx942: the same bits are worth half there
+    (bias 8), so callers keep the bits and double the block scale. -0 (0x80) is NaN in fnuz
+    and becomes +0; the fn NaNs (0x7F, 0xFF) become the fnuz NaN 0x80."""
+    codes = np.asarray(codes, np.uint8)
+    out = np.where(codes == 0x80, np.uint8(0), codes)
+    return np.where((codes & 0x7F) == 0x7F, np.uint8(0x80), out).astype(np.uint8)

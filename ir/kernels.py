@@ -310,6 +310,9 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
         return (h,) + mhc_pre(h, *args[4:], a["hc_mult"], a["sinkhorn_iters"], a["hc_eps"], a["norm_eps"])
     if op == "hc_head":
         return hc_head(*args, a["hc_mult"], a["hc_eps"], a["norm_eps"])
+    if op == "mhc_post_head":
+        h = mhc_post(*args[:4])
+        return h, hc_head(h, *args[4:], a["hc_mult"], a["hc_eps"], a["norm_eps"])
     if op == "rmsnorm":
         return rmsnorm(args[0], args[1] if len(args) > 1 else None, a["eps"])
     if op in ("linear", "lm_head"):

@@ -128,6 +128,13 @@ def _mhc_seam(ins, attrs):
     return [h_new] + _mhc_pre([h_new] + ins[4:], attrs)
 
 
+@_op("mhc_post_head", attrs=("hc_mult", "hc_eps", "norm_eps"), arity=(7,))
+def _mhc_post_head(ins, attrs):
+    """The last mhc_post folded into hc_head: (h', y)."""
+    h_new = _mhc_post(ins[:4], attrs)[0]
+    return [h_new] + _hc_head([h_new] + ins[4:], attrs)
+
+
 @_op("hc_head", attrs=("hc_mult", "hc_eps", "norm_eps"), arity=(4,))
 def _hc_head(ins, attrs):
     h = _float(ins[0], "hc_head streams", 3)

@@ -67,11 +67,12 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact") -> QuantPla
         raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)} (or reference)")
     fnuz = target == "gfx942"
     fp8 = "fp8_fnuz" if fnuz else "fp8"
-    blocks = WeightLayout(fp8, (128, 128), "fp32" if fnuz else "e8m0", "bf16" if target != "llvm" else "fp32")
+    # gfx942 keeps the e4m3fn bits and doubles the (still power-of-two) scale.
+    blocks = WeightLayout(fp8, (128, 128), "e8m0", "bf16" if target != "llvm" else "fp32")
     if target == "gfx950":
         expert = WeightLayout("fp4", (1, 32), "e8m0", "fp4")  # native MX FP4 math
     elif target == "gfx942":
-        expert = WeightLayout(fp8, (128, 128), "fp32", "bf16")  # no FP4 math: re-encoded as FP8 fnuz
+        expert = WeightLayout(fp8, (128, 128), "e8m0", "bf16")  # no FP4 math: re-encoded as FP8 fnuz
     else:
         expert = WeightLayout("fp4", (1, 32), "e8m0", "bf16" if target == "sm90" else "fp32")  # dequant in kernel
     compute = "fp32" if target in ("llvm", "reference") else "bf16"

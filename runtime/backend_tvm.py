@@ -102,35 +102,29 @@ class TvmBackend:
         self._call(roles["main"], args[0], out)
         return [out]
 
-    def _mix(self, node, roles, h, n):
-        t, hc, d = h.shape
-        flat = h.reshape(n, hc * d)
-        normed = self._out(n, hc * d)
-        self._call(roles["norm"], flat, self.ones(hc * d), normed)
-        fn_w, base, scale = (self._w(v) for v in node.inputs[1:4])
-        mix = self._out(n, fn_w.shape[0])
-        self._call(roles["mix"], normed, fn_w, mix)
-        return mix, base, scale
-
     def _op_mhc_pre(self, node, roles, args, n, ctx):
         h = args[0]
-        hc, d = h.shape[1], h.shape[2]
-        mix, base, scale = self._mix(node, roles, h, n)
-        pre, post, comb = self._out(n, hc), self._out(n, hc), self._out(n, hc, hc)
-        self._call(roles["coeffs"], mix, base, scale, pre, post, comb)
-        y = self._out(n, d)
-        self._call(roles["collapse"], pre, h, y)
+        y, post, comb = self._out(n, h.shape[2]), self._out(n, h.shape[1]), self._out(n, h.shape[1], h.shape[1])
+        self._call(roles["main"], h, *(self._w(v) for v in node.inputs[1:4]), y, post, comb)
         return [y, post, comb]
 
     def _op_hc_head(self, node, roles, args, n, ctx):
-        h = args[0]
-        hc, d = h.shape[1], h.shape[2]
-        mix, base, scale = self._mix(node, roles, h, n)
-        pre = self._out(n, hc)
-        self._call(roles["coeffs"], mix, base, scale, pre)
-        y = self._out(n, d)
-        self._call(roles["collapse"], pre, h, y)
+        y = self._out(n, args[0].shape[2])
+        self._call(roles["main"], args[0], *(self._w(v) for v in node.inputs[1:4]), y)
         return [y]
+
+    def _op_mhc_seam(self, node, roles, args, n, ctx):
+        h = args[1]
+        outs = [aligned_empty(h.shape, np.float32), self._out(n, h.shape[2]), self._out(n, h.shape[1]),
+                self._out(n, h.shape[1], h.shape[1])]
+        self._call(roles["main"], *args[:4], *(self._w(v) for v in node.inputs[4:7]), *outs)
+        return outs
+
+    def _op_mhc_post_head(self, node, roles, args, n, ctx):
+        h = args[1]
+        outs = [aligned_empty(h.shape, np.float32), self._out(n, h.shape[2])]
+        self._call(roles["main"], *args[:4], *(self._w(v) for v in node.inputs[4:7]), *outs)
+        return outs
 
     def _op_mhc_post(self, node, roles, args, n, ctx):
         out = self._out(n, *args[1].shape[1:])
@@ -153,6 +147,11 @@ class TvmBackend:
         return [out]
 
     _op_lm_head = _op_linear
+
+    def _op_linear_split(self, node, roles, args, n, ctx):
+        (y,) = self._op_linear(node, roles, args, n, ctx)
+        bounds = np.cumsum(node.attrs["sizes"])[:-1]
+        return [_aligned_copy(part) for part in np.split(y, bounds, axis=-1)]
 
     def _op_reshape(self, node, roles, args, n, ctx):
         return [args[0].reshape((n,) + tuple(node.attrs["shape"][1:]))]
