@@ -228,6 +228,39 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
     return f
 
 
+def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool):
+    """rmsnorm over each head's ``dim`` channels (times w when weighted), then the GPT-J rotation
+    of the trailing ``rope_dim`` channels at the token's position."""
+    half = rope_dim // 2
+    nope = dim - rope_dim
+
+    @T.prim_func
+    def f(x: T.handle, w: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, heads, dim), F32)
+        W = T.match_buffer(w, (dim,), F32)
+        POS = T.match_buffer(pos, (n,), "int32")
+        INV = T.match_buffer(inv, (half,), F32)
+        OUT = T.match_buffer(out, (n, heads, dim), F32)
+        for i in T.parallel(n):
+            acc = T.alloc_buffer((1,), F32, scope="local")
+            for h in range(heads):
+                acc[0] = T.float32(0)
+                for j in range(dim):
+                    acc[0] = acc[0] + X[i, h, j] * X[i, h, j]
+                acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(dim) + T.float32(eps))
+                for j in range(nope):
+                    OUT[i, h, j] = X[i, h, j] * acc[0] * T.if_then_else(weighted, W[j], T.float32(1))
+                for p in range(half):
+                    ang = T.Cast(F32, POS[i]) * INV[p]
+                    a = X[i, h, nope + 2 * p] * acc[0] * T.if_then_else(weighted, W[nope + 2 * p], T.float32(1))
+                    b = X[i, h, nope + 2 * p + 1] * acc[0] * T.if_then_else(weighted, W[nope + 2 * p + 1],
+                                                                             T.float32(1))
+                    OUT[i, h, nope + 2 * p] = a * T.cos(ang) - b * T.sin(ang)
+                    OUT[i, h, nope + 2 * p + 1] = b * T.cos(ang) + a * T.sin(ang)
+    return f
+
+
 def add(dim: int):
     @T.prim_func
     def f(a: T.handle, b: T.handle, out: T.handle):

@@ -65,6 +65,10 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
         shape = ins[0]
         heads = shape[1] if len(shape) == 3 else 1
         return {"main": _k("rope", heads, shape[-1], a["rope_dim"], a["inverse"])}
+    if op == "rmsnorm_rope":
+        shape = ins[0]
+        heads = shape[1] if len(shape) == 3 else 1
+        return {"main": _k("rmsnorm_rope", heads, shape[-1], a["rope_dim"], a["eps"], len(ins) == 3)}
     if op == "kv_write":
         return {"main": _k("scatter_rows", ins[0][1])}
     if op == "compress":

@@ -326,6 +326,9 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
         return (args[0] + args[1]).astype(F32)
     if op == "rope":
         return rope(args[0], args[1], ctx.inv_freq(a["rope"]), a["rope_dim"], a["inverse"])
+    if op == "rmsnorm_rope":
+        x = rmsnorm(args[0], args[1] if len(args) == 3 else None, a["eps"])
+        return rope(x, args[-1], ctx.inv_freq(a["rope"]), a["rope_dim"], False)
     if op == "fp8_roundtrip":
         return fp8_roundtrip(args[0], a["block"], a["channels"])
     if op == "fp4_roundtrip":

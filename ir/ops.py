@@ -210,6 +210,13 @@ def _rope(ins, attrs):
     return [x]
 
 
+@_op("rmsnorm_rope", attrs=("eps", "rope", "rope_dim"), arity=(2, 3))
+def _rmsnorm_rope(ins, attrs):
+    """rmsnorm (weighted when given a weight) then rope at the token positions, one pass over x."""
+    (x,) = _rmsnorm(ins[:-1], attrs)
+    return _rope([x, ins[-1]], {**attrs, "inverse": False})
+
+
 # Quantization round trips of the official QAT reference (numerics="qat").
 @_op("fp8_roundtrip", attrs=("block", "channels"), arity=(1,))
 def _fp8_rt(ins, attrs):

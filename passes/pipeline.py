@@ -17,6 +17,7 @@ from dsv4c.errors import UsageError
 from dsv4c.ir.core import Program, format_program
 from dsv4c.ir.verify import verify
 from dsv4c.passes.fuse_mhc import fuse_mhc_seams
+from dsv4c.passes.fuse_norm_rope import fuse_norm_rope
 from dsv4c.passes.merge_projections import merge_projections
 from dsv4c.passes.cleanup import eliminate_dead_code
 
@@ -33,6 +34,7 @@ PIPELINE: tuple[Pass, ...] = (
          "mhc_post of a sub-layer + mhc_pre of the next -> mhc_seam; the last post + hc_head -> mhc_post_head"),
     Pass("merge-projections", merge_projections,
          "linears reading the same input with the same storage -> one linear_split over concatenated weights"),
+    Pass("fuse-norm-rope", fuse_norm_rope, "rmsnorm read only by a rope -> rmsnorm_rope (one pass over memory)"),
     Pass("dead-code", eliminate_dead_code, "drop nodes whose results nothing uses (effects are kept)"),
 )
 PASS_NAMES = tuple(p.name for p in PIPELINE)

@@ -169,6 +169,15 @@ class TvmBackend:
                    out.reshape(n, heads, x.shape[-1]))
         return [out]
 
+    def _op_rmsnorm_rope(self, node, roles, args, n, ctx):
+        x = args[0]
+        heads = x.shape[1] if x.ndim == 3 else 1
+        w = self._w(node.inputs[1]) if len(node.inputs) == 3 else self.ones(x.shape[-1])
+        out = aligned_empty(x.shape, np.float32)
+        self._call(roles["main"], x.reshape(n, heads, x.shape[-1]), w, args[-1], self.inv_freq[node.attrs["rope"]],
+                   out.reshape(n, heads, x.shape[-1]))
+        return [out]
+
     def _op_grouped_linear(self, node, roles, args, n, ctx):
         w = self._wq(node.inputs[1])
         g = node.attrs["groups"]

@@ -18,6 +18,7 @@ from dsv4c.ir.interpreter import Interpreter
 from dsv4c.ir.verify import verify
 from dsv4c.passes.cleanup import eliminate_dead_code
 from dsv4c.passes.fuse_mhc import fuse_mhc_seams
+from dsv4c.passes.fuse_norm_rope import fuse_norm_rope
 from dsv4c.passes.merge_projections import materialize_weights, merge_projections
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import TARGETS, plan_for
@@ -95,7 +96,7 @@ def _logits(program, weights, tokens, chunks):
 
 
 @pytest.mark.parametrize("pass_fn, exact", [(fuse_mhc_seams, True), (merge_projections, False),
-                                            (eliminate_dead_code, True)])
+                                            (fuse_norm_rope, True), (eliminate_dead_code, True)])
 def test_each_pass_preserves_logits(model, pass_fn, exact):
     cfg, weights = model
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 80)
@@ -128,7 +129,7 @@ def test_pass_manager_options():
     assert "linear_split" not in str(program)
     stream = io.StringIO()
     run_pipeline(trace(preset("tiny")), PipelineOptions(print_ir_after_all=True, stream=stream))
-    assert stream.getvalue().count("// ----- IR after") == 3
+    assert stream.getvalue().count("// ----- IR after") == 4
     with pytest.raises(UsageError, match="unknown pass"):
         run_pipeline(trace(preset("tiny")), PipelineOptions(disable={"no-such-pass"}))
 
@@ -173,3 +174,13 @@ def test_inspect_plan_and_json_keys(capsys):
     assert cli(["inspect", "pro", "--target", "gfx950", "--plan"]) == 0
     out = capsys.readouterr().out
     assert "fp4" in out and "Hadamard" in out
+
+
+def test_norm_rope_fusion_covers_queries_and_kv():
+    program = fuse_norm_rope(trace(preset("flash")))
+    verify(program)
+    counts = program.functions["step"].op_counts()
+    layers = preset("flash").num_layers
+    # per layer: the query heads and the window KV row; the indexer queries have no norm.
+    assert counts["rmsnorm_rope"] == 2 * layers
+    assert counts["rope"] == layers + sum(l.has_indexer for l in preset("flash").layers)  # inverse + index q
