@@ -14,8 +14,13 @@ from dsv4c.errors import UsageError
 from dsv4c.ir.core import Program
 
 
-def llvm_target() -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+def host_cpu() -> str:
+    """LLVM's name for this machine's CPU (e.g. znver4): kernels use its vector width."""
+    return tvm.target.codegen.llvm_get_system_cpu()
+
+
+def llvm_target(mcpu: str | None = None) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu or host_cpu(), "num-cores": os.cpu_count() or 1})
 
 
 def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False) -> dict:

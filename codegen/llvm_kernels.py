@@ -60,38 +60,79 @@ def decode_e8m0(code):
 # --------------------------------------------------------------------------- GEMM / GEMV
 
 
-def _schedule_matmul(func, block: str, out_dim: int):
-    """Parallel over output rows x column tiles, vectorised over a column tile: enough to make
-    decode GEMVs bandwidth-bound and prefill GEMMs reuse the weight tile across rows."""
+GEMM_ROWS = 8  # prefill GEMMs run on row blocks of 8 (the runtime pads the rows)
+
+
+def column_tile(out_dim: int) -> int:
+    """Output columns per weight tile: weights are stored as [out / tile, in, tile] so that a
+    thread streams one contiguous tile (the compile-time layout for these kernels)."""
+    return next(t for t in (64, 16, 8, 1) if out_dim % t == 0)
+
+
+def _schedule_matmul(func, block: str, out_dim: int, gemv: bool):
+    """CPU schedules over a weight stored transposed ([in, out], contiguous along out).
+
+    GEMV (decode, a few rows): bandwidth-bound, so stream the weight once: parallel over
+    64-wide output tiles, vectorised along the contiguous output axis. GEMM (prefill): 8-row x
+    64-column register tiles (accumulated in a local cache) over 256-deep k blocks, so each
+    weight tile is reused by 8 rows; the rows arrive padded to blocks of 8 because TVM cannot
+    cache-write a tile of a symbolic extent."""
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock(block)
-    n, o, k = sch.get_loops(blk)
-    tile = 16 if out_dim % 16 == 0 else 1
-    oo, oi = sch.split(o, [None, tile])
-    sch.reorder(oo, n, k, oi)
-    sch.parallel(oo)
-    if tile > 1:
-        sch.vectorize(oi)
-    sch.decompose_reduction(blk, k)
+    nb = column_tile(out_dim)
+    if gemv:
+        i, j, k = sch.get_loops(blk)
+        jo, ji = sch.split(j, [None, nb])
+        ko, ki = sch.split(k, [None, 4])
+        sch.reorder(jo, i, ko, ki, ji)
+        sch.parallel(jo)
+        sch.unroll(ki)
+        cw = sch.cache_write(blk, 0, "local")
+        sch.reverse_compute_at(cw, i)
+        reduction_root = ko
+    else:
+        b, r, j, k = sch.get_loops(blk)
+        jo, ji = sch.split(j, [None, nb])
+        ko, ki = sch.split(k, [None, 256])
+        sch.reorder(jo, b, ko, ki, r, ji)
+        cw = sch.cache_write(blk, 0, "local")
+        sch.reverse_compute_at(cw, b)
+        sch.parallel(jo)
+        sch.unroll(r)
+        reduction_root = ko
+    if nb > 1:
+        sch.vectorize(ji)
+        sch.vectorize(sch.get_loops(cw)[-1])
+    sch.decompose_reduction(blk, reduction_root)
     return sch.mod["main"]
 
 
-def linear(out_dim: int, in_dim: int, quant: str):
-    """y[N, O] = x[N, I] @ W.T, W fp32 [O, I] or FP8 codes [O, I] with fp32 128x128 block scales."""
-    n = te.var("N")
-    x = te.placeholder((n, in_dim), F32, name="x")
-    k = te.reduce_axis((0, in_dim), "k")
-    if quant == "fp8_b128":
-        w = te.placeholder((out_dim, in_dim), "uint8", name="w")
-        s = te.placeholder((-(-out_dim // 128), -(-in_dim // 128)), F32, name="s")
-        y = te.compute((n, out_dim), lambda i, o: te.sum(
-            x[i, k] * decode_e4m3fn(w[o, k]) * s[o // 128, k // 128], axis=k), name="y")
-        args = [x, w, s, y]
+def linear(out_dim: int, in_dim: int, quant: str, gemv: bool):
+    """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32, or FP8 e4m3
+    codes with their 128x128 block scales expanded per column and tiled the same way,
+    [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales).
+    GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8)."""
+    if gemv:
+        n = te.var("N")
+        rows = (n,)
     else:
-        w = te.placeholder((out_dim, in_dim), F32, name="w")
-        y = te.compute((n, out_dim), lambda i, o: te.sum(x[i, k] * w[o, k], axis=k), name="y")
-        args = [x, w, y]
-    return _schedule_matmul(te.create_prim_func(args), "y", out_dim)
+        n = te.var("B")
+        rows = (n, GEMM_ROWS)
+    x = te.placeholder(rows + (in_dim,), F32, name="x")
+    k = te.reduce_axis((0, in_dim), "k")
+    tile = column_tile(out_dim)
+    if quant == "fp8_b128":
+        w = te.placeholder((out_dim // tile, in_dim, tile), "uint8", name="w")
+        s = te.placeholder((out_dim // tile, -(-in_dim // 128), tile), F32, name="s")
+        weight = lambda kk, o: decode_e4m3fn(w[o // tile, kk, o % tile]) * s[o // tile, kk // 128, o % tile]  # noqa: E731
+        args = [x, w, s]
+    else:
+        w = te.placeholder((out_dim // tile, in_dim, tile), F32, name="w")
+        weight = lambda kk, o: w[o // tile, kk, o % tile]  # noqa: E731
+        args = [x, w]
+    y = te.compute(rows + (out_dim,), lambda *idx: te.sum(x[idx[:-1] + (k,)] * weight(k, idx[-1]), axis=k),
+                   name="y")
+    return _schedule_matmul(te.create_prim_func(args + [y]), "y", out_dim, gemv)
 
 
 def grouped_linear(groups: int, rank: int, in_dim: int, quant: str):

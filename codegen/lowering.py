@@ -55,8 +55,7 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
     if op == "rmsnorm":
         return {"main": _k("rmsnorm", ins[0][-1], a["eps"], len(ins) == 2)}
     if op in ("linear", "lm_head", "linear_split"):
-        out_dim, in_dim = ins[1]
-        return {"main": _k("linear", out_dim, in_dim, _dense_quant(a["quant"]))}
+        return _matmul("", *ins[1], _dense_quant(a["quant"]))
     if op == "reshape":
         return {}
     if op == "add":
@@ -88,7 +87,7 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
         return {"main": _k("grouped_linear", g, rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]))}
     if op == "moe_route":
         e, d = ins[1]
-        out = {"gate": _k("linear", e, d, "fp32"), "scores": _k("route_scores", e),
+        out = {**_matmul("gate_", e, d, "fp32"), "scores": _k("route_scores", e),
                "weights": _k("route_weights", e, a["k"], a["scale"])}
         if a["mode"] == "hash":
             out["select"] = _k("hash_ids", ins[2][0], a["k"])
@@ -101,9 +100,14 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
     if op == "shared_expert":
         inter, d = ins[1]
         q = _dense_quant(a["quant"])
-        return {"up": _k("linear", inter, d, q), "act": _k("swiglu", inter, a["limit"]),
-                "down": _k("linear", d, inter, q)}
+        return {**_matmul("up_", inter, d, q), "act": _k("swiglu", inter, a["limit"]), **_matmul("down_", d, inter, q)}
     raise UsageError(f"no llvm lowering for op {op!r}")
+
+
+def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str) -> dict[str, KernelSpec]:
+    """A weight's two matmul kernels: GEMV for decode-sized steps, GEMM (8-row blocks) for prefill."""
+    return {f"{prefix}gemv": _k("linear", out_dim, in_dim, quant, True),
+            f"{prefix}gemm": _k("linear", out_dim, in_dim, quant, False)}
 
 
 def _dense_quant(quant: str) -> str:
@@ -128,33 +132,50 @@ def kernel_table(program: Program) -> tuple[dict[str, KernelSpec], list[dict[str
 
 
 def weight_layout(program: Program, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
-    """Weights as the llvm kernels read them: FP8 128x128 blocks as e4m3 codes + fp32 block
-    scales, FP4 experts packed two per byte + E8M0 scales per 32, tid2eid as int32, the rest
-    fp32. Re-quantizing weights that came from the same format is lossless (power-of-two
-    scales), so a checkpoint's FP8 / FP4 values reach the kernels unchanged."""
-    fmt: dict[str, str] = {}
+    """Weights as the llvm kernels read them. Matmul weights are stored in column tiles
+    ``[out / tile, in, tile]`` (see ``llvm_kernels.linear``); FP8 128x128 blocks as e4m3 codes
+    with their scales expanded per column and tiled alike; FP4 experts packed two per byte +
+    E8M0 scales per 32; tid2eid as int32; everything else fp32. Re-quantizing weights that
+    came from the same format is lossless (power-of-two scales), so a checkpoint's FP8 / FP4
+    values reach the kernels unchanged."""
+    from dsv4c.codegen.llvm_kernels import column_tile
+
+    matmul, fp8, fp4 = set(), set(), set()
     for node in program.functions["step"].nodes:
-        q = node.attrs.get("quant")
-        if node.op in ("linear", "linear_split", "lm_head", "grouped_linear", "shared_expert") and _dense_quant(q or "") == "fp8_b128":
-            for v in node.inputs[1:]:
-                fmt[v.name] = "fp8"
+        q = node.attrs.get("quant") or ""
+        reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
+                 "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4]}.get(node.op, [])
+        matmul.update(v.name for v in reads)
+        if node.op != "moe_route" and _dense_quant(q) == "fp8_b128":
+            fp8.update(v.name for v in reads)
+        if node.op == "grouped_linear" and _dense_quant(q) == "fp8_b128":
+            fp8.add(node.inputs[1].name)
         if node.op == "experts" and _expert_quant(q) == "fp4_g32":
-            for v in node.inputs[3:]:
-                fmt[v.name] = "fp4"
+            fp4.update(v.name for v in node.inputs[3:])
+
+    def tiles(a: np.ndarray) -> np.ndarray:
+        t = column_tile(a.shape[0])
+        return np.ascontiguousarray(a.reshape(a.shape[0] // t, t, a.shape[1]).transpose(0, 2, 1))
+
     out: dict[str, tuple[str, np.ndarray]] = {}
     for name, value in weights.items():
-        kind = fmt.get(name)
         if value.dtype.kind in "iu":
             out[name] = ("I32", value.astype(np.int32))
-        elif kind == "fp8":
+        elif name in fp8:
             codes, scales = lowbit.quantize_fp8_blocks(value, 128, "e8m0")
-            out[name] = ("U8", codes)
-            out[name + ".scale"] = ("F32", lowbit.decode_e8m0(scales).astype(np.float32))
-        elif kind == "fp4":
+            scale = lowbit.decode_e8m0(scales).astype(np.float32)
+            if name in matmul:
+                per_column = np.repeat(scale, 128, axis=0)[:value.shape[0]]
+                out[name], out[name + ".scale"] = ("U8", tiles(codes)), ("F32", tiles(per_column))
+            else:
+                out[name], out[name + ".scale"] = ("U8", codes), ("F32", scale)
+        elif name in fp4:
             flat = value.reshape(-1, value.shape[-1])
             packed, scales = lowbit.quantize_fp4_groups(flat, 32)
             out[name] = ("U8", packed.view(np.uint8).reshape(*value.shape[:-1], -1))
             out[name + ".scale"] = ("U8", scales.reshape(*value.shape[:-1], -1))
+        elif name in matmul:
+            out[name] = ("F32", tiles(np.asarray(value, np.float32)))
         else:
             out[name] = ("F32", np.ascontiguousarray(value, np.float32))
     return out

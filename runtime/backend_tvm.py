@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import tvm
 
+from dsv4c.codegen.llvm_kernels import GEMM_ROWS
 from dsv4c.errors import UsageError
 from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.runtime.artifact import ArtifactError
-from dsv4c.runtime.kv_pool import KVPool, aligned_empty, attention_indices
+from dsv4c.runtime.kv_pool import KVPool, aligned_empty, aligned_zeros, attention_indices
+
+GEMV_MAX_ROWS = 4  # steps with more tokens than this take the prefill GEMM
 
 
 def _tvm(a: np.ndarray):
@@ -139,12 +142,27 @@ class TvmBackend:
         self._call(roles["main"], flat, w, out.reshape(flat.shape))
         return [out]
 
+    def _matmul(self, roles, prefix: str, x: np.ndarray, weight) -> np.ndarray:
+        """y = x @ W.T through the GEMV kernel for decode-sized steps, else the 8-row-block GEMM."""
+        w = self._wq(weight)
+        rows = x.shape[0]
+        out_dim = w[0].shape[0] * w[0].shape[2]
+        if rows <= GEMV_MAX_ROWS:
+            y = aligned_empty((rows, out_dim), np.float32)
+            self._call(roles[prefix + "gemv"], x, *w, y)
+            return y
+        blocks = -(-rows // GEMM_ROWS)
+        padded = aligned_zeros((blocks * GEMM_ROWS, x.shape[1]), np.float32)
+        padded[:rows] = x
+        y = aligned_empty((blocks * GEMM_ROWS, out_dim), np.float32)
+        self._call(roles[prefix + "gemm"], padded.reshape(blocks, GEMM_ROWS, -1), *w,
+                   y.reshape(blocks, GEMM_ROWS, out_dim))
+        return y[:rows]
+
     def _op_linear(self, node, roles, args, n, ctx):
         x = args[0]
-        w = self._wq(node.inputs[1])
-        out = aligned_empty(x.shape[:-1] + (w[0].shape[0],), np.float32)
-        self._call(roles["main"], x.reshape(-1, x.shape[-1]), *w, out.reshape(-1, w[0].shape[0]))
-        return [out]
+        y = self._matmul(roles, "", x.reshape(-1, x.shape[-1]), node.inputs[1])
+        return [y.reshape(x.shape[:-1] + (y.shape[-1],))]
 
     _op_lm_head = _op_linear
 
@@ -186,16 +204,15 @@ class TvmBackend:
         return [out]
 
     def _op_moe_route(self, node, roles, args, n, ctx):
-        gate = self._w(node.inputs[1])
         k = node.attrs["k"]
-        logits, scores = self._out(n, gate.shape[0]), self._out(n, gate.shape[0])
-        self._call(roles["gate"], args[0], gate, logits)
+        logits = self._matmul(roles, "gate_", args[0], node.inputs[1])
+        scores = self._out(n, logits.shape[1])
         self._call(roles["scores"], logits, scores)
         ids = self._out(n, k, dtype=np.int32)
         if node.attrs["mode"] == "hash":
             self._call(roles["select"], self._w(node.inputs[2]), args[3], ids)
         else:
-            biased = self._out(n, gate.shape[0])
+            biased = self._out(n, logits.shape[1])
             self._call(roles["bias"], scores, self._w(node.inputs[2]), biased)
             self._call(roles["select"], biased, ids)
         weights = self._out(n, k)
@@ -209,15 +226,11 @@ class TvmBackend:
         return [out]
 
     def _op_shared_expert(self, node, roles, args, n, ctx):
-        w1, w2, w3 = (self._wq(v) for v in node.inputs[1:])
-        inter = w1[0].shape[0]
-        g, u, h = self._out(n, inter), self._out(n, inter), self._out(n, inter)
-        self._call(roles["up"], args[0], *w1, g)
-        self._call(roles["up"], args[0], *w3, u)
-        self._call(roles["act"], g, u, h)
-        out = self._out(n, args[0].shape[1])
-        self._call(roles["down"], h, *w2, out)
-        return [out]
+        gate = self._matmul(roles, "up_", args[0], node.inputs[1])
+        up = self._matmul(roles, "up_", args[0], node.inputs[3])
+        act = self._out(n, gate.shape[1])
+        self._call(roles["act"], gate, up, act)
+        return [self._matmul(roles, "down_", act, node.inputs[2])]
 
     # ------------------------------------------------------------------ KV state
     def _op_kv_write(self, node, roles, args, n, ctx):

@@ -1,0 +1,113 @@
+// dsv4c C++ runtime: load a compiled CPU artifact and generate tokens, no Python involved.
+//
+//   dsv4c::Engine engine("/path/to/artifact");              // verify, load kernels + weights, make the pool
+//   int64_t id = engine.submit({1, 2, 3}, {/*max_new_tokens=*/8});
+//   engine.run();                                           // or: while (engine.step()) {...}
+//   dsv4c::Result r = engine.result(id);                    // r.tokens
+//
+// The engine is the C++ twin of dsv4c.runtime.engine.Engine with the llvm backend
+// (runtime/backend_tvm.py): it calls the same kernels of kernels.so with the same arguments in
+// the same order, so tokens are identical and logits equal to the Python runtime's (bit for bit
+// when both hosts compute the same rope frequencies; see docs/cpp_host.md). Sampling is greedy
+// (argmax, the lowest id wins ties).
+//
+// Errors: every user error is a dsv4c::Error subclass (errors.h) whose what() is the message the
+// Python runtime gives for the same mistake. A tvm::ffi::Error from inside a kernel means a bug.
+//
+// Ownership: an Engine owns everything it loads (the kernel library, the weights, the KV pool);
+// Results are plain values owned by the caller. Engines are movable, not copyable.
+//
+// Thread-safety: an Engine is not thread-safe; use one Engine per thread (or guard it with a
+// mutex). Distinct Engines share nothing but the read-only artifact files and may run
+// concurrently. Token callbacks run on the thread that calls step() / run().
+#ifndef DSV4C_RUNTIME_H_
+#define DSV4C_RUNTIME_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dsv4c/errors.h"
+#include "dsv4c/kv_pool.h"
+
+namespace dsv4c {
+
+/// Scheduling limits (Python: Engine(...) keyword arguments, same defaults).
+struct EngineOptions {
+  int64_t max_step_tokens = 512;  // tokens per step, decodes first, then prefill chunks
+  int64_t prefill_chunk = 0;      // at most this many prompt tokens per step; 0: no limit
+  int64_t max_requests = 8;       // requests in the pool at once (later ones wait)
+  int64_t max_context = 4096;     // prompt + new tokens of one request; sizes the pool
+};
+
+/// What to generate for one request (greedy decoding).
+struct GenerationParams {
+  int64_t max_new_tokens = 32;
+  std::vector<int32_t> stop_token_ids;  // stop after generating any of these
+  bool record_logits = false;           // keep the logits of every token fed (see Result)
+};
+
+/// Called with (request id, token id) as soon as a token is generated.
+using TokenCallback = std::function<void(int64_t, int32_t)>;
+
+struct Result {
+  std::vector<int32_t> tokens;  // the generated ids
+  /// With record_logits: row-major float32 [rows, vocab_size], one row per token fed (the
+  /// prompt, then every generated token, the last one included), as `dsv4c generate
+  /// --logits-out` saves them. Empty otherwise.
+  std::vector<float> logits;
+  int64_t rows = 0;
+};
+
+class Engine {
+ public:
+  /// Loads the artifact directory written by `dsv4c compile --target llvm`: checks the format
+  /// version and the sha256 of every file, loads kernels.so through the TVM runtime and the
+  /// weights, and allocates the KV pool for `options`. Throws ArtifactError / CheckpointError /
+  /// UsageError with the Python runtime's messages.
+  explicit Engine(const std::string& artifact, const EngineOptions& options = {});
+  ~Engine();
+  Engine(Engine&&) noexcept;
+  Engine& operator=(Engine&&) noexcept;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Queues a request and returns its id (0, 1, 2, ... per engine). Nothing runs until step().
+  /// Throws UsageError for an empty prompt, an id outside the vocabulary, a negative
+  /// max_new_tokens or prompt + max_new_tokens > max_context. `on_token` may be empty.
+  int64_t submit(const std::vector<int32_t>& prompt, const GenerationParams& params,
+                 TokenCallback on_token = nullptr);
+
+  /// Runs one step of the compiled step function over a batch: one decode token of every running
+  /// request, then prefill chunks of waiting ones, within max_step_tokens. Admits requests to the
+  /// pool and frees finished ones. Returns false when there was nothing to run.
+  /// Throws PoolExhausted when the pool cannot hold the batch.
+  bool step();
+  /// step() until every submitted request has finished.
+  void run();
+
+  bool finished(int64_t request) const;
+  /// Tokens generated so far (valid until the next step() or result()).
+  const std::vector<int32_t>& tokens(int64_t request) const;
+  /// The request's tokens and logits; forgets the request. Call it once the request finished.
+  Result result(int64_t request);
+  /// submit + run + result.
+  Result generate(const std::vector<int32_t>& prompt, const GenerationParams& params,
+                  TokenCallback on_token = nullptr);
+
+  int64_t vocab_size() const;
+  /// The artifact path as messages spell it (normalised like Python's pathlib).
+  const std::string& path() const;
+  /// The KV pool (read-only: the engine admits, grows and frees requests itself).
+  const KVPool& pool() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsv4c
+
+#endif  // DSV4C_RUNTIME_H_

@@ -1,0 +1,25 @@
+// Reading an artifact directory: paths as Python prints them, manifest.json and its checks
+// (Python: dsv4c/runtime/artifact.py, same messages).
+#ifndef DSV4C_SRC_ARTIFACT_H_
+#define DSV4C_SRC_ARTIFACT_H_
+
+#include <string>
+
+#include "json.h"
+
+namespace dsv4c {
+
+inline constexpr int64_t kFormatVersion = 1;
+
+/// `path` as str(pathlib.Path(path)) spells it: "." parts, repeated and trailing slashes dropped.
+std::string python_path(const std::string& path);
+/// str(Path(dir) / name).
+std::string join_path(const std::string& dir, const std::string& name);
+
+/// The manifest of artifact `directory`, checked: a directory, a readable manifest, format version
+/// 1 and, with `verify`, every listed file present with its sha256. Throws ArtifactError.
+json::Fields read_manifest(const std::string& directory, bool verify = true);
+
+}  // namespace dsv4c
+
+#endif  // DSV4C_SRC_ARTIFACT_H_

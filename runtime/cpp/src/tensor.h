@@ -1,0 +1,88 @@
+// Host tensors handed to the kernels as DLTensor: 64-byte aligned, contiguous, shared storage.
+// Reshapes are views of the same storage (like numpy reshape of a contiguous array).
+#ifndef DSV4C_SRC_TENSOR_H_
+#define DSV4C_SRC_TENSOR_H_
+
+#include <dlpack/dlpack.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <vector>
+
+namespace dsv4c {
+
+inline constexpr DLDataType kF32{kDLFloat, 32, 1};
+inline constexpr DLDataType kI32{kDLInt, 32, 1};
+
+struct Tensor {
+  std::shared_ptr<void> data;  // null: no tensor (a weight or state operand)
+  DLDataType dtype = kF32;
+  std::vector<int64_t> shape;
+
+  /// Uninitialised storage on a 64-byte boundary.
+  static Tensor empty(std::vector<int64_t> shape, DLDataType dtype = kF32) {
+    Tensor t{nullptr, dtype, std::move(shape)};
+    size_t bytes = std::max<size_t>(64, (t.nbytes() + 63) / 64 * 64);
+    void* p = std::aligned_alloc(64, bytes);
+    if (!p) throw std::bad_alloc();
+    t.data.reset(p, std::free);
+    return t;
+  }
+
+  /// A view of memory someone else owns (the KV pool's planes).
+  static Tensor borrow(void* data, std::vector<int64_t> shape, DLDataType dtype = kF32) {
+    return Tensor{std::shared_ptr<void>(data, [](void*) {}), dtype, std::move(shape)};
+  }
+
+  /// A 1-d int32 copy of host bookkeeping (row lists, positions).
+  static Tensor int32(const std::vector<int64_t>& values) { return int32(values, {static_cast<int64_t>(values.size())}); }
+  static Tensor int32(const std::vector<int64_t>& values, std::vector<int64_t> shape) {
+    Tensor t = empty(std::move(shape), kI32);
+    for (size_t i = 0; i < values.size(); ++i) t.ptr<int32_t>()[i] = static_cast<int32_t>(values[i]);
+    return t;
+  }
+
+  bool defined() const { return data != nullptr; }
+  int64_t ndim() const { return static_cast<int64_t>(shape.size()); }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * (dtype.bits / 8) * dtype.lanes; }
+  template <class T>
+  T* ptr() const {
+    return static_cast<T*>(data.get());
+  }
+
+  /// The same storage under another shape; one dimension may be -1 (inferred).
+  Tensor reshape(std::vector<int64_t> to) const {
+    int64_t known = 1, inferred = -1;
+    for (size_t i = 0; i < to.size(); ++i) {
+      if (to[i] < 0) {
+        inferred = static_cast<int64_t>(i);
+      } else {
+        known *= to[i];
+      }
+    }
+    if (inferred >= 0) to[inferred] = known ? numel() / known : 0;
+    Tensor t{data, dtype, std::move(to)};
+    if (t.numel() != numel()) throw std::logic_error("reshape changes the element count");
+    return t;
+  }
+
+  /// The DLTensor the kernels receive; valid while this Tensor lives.
+  DLTensor dl() const {
+    return DLTensor{data.get(), DLDevice{kDLCPU, 0}, static_cast<int32_t>(shape.size()), dtype,
+                    const_cast<int64_t*>(shape.data()), nullptr, 0};
+  }
+};
+
+}  // namespace dsv4c
+
+#endif  // DSV4C_SRC_TENSOR_H_
