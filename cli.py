@@ -102,6 +102,45 @@ def _cmd_compile(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from pathlib import Path
+
+    from dsv4c.errors import UsageError
+    from dsv4c.frontend.config import resolve_model
+    from dsv4c.frontend.trace import trace
+
+    if args.format != "onnx":
+        raise UsageError(f"unknown export format {args.format!r}; formats: onnx")
+    if args.target is not None and not args.after_passes:
+        raise UsageError("--target only applies with --after-passes (the traced program is the same for every target)")
+    if args.with_weights and not Path(args.model).is_dir():
+        raise UsageError(f"--with-weights needs a model directory (e.g. from `dsv4c make-tiny`), got {args.model!r}")
+    from dsv4c.ir.onnx_io import write_onnx  # a one-line error where onnx is not installed
+
+    cfg = resolve_model(args.model)
+    program, stage = trace(cfg, args.numerics), "traced"
+    if args.after_passes:
+        from dsv4c.codegen.compile import TARGETS
+        from dsv4c.passes.pipeline import run_pipeline
+
+        target = args.target or "llvm"
+        if target not in TARGETS:
+            raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+        # The pipeline is the same for every target today; the target is recorded with the stage.
+        program, stage = run_pipeline(program), f"after passes for {target}"
+    weights = None
+    if args.with_weights:
+        from dsv4c.frontend.checkpoint import load_weights
+        from dsv4c.passes.merge_projections import base_weight_names, materialize_weights
+
+        base = load_weights(cfg, args.model, base_weight_names(program), progress=sys.stderr.isatty())
+        weights = materialize_weights(program, base)
+    out = write_onnx(program, args.output, weights, stage)
+    extra = f", weights in {out.name}.data" if weights is not None else ""
+    print(f"exported {cfg.name} ({stage}, {args.numerics}) to {out}{extra}")
+    return 0
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
@@ -177,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip this pass")
     p.add_argument("--verbose", action="store_true", help="per-pass timing and op counts")
     p.set_defaults(run=_cmd_compile)
+
+    p = sub.add_parser("export", help="write the program (step + MTP) as an ONNX graph for Netron and ONNX tooling")
+    p.add_argument("--model", required=True, help="model directory, config.json, or preset (pro, flash, tiny)")
+    p.add_argument("--format", required=True, help="output format: onnx")
+    p.add_argument("--after-passes", action="store_true", help="export after the target's pass pipeline")
+    p.add_argument("--target", help="target whose pipeline --after-passes runs (default llvm)")
+    p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--with-weights", action="store_true",
+                   help="also write the model directory's weights as ONNX external data (<output>.data)")
+    p.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    p.set_defaults(run=_cmd_export)
 
     p = sub.add_parser("generate", help="generate tokens with a compiled artifact")
     p.add_argument("artifact", help="artifact directory written by `dsv4c compile`")
