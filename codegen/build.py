@@ -37,7 +37,8 @@ def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False)
         factory = getattr(llvm_kernels, spec.factory)
         funcs[symbol] = factory(*spec.params).with_attr("global_symbol", symbol)
     start = time.perf_counter()
-    executable = tvm.compile(tvm.IRModule(funcs), target=llvm_target())
+    mcpu = host_cpu()
+    executable = tvm.compile(tvm.IRModule(funcs), target=llvm_target(mcpu))
     executable.export_library(str(out_dir / "kernels.so"))
-    return {"library": "kernels.so", "count": len(funcs), "build_seconds": round(time.perf_counter() - start, 2),
+    return {"library": "kernels.so", "mcpu": mcpu, "count": len(funcs), "build_seconds": round(time.perf_counter() - start, 2),
             "per_node": per_node}

@@ -107,7 +107,11 @@ def _schedule_matmul(func, block: str, out_dim: int, gemv: bool):
     return sch.mod["main"]
 
 
-def linear(out_dim: int, in_dim: int, quant: str, gemv: bool):
+# Kernels built with TE as compute definitions: CPU schedules them here, GPU targets with dlight.
+COMPUTE_DEFINITIONS = frozenset({"linear", "grouped_linear", "experts_up", "experts_down"})
+
+
+def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = True):
     """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32, or FP8 e4m3
     codes with their 128x128 block scales expanded per column and tiled the same way,
     [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales).
@@ -132,10 +136,11 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool):
         args = [x, w]
     y = te.compute(rows + (out_dim,), lambda *idx: te.sum(x[idx[:-1] + (k,)] * weight(k, idx[-1]), axis=k),
                    name="y")
-    return _schedule_matmul(te.create_prim_func(args + [y]), "y", out_dim, gemv)
+    func = te.create_prim_func(args + [y])
+    return _schedule_matmul(func, "y", out_dim, gemv) if schedule else func
 
 
-def grouped_linear(groups: int, rank: int, in_dim: int, quant: str):
+def grouped_linear(groups: int, rank: int, in_dim: int, quant: str, schedule: bool = True):
     """y[N, G, R] = x[N, G, I] @ W[g].T with W [G*R, I] (fp32 or FP8 blocks)."""
     n = te.var("N")
     x = te.placeholder((n, groups, in_dim), F32, name="x")
@@ -151,6 +156,8 @@ def grouped_linear(groups: int, rank: int, in_dim: int, quant: str):
         w = te.placeholder((rows, in_dim), F32, name="w")
         y = te.compute((n, groups, rank), lambda i, g, r: te.sum(x[i, g, k] * w[g * rank + r, k], axis=k), name="y")
         args = [x, w, y]
+    if not schedule:
+        return te.create_prim_func(args)
     sch = s_tir.Schedule(te.create_prim_func(args))
     i, g, r, kk = sch.get_loops(sch.get_sblock("y"))
     sch.reorder(g, i, r, kk)
@@ -158,36 +165,35 @@ def grouped_linear(groups: int, rank: int, in_dim: int, quant: str):
     return sch.mod["main"]
 
 
-def experts(n_experts: int, inter: int, dim: int, k_sel: int, limit: float, quant: str):
-    """Routed experts: out[t] = sum_j w[t,j] * W2[e] @ (silu(min(W1[e] y, L)) * clamp(W3[e] y, -L, L)),
-    e = ids[t, j]; W1/W3 [E, I, D], W2 [E, D, I]; FP4 weights are packed [.., cols/2] with E8M0
-    scales per 32 columns."""
+def _expert_weights(n_experts: int, rows: int, cols: int, quant: str, name: str):
+    """Placeholders of one stacked expert projection [E, rows, cols] and its element reader:
+    fp32, or FP4 packed two per byte ([E, rows, cols/2]) with E8M0 scales per 32 columns."""
+    if quant == "fp4_g32":
+        w = te.placeholder((n_experts, rows, cols // 2), "uint8", name=name)
+        s = te.placeholder((n_experts, rows, cols // 32), "uint8", name=name + "_scale")
+
+        def read(e, r, c):
+            return decode_e2m1((_u(w[e, r, c // 2]) >> ((c % 2) * 4)) & 15) * decode_e8m0(s[e, r, c // 32])
+
+        return [w, s], read
+    w = te.placeholder((n_experts, rows, cols), F32, name=name)
+    return [w], lambda e, r, c: w[e, r, c]
+
+
+def _parallel_rows(func, blocks: list[str]):
+    sch = s_tir.Schedule(func)
+    for name in blocks:
+        sch.parallel(sch.get_loops(sch.get_sblock(name))[0])
+    return sch.mod["main"]
+
+
+def experts_up(n_experts: int, inter: int, dim: int, k_sel: int, limit: float, quant: str, schedule: bool = True):
+    """act[t, j] = silu(min(W1[e] y, L)) * clamp(W3[e] y, -L, L) for e = ids[t, j]; W1/W3 [E, I, D]."""
     n = te.var("N")
     y = te.placeholder((n, dim), F32, name="y")
-    rw = te.placeholder((n, k_sel), F32, name="route_w")
     ids = te.placeholder((n, k_sel), "int32", name="ids")
-    if quant == "fp4_g32":
-        w1 = te.placeholder((n_experts, inter, dim // 2), "uint8", name="w1")
-        s1 = te.placeholder((n_experts, inter, dim // 32), "uint8", name="s1")
-        w3 = te.placeholder((n_experts, inter, dim // 2), "uint8", name="w3")
-        s3 = te.placeholder((n_experts, inter, dim // 32), "uint8", name="s3")
-        w2 = te.placeholder((n_experts, dim, inter // 2), "uint8", name="w2")
-        s2 = te.placeholder((n_experts, dim, inter // 32), "uint8", name="s2")
-
-        def fp4(w, s, e, r, c):
-            byte = _u(w[e, r, c // 2])
-            return decode_e2m1((byte >> ((c % 2) * 4)) & 15) * decode_e8m0(s[e, r, c // 32])
-
-        weight_args = [w1, s1, w2, s2, w3, s3]
-        g1 = lambda e, r, c: fp4(w1, s1, e, r, c)  # noqa: E731
-        g3 = lambda e, r, c: fp4(w3, s3, e, r, c)  # noqa: E731
-        g2 = lambda e, r, c: fp4(w2, s2, e, r, c)  # noqa: E731
-    else:
-        w1 = te.placeholder((n_experts, inter, dim), F32, name="w1")
-        w2 = te.placeholder((n_experts, dim, inter), F32, name="w2")
-        w3 = te.placeholder((n_experts, inter, dim), F32, name="w3")
-        weight_args = [w1, w2, w3]
-        g1, g2, g3 = (lambda e, r, c: w1[e, r, c]), (lambda e, r, c: w2[e, r, c]), (lambda e, r, c: w3[e, r, c])
+    w1, g1 = _expert_weights(n_experts, inter, dim, quant, "w1")
+    w3, g3 = _expert_weights(n_experts, inter, dim, quant, "w3")
     d = te.reduce_axis((0, dim), "d")
     gate = te.compute((n, k_sel, inter), lambda t, j, i: te.sum(y[t, d] * g1(ids[t, j], i, d), axis=d), name="gate")
     d2 = te.reduce_axis((0, dim), "d2")
@@ -198,15 +204,24 @@ def experts(n_experts: int, inter: int, dim: int, k_sel: int, limit: float, quan
         g = tirx.min(gate[t, j, i], lim)
         return g / (tirx.const(1, F32) + tirx.exp(-g)) * tirx.max(tirx.min(up[t, j, i], lim), -lim)
 
-    h = te.compute((n, k_sel, inter), act, name="act")
-    jj = te.reduce_axis((0, k_sel), "j")
-    ii = te.reduce_axis((0, inter), "i")
-    out = te.compute((n, dim), lambda t, o: te.sum(rw[t, jj] * g2(ids[t, jj], o, ii) * h[t, jj, ii], axis=[jj, ii]),
+    out = te.compute((n, k_sel, inter), act, name="act")
+    func = te.create_prim_func([y, ids] + w1 + w3 + [out])
+    return _parallel_rows(func, ["gate", "up", "act"]) if schedule else func
+
+
+def experts_down(n_experts: int, inter: int, dim: int, k_sel: int, quant: str, schedule: bool = True):
+    """out[t] = sum_j w[t, j] * W2[e] @ act[t, j] for e = ids[t, j]; W2 [E, D, I]."""
+    n = te.var("N")
+    act = te.placeholder((n, k_sel, inter), F32, name="act")
+    rw = te.placeholder((n, k_sel), F32, name="route_w")
+    ids = te.placeholder((n, k_sel), "int32", name="ids")
+    w2, g2 = _expert_weights(n_experts, dim, inter, quant, "w2")
+    j = te.reduce_axis((0, k_sel), "j")
+    i = te.reduce_axis((0, inter), "i")
+    out = te.compute((n, dim), lambda t, o: te.sum(rw[t, j] * g2(ids[t, j], o, i) * act[t, j, i], axis=[j, i]),
                      name="out")
-    sch = s_tir.Schedule(te.create_prim_func([y, rw, ids] + weight_args + [out]))
-    for name in ("gate", "up", "act", "out"):
-        sch.parallel(sch.get_loops(sch.get_sblock(name))[0])
-    return sch.mod["main"]
+    func = te.create_prim_func([act, rw, ids] + w2 + [out])
+    return _parallel_rows(func, ["out"]) if schedule else func
 
 
 # --------------------------------------------------------------------------- elementwise / small

@@ -96,7 +96,8 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
         return out
     if op == "experts":
         e, inter, d = ins[3]
-        return {"main": _k("experts", e, inter, d, ins[1][1], a["limit"], _expert_quant(a["quant"]))}
+        k, q = ins[1][1], _expert_quant(a["quant"])
+        return {"up": _k("experts_up", e, inter, d, k, a["limit"], q), "down": _k("experts_down", e, inter, d, k, q)}
     if op == "shared_expert":
         inter, d = ins[1]
         q = _dense_quant(a["quant"])

@@ -36,6 +36,11 @@ class TvmBackend:
     def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool):
         if pool.geometry.main_storage != "fp32" or pool.geometry.index_storage != "fp32":
             raise ArtifactError(f"{artifact}: the llvm backend runs fp32 pools (exact numerics) only")
+        built_for, here = manifest["kernels"]["mcpu"], tvm.target.codegen.llvm_get_system_cpu()
+        if built_for != here:
+            # Vector instructions of another CPU would crash the process, not raise.
+            raise ArtifactError(f"{artifact}: kernels were built for CPU {built_for!r}, this host is {here!r}; "
+                                "recompile the artifact on this machine")
         self.lib = tvm.runtime.load_module(str(artifact / manifest["kernels"]["library"]))
         self.per_node = manifest["kernels"]["per_node"]
         self.program, self.pool, self.cfg = program, pool, program.config
@@ -220,9 +225,12 @@ class TvmBackend:
         return [weights, ids]
 
     def _op_experts(self, node, roles, args, n, ctx):
-        out = self._out(n, args[0].shape[1])
-        ws = [a for v in node.inputs[3:] for a in self._wq(v)]
-        self._call(roles["main"], args[0], args[1], args[2], *ws, out)
+        y, route_w, ids = args[:3]
+        w1, w2, w3 = (self._wq(v) for v in node.inputs[3:])
+        act = self._out(n, ids.shape[1], node.inputs[3].type.shape[1])
+        self._call(roles["up"], y, ids, *w1, *w3, act)
+        out = self._out(n, y.shape[1])
+        self._call(roles["down"], act, route_w, ids, *w2, out)
         return [out]
 
     def _op_shared_expert(self, node, roles, args, n, ctx):

@@ -74,7 +74,7 @@ std::string join_path(const std::string& dir, const std::string& name) {
   return python_path(dir + "/" + name);
 }
 
-json::Fields read_manifest(const std::string& directory, bool verify) {
+json::Fields read_manifest(const std::string& directory) {
   const std::string d = python_path(directory), path = join_path(d, "manifest.json");
   if (!is_dir(d)) throw ArtifactError(d + ": not an artifact directory (run `dsv4c compile` first)");
   std::string text, problem;
@@ -93,21 +93,18 @@ json::Fields read_manifest(const std::string& directory, bool verify) {
     throw ArtifactError(d + ": artifact format version " + (version ? json::py_repr(*version) : "None") +
                         ", this runtime reads " + std::to_string(kFormatVersion) + "; recompile");
   }
-  json::Fields fields(*manifest, path);
-  if (verify) {
-    std::optional<json::Value> files = fields.get("files");
-    std::optional<json::Object> listed = files ? json::as_object(*files) : std::nullopt;
-    if (!listed) throw ArtifactError(path + ": manifest has no file list; recompile");
-    for (const auto& [key, digest] : *listed) {
-      std::string name = *json::as_string(key);  // JSON object keys are strings
-      std::string file = join_path(d, name);
-      if (!is_file(file)) throw ArtifactError(d + ": file " + name + " listed in the manifest is missing");
-      if (json::as_string(digest) != sha256_of_file(file)) {
-        throw ArtifactError(d + ": " + name + " does not match its sha256 in the manifest (modified or corrupt)");
-      }
+  std::optional<json::Value> files = manifest->Get(tvm::ffi::String("files"));
+  std::optional<json::Object> listed = files ? json::as_object(*files) : std::nullopt;
+  if (!listed) throw ArtifactError(path + ": manifest has no file list; recompile");
+  for (const auto& [key, digest] : *listed) {
+    std::string name = *json::as_string(key);  // JSON object keys are strings
+    std::string file = join_path(d, name);
+    if (!is_file(file)) throw ArtifactError(d + ": file " + name + " listed in the manifest is missing");
+    if (json::as_string(digest) != sha256_of_file(file)) {
+      throw ArtifactError(d + ": " + name + " does not match its sha256 in the manifest (modified or corrupt)");
     }
   }
-  return fields;
+  return json::Fields(*manifest, path);
 }
 
 }  // namespace dsv4c

@@ -3,6 +3,7 @@
 #ifndef DSV4C_SRC_EXECUTOR_H_
 #define DSV4C_SRC_EXECUTOR_H_
 
+#include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 
@@ -20,9 +21,10 @@ namespace dsv4c {
 
 class Executor {
  public:
-  /// Loads kernels.so, resolves every node's kernels and reads the weights. `pool` must outlive
-  /// the executor. Throws ArtifactError / CheckpointError.
-  Executor(const std::string& artifact, const json::Fields& manifest, const ModelConfig& config, KVPool& pool);
+  /// Loads kernels.so, resolves every node's kernels and reads the weights. `pool` (fp32 planes)
+  /// must outlive the executor. Throws ArtifactError / CheckpointError.
+  Executor(const std::string& artifact, const json::Fields& manifest, const ModelConfig& config, StepFunction program,
+           KVPool& pool);
 
   /// One call of the step function: T tokens of any number of requests (each request's tokens
   /// contiguous, at consecutive positions, already admitted and grown in the pool). Returns the

@@ -39,7 +39,6 @@ class Fields {
   Fields(Object object, std::string file, std::string prefix = "");
 
   std::optional<Value> get(const std::string& key) const;
-  bool has(const std::string& key) const { return get(key).has_value(); }
   Fields object(const std::string& key) const;
   Array array(const std::string& key) const;
   std::string string(const std::string& key) const;
@@ -47,7 +46,6 @@ class Fields {
   double number(const std::string& key) const;
   bool flag(const std::string& key) const;
   std::vector<int64_t> integers(const std::string& key) const;
-  const Object& raw() const { return object_; }
   const std::string& file() const { return file_; }
 
   [[noreturn]] void fail(const std::string& key, const std::string& expected) const;

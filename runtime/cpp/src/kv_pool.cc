@@ -39,10 +39,14 @@ const CompressedLayerRows& PoolGeometry::rows_of(int64_t layer) const {
   throw std::out_of_range("layer " + std::to_string(layer) + " has no compressed rows");
 }
 
-AlignedFloats::AlignedFloats(size_t count) : size_(count) {
-  // aligned_alloc wants a multiple of the alignment; an empty plane still gets a valid pointer.
-  size_t bytes = std::max<size_t>(64, (count * sizeof(float) + 63) / 64 * 64);
-  data_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+int64_t PoolGeometry::rows_for(int64_t requests, int64_t context_tokens) const {
+  return requests * ceil_div(context_tokens, kEnvelopeTokens) * rows_per_envelope + requests * window_rows_per_request();
+}
+
+AlignedBuffer::AlignedBuffer(size_t bytes) {
+  // aligned_alloc wants a multiple of the alignment; an empty buffer still gets a valid pointer.
+  bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+  data_.reset(std::aligned_alloc(64, bytes));
   if (!data_) throw std::bad_alloc();
   std::memset(data_.get(), 0, bytes);
 }
@@ -62,12 +66,12 @@ KVPool::KVPool(PoolGeometry geometry, int64_t total_rows)
       max_envelopes_(geometry_.rows_per_envelope ? total_rows / geometry_.rows_per_envelope : 0),
       max_slots_(total_rows / geometry_.window_rows_per_request()),
       index_plane_rows_(std::max<int64_t>(max_envelopes_ * geometry_.index_rows_per_envelope, 1)),
-      kv_plane_(static_cast<size_t>(total_rows * geometry_.head_dim)),
-      index_plane_(static_cast<size_t>(index_plane_rows_ * geometry_.index_head_dim)) {
+      kv_plane_(static_cast<size_t>(total_rows * geometry_.head_dim) * sizeof(float)),
+      index_plane_(static_cast<size_t>(index_plane_rows_ * geometry_.index_head_dim) * sizeof(float)) {
   rings_.reserve(geometry_.states.size());
   for (const StateShape& s : geometry_.states) {
-    size_t floats = static_cast<size_t>(max_slots_ * s.rows * s.width);
-    rings_.push_back(Ring{s, AlignedFloats(floats), AlignedFloats(floats)});
+    size_t bytes = static_cast<size_t>(max_slots_ * s.rows * s.width) * sizeof(float);
+    rings_.push_back(Ring{s, AlignedBuffer(bytes), AlignedBuffer(bytes)});
   }
 }
 
@@ -144,11 +148,6 @@ const RequestRows& KVPool::request(int64_t seq) const {
 }
 
 RequestRows& KVPool::mutable_request(int64_t seq) { return const_cast<RequestRows&>(request(seq)); }
-
-std::pair<int64_t, int64_t> KVPool::envelope_rows(int64_t block) const {
-  int64_t start = block * geometry_.rows_per_envelope;
-  return {start, start + geometry_.rows_per_envelope};
-}
 
 std::pair<int64_t, int64_t> KVPool::slot_rows(int64_t slot) const {
   int64_t stop = total_rows_ - slot * geometry_.window_rows_per_request();

@@ -26,7 +26,8 @@ std::vector<float> Rope::inv_freq(int64_t rope_dim) const {
   }
   std::vector<float> out;
   for (int64_t i = 0; 2 * i < rope_dim; ++i) {
-    float pos_freq = ::powf(static_cast<float>(theta), static_cast<float>(2 * i) / dim);  // glibc powf, as numpy without AVX-512
+    // glibc powf: what numpy computes on hosts without AVX-512 (see docs/cpp_host.md, "Numerics").
+    float pos_freq = ::powf(static_cast<float>(theta), static_cast<float>(2 * i) / dim);
     float extrapolation = 1.0f / pos_freq;
     if (!yarn) {
       out.push_back(extrapolation);
@@ -94,7 +95,9 @@ PoolGeometry pool_geometry(const json::Fields& manifest, const ModelConfig& conf
     // A CSA layer pools overlapping windows: its rings hold two windows of two halves each.
     int64_t c = rows.kind == "csa" ? 2 : 1;
     g.states.push_back(StateShape{rows.layer, "main", c * rows.ratio, c * config.head_dim});
-    if (rows.index_offset >= 0) g.states.push_back(StateShape{rows.layer, "index", c * rows.ratio, c * config.index_head_dim});
+    if (rows.index_offset >= 0) {
+      g.states.push_back(StateShape{rows.layer, "index", c * rows.ratio, c * config.index_head_dim});
+    }
   }
   int64_t state_bytes = 0;
   for (const StateShape& s : g.states) state_bytes += 2 * s.rows * s.width * 4;

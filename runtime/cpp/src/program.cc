@@ -57,6 +57,9 @@ StepFunction read_step_function(const std::string& path) {
     return out.value_count++;
   };
   for (const json::Value& v : step->array("inputs")) out.inputs.push_back(define(entry(v, path, "inputs[]")));
+  if (out.inputs.size() != 3) {
+    throw ArtifactError(path + ": the step function must take tokens, positions and seq_ids; recompile");
+  }
   for (const json::Value& v : step->array("weights")) {
     json::Fields w = entry(v, path, "weights[]");
     weights["@" + w.string("name")] = read_type(w);

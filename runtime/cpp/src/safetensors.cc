@@ -113,8 +113,8 @@ class Reader {
     }
     std::optional<std::vector<int64_t>> offsets = offsets_v ? json::as_ints(*offsets_v) : std::nullopt;
     if (!offsets || offsets->size() != 2) {
-      throw fail("'data_offsets' must be [begin, end] integers, got " + (offsets_v ? json::py_repr(*offsets_v) : "None") +
-                 "; " + kReexport, name);
+      std::string got = offsets_v ? json::py_repr(*offsets_v) : "None";
+      throw fail("'data_offsets' must be [begin, end] integers, got " + got + "; " + kReexport, name);
     }
     Tensor t{nullptr, storage->second, *shape};  // sized before any allocation
     int64_t begin = (*offsets)[0], end = (*offsets)[1];
@@ -127,7 +127,7 @@ class Reader {
       throw fail("bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") lie outside the " +
                  std::to_string(data_size) + "-byte data buffer; " + kReexport, name);
     }
-    t = Tensor::empty(t.shape, t.dtype);
+    t = Tensor::zeros(t.shape, t.dtype);
     read_at(data_start + static_cast<uint64_t>(begin), t.data.get(), t.nbytes(), name);
     return t;
   }

@@ -5,14 +5,12 @@
 
 #include <dlpack/dlpack.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
-#include <new>
 #include <stdexcept>
 #include <vector>
+
+#include "dsv4c/kv_pool.h"
 
 namespace dsv4c {
 
@@ -24,13 +22,11 @@ struct Tensor {
   DLDataType dtype = kF32;
   std::vector<int64_t> shape;
 
-  /// Uninitialised storage on a 64-byte boundary.
-  static Tensor empty(std::vector<int64_t> shape, DLDataType dtype = kF32) {
+  /// New zero-filled storage on a 64-byte boundary.
+  static Tensor zeros(std::vector<int64_t> shape, DLDataType dtype = kF32) {
     Tensor t{nullptr, dtype, std::move(shape)};
-    size_t bytes = std::max<size_t>(64, (t.nbytes() + 63) / 64 * 64);
-    void* p = std::aligned_alloc(64, bytes);
-    if (!p) throw std::bad_alloc();
-    t.data.reset(p, std::free);
+    auto buffer = std::make_shared<AlignedBuffer>(t.nbytes());
+    t.data = std::shared_ptr<void>(buffer, buffer->data<void>());  // shares the buffer's lifetime
     return t;
   }
 
@@ -39,10 +35,14 @@ struct Tensor {
     return Tensor{std::shared_ptr<void>(data, [](void*) {}), dtype, std::move(shape)};
   }
 
-  /// A 1-d int32 copy of host bookkeeping (row lists, positions).
-  static Tensor int32(const std::vector<int64_t>& values) { return int32(values, {static_cast<int64_t>(values.size())}); }
-  static Tensor int32(const std::vector<int64_t>& values, std::vector<int64_t> shape) {
-    Tensor t = empty(std::move(shape), kI32);
+  /// An int32 copy of host bookkeeping (row lists, positions), 1-d unless `shape` is given.
+  template <class T>
+  static Tensor int32(const std::vector<T>& values) {
+    return int32(values, {static_cast<int64_t>(values.size())});
+  }
+  template <class T>
+  static Tensor int32(const std::vector<T>& values, std::vector<int64_t> shape) {
+    Tensor t = zeros(std::move(shape), kI32);
     for (size_t i = 0; i < values.size(); ++i) t.ptr<int32_t>()[i] = static_cast<int32_t>(values[i]);
     return t;
   }
@@ -73,6 +73,13 @@ struct Tensor {
     if (inferred >= 0) to[inferred] = known ? numel() / known : 0;
     Tensor t{data, dtype, std::move(to)};
     if (t.numel() != numel()) throw std::logic_error("reshape changes the element count");
+    return t;
+  }
+
+  /// The first `rows` rows along axis 0, sharing storage (numpy: x[:rows] of a contiguous x).
+  Tensor first_rows(int64_t rows) const {
+    Tensor t = *this;
+    t.shape[0] = rows;
     return t;
   }
 

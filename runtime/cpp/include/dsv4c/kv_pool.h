@@ -61,23 +61,27 @@ struct PoolGeometry {
   int64_t index_rows_per_envelope = 0;
 
   int64_t window_rows_per_request() const { return backbone_layers * window; }
+  /// Main rows for `requests` requests of up to `context_tokens` tokens each (envelopes for
+  /// the context, plus each request's windows).
+  int64_t rows_for(int64_t requests, int64_t context_tokens) const;
   /// The compressed rows of `layer`; throws std::out_of_range for an uncompressed layer.
   const CompressedLayerRows& rows_of(int64_t layer) const;
 };
 
-/// Zero-initialised fp32 memory on a 64-byte boundary, so TVM kernels can use it in place.
-class AlignedFloats {
+/// Zero-initialised memory on a 64-byte boundary, so TVM kernels can use it in place.
+class AlignedBuffer {
  public:
-  explicit AlignedFloats(size_t count);
-  float* data() const { return data_.get(); }
-  size_t size() const { return size_; }
+  explicit AlignedBuffer(size_t bytes);
+  template <class T = float>
+  T* data() const {
+    return static_cast<T*>(data_.get());
+  }
 
  private:
   struct Free {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(void* p) const { std::free(p); }
   };
-  std::unique_ptr<float, Free> data_;
-  size_t size_;
+  std::unique_ptr<void, Free> data_;
 };
 
 /// A live request's rows: its window slot and its block table (envelope numbers, token order).
@@ -89,8 +93,8 @@ struct RequestRows {
 /// The compressor ring of one (layer, stream), `max_slots * rows` rows of `width` floats each.
 struct Ring {
   StateShape shape;
-  AlignedFloats kv;
-  AlignedFloats score;
+  AlignedBuffer kv;
+  AlignedBuffer score;
 };
 
 class KVPool {
@@ -124,8 +128,7 @@ class KVPool {
   const std::vector<int64_t>& slot_free() const { return slot_free_; }
 
   // ----- physical rows
-  /// [first, last) main rows of envelope `block` / of slot `slot`.
-  std::pair<int64_t, int64_t> envelope_rows(int64_t block) const;
+  /// [first, last) main rows of slot `slot` (slots grow down from the top of the row space).
   std::pair<int64_t, int64_t> slot_rows(int64_t slot) const;
   /// The main row holding window position `position` of `layer` for request `seq`.
   int64_t window_row(int64_t seq, int64_t layer, int64_t position) const;
@@ -151,8 +154,8 @@ class KVPool {
   int64_t max_envelopes_;
   int64_t max_slots_;
   int64_t index_plane_rows_;
-  AlignedFloats kv_plane_;
-  AlignedFloats index_plane_;
+  AlignedBuffer kv_plane_;
+  AlignedBuffer index_plane_;
   std::vector<Ring> rings_;
   std::map<int64_t, RequestRows> requests_;
   int64_t env_high_ = 0;

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,10 +37,10 @@ namespace dsv4c {
 
 /// Scheduling limits (Python: Engine(...) keyword arguments, same defaults).
 struct EngineOptions {
-  int64_t max_step_tokens = 512;  // tokens per step, decodes first, then prefill chunks
-  int64_t prefill_chunk = 0;      // at most this many prompt tokens per step; 0: no limit
-  int64_t max_requests = 8;       // requests in the pool at once (later ones wait)
-  int64_t max_context = 4096;     // prompt + new tokens of one request; sizes the pool
+  int64_t max_step_tokens = 512;         // tokens per step, decodes first, then prefill chunks
+  std::optional<int64_t> prefill_chunk;  // at most this many prompt tokens per step; unset: no limit
+  int64_t max_requests = 8;              // requests in the pool at once (later ones wait)
+  int64_t max_context = 4096;            // prompt + new tokens of one request; sizes the pool
 };
 
 /// What to generate for one request (greedy decoding).
@@ -88,6 +89,8 @@ class Engine {
   /// step() until every submitted request has finished.
   void run();
 
+  // The three calls below throw UsageError for an id that submit() did not return or whose
+  // result was already taken.
   bool finished(int64_t request) const;
   /// Tokens generated so far (valid until the next step() or result()).
   const std::vector<int32_t>& tokens(int64_t request) const;

@@ -1,0 +1,167 @@
+// dsv4c_host: generate greedily with a compiled CPU artifact, no Python involved.
+//
+//   dsv4c_host ART --token-ids 1,2,3 --max-new-tokens 8 [--stop-token-ids IDS] [--prefill-chunk K]
+//              [--logits-out FILE.npy] [--greedy]
+//
+// Prints the generated ids space-separated, like `dsv4c generate ART --token-ids ... --greedy`.
+// --token-ids may be repeated: each is one request, all run batched together, one output line
+// each (in the order given); --logits-out then holds their logit rows one request after another.
+// User errors print `dsv4c: error: <message>` (the Python CLI's line) and exit 2.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dsv4c/runtime.h"
+
+namespace {
+
+const char* const kUsage =
+    "usage: dsv4c_host ART --token-ids IDS [--token-ids IDS ...] --max-new-tokens N [--greedy]\n"
+    "                  [--stop-token-ids IDS] [--prefill-chunk K] [--logits-out FILE]\n";
+
+// A command-line mistake: printed after the usage, like argparse does.
+struct ArgumentError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Arguments {
+  std::string artifact;
+  std::vector<std::vector<int32_t>> prompts;
+  std::optional<int64_t> max_new_tokens;
+  std::vector<int32_t> stop_token_ids;
+  std::optional<int64_t> prefill_chunk;
+  std::string logits_out;
+};
+
+int64_t integer(const std::string& option, const std::string& text) {
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size()) {
+    throw ArgumentError("argument " + option + ": invalid int value: '" + text + "'");
+  }
+  return value;
+}
+
+// "1, 2,3" -> {1, 2, 3}, as `dsv4c generate` reads --token-ids.
+std::vector<int32_t> token_ids(const std::string& option, const std::string& text) {
+  std::string compact;
+  std::copy_if(text.begin(), text.end(), std::back_inserter(compact), [](char c) { return c != ' '; });
+  std::vector<int32_t> ids;
+  size_t start = 0;
+  while (start <= compact.size()) {
+    size_t comma = std::min(compact.find(',', start), compact.size());
+    std::string item = compact.substr(start, comma - start);
+    if (!item.empty()) {
+      try {
+        ids.push_back(static_cast<int32_t>(integer(option, item)));
+      } catch (const ArgumentError&) {
+        throw ArgumentError("argument " + option + ": " + option + " must be comma-separated integers, got '" + text +
+                            "'");
+      }
+    }
+    start = comma + 1;
+  }
+  if (ids.empty()) throw ArgumentError("argument " + option + ": " + option + " is empty");
+  return ids;
+}
+
+Arguments parse(int argc, char** argv) {
+  Arguments a;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw ArgumentError("argument " + arg + ": expected one argument");
+      return argv[++i];
+    };
+    if (arg == "--token-ids") {
+      a.prompts.push_back(token_ids(arg, value()));
+    } else if (arg == "--max-new-tokens") {
+      a.max_new_tokens = integer(arg, value());
+    } else if (arg == "--stop-token-ids") {
+      a.stop_token_ids = token_ids(arg, value());
+    } else if (arg == "--prefill-chunk") {
+      a.prefill_chunk = integer(arg, value());
+    } else if (arg == "--logits-out") {
+      a.logits_out = value();
+    } else if (arg == "--greedy") {
+      // The only decoding this host does; accepted for parity with `dsv4c generate`.
+    } else if (arg.rfind("--", 0) != 0 && a.artifact.empty()) {
+      a.artifact = arg;
+    } else {
+      throw ArgumentError("unrecognized arguments: " + arg);
+    }
+  }
+  if (a.artifact.empty() || a.prompts.empty() || !a.max_new_tokens) {
+    throw ArgumentError("the following arguments are required: ART, --token-ids, --max-new-tokens");
+  }
+  return a;
+}
+
+// float32 [rows, cols] as a version 1.0 .npy file (little-endian hosts).
+void write_npy(const std::string& path, const std::vector<float>& values, int64_t rows, int64_t cols) {
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(rows) + ", " +
+                       std::to_string(cols) + "), }";
+  header.append(63 - (10 + header.size()) % 64, ' ');  // magic + version + length + header + '\n' is 64-aligned
+  header += '\n';
+  std::ofstream out(path, std::ios::binary);
+  out.write("\x93NUMPY\x01\x00", 8);
+  const char length[2] = {static_cast<char>(header.size() & 0xff), static_cast<char>(header.size() >> 8)};
+  out.write(length, 2);
+  out << header;
+  out.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * sizeof(float)));
+  if (!out) throw std::runtime_error(path + ": cannot write the logits");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Arguments args;
+  try {
+    args = parse(argc, argv);
+  } catch (const ArgumentError& e) {
+    std::cerr << kUsage << "dsv4c_host: error: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    dsv4c::EngineOptions options;
+    // The same pool as `dsv4c generate` sizes, so that rows land where the Python runtime puts them.
+    options.max_context = std::max<int64_t>(4096, *args.max_new_tokens + 8192);
+    options.prefill_chunk = args.prefill_chunk;
+    dsv4c::Engine engine(args.artifact, options);
+    dsv4c::GenerationParams params;
+    params.max_new_tokens = *args.max_new_tokens;
+    params.stop_token_ids = args.stop_token_ids;
+    params.record_logits = !args.logits_out.empty();
+    std::vector<int64_t> ids;
+    for (const std::vector<int32_t>& prompt : args.prompts) ids.push_back(engine.submit(prompt, params));
+    engine.run();
+    std::vector<float> logits;
+    int64_t rows = 0;
+    for (int64_t id : ids) {
+      dsv4c::Result r = engine.result(id);
+      for (size_t i = 0; i < r.tokens.size(); ++i) std::cout << (i ? " " : "") << r.tokens[i];
+      std::cout << "\n";
+      logits.insert(logits.end(), r.logits.begin(), r.logits.end());
+      rows += r.rows;
+    }
+    if (!args.logits_out.empty()) write_npy(args.logits_out, logits, rows, engine.vocab_size());
+  } catch (const dsv4c::Error& e) {
+    std::cerr << "dsv4c: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "dsv4c_host: internal error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

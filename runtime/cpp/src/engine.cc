@@ -1,0 +1,222 @@
+// The engine: scheduling, greedy sampling and the request lifecycle of
+// dsv4c/runtime/engine.py, on the C++ executor.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "artifact.h"
+#include "dsv4c/runtime.h"
+#include "executor.h"
+#include "model_config.h"
+#include "program.h"
+
+namespace dsv4c {
+namespace {
+
+struct Request {
+  int64_t id = 0;
+  size_t prompt_length = 0;
+  std::vector<int32_t> sequence;  // prompt, then generated tokens
+  std::vector<int32_t> generated;
+  GenerationParams params;
+  TokenCallback on_token;
+  int64_t fed = 0;  // tokens of the sequence already run through the model
+  std::vector<float> logits;
+  bool done_sampling = false;
+  bool finished = false;
+
+  int64_t pending() const { return static_cast<int64_t>(sequence.size()) - fed; }
+};
+
+// np.argmax: the first maximum, or the first NaN if there is one.
+int32_t argmax(const float* logits, int64_t count) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::isnan(logits[i])) return static_cast<int32_t>(i);
+    if (logits[i] > logits[best]) best = i;
+  }
+  return static_cast<int32_t>(best);
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  std::string path;
+  EngineOptions options;
+  ModelConfig config;
+  std::unique_ptr<KVPool> pool;
+  std::unique_ptr<Executor> executor;
+  std::map<int64_t, Request> requests;  // by id: submission order
+  int64_t next_id = 0;
+
+  Request& request(int64_t id) {
+    auto it = requests.find(id);
+    if (it == requests.end()) {
+      throw UsageError("request " + std::to_string(id) + " is unknown (never submitted, or its result was taken)");
+    }
+    return it->second;
+  }
+
+  // (request, tokens to feed) for the next step: running decodes first, then prefill chunks.
+  std::vector<std::pair<Request*, int64_t>> schedule() {
+    int64_t budget = options.max_step_tokens;
+    std::vector<Request*> live;
+    for (auto& [id, r] : requests) {
+      if (!r.finished) live.push_back(&r);
+    }
+    std::stable_sort(live.begin(), live.end(), [](const Request* a, const Request* b) {
+      return std::make_tuple(a->fed < static_cast<int64_t>(a->prompt_length), a->id) <
+             std::make_tuple(b->fed < static_cast<int64_t>(b->prompt_length), b->id);
+    });
+    std::vector<std::pair<Request*, int64_t>> plan;
+    for (Request* r : live) {
+      if (r->pending() == 0 || budget == 0) continue;
+      if (!pool->requests().count(r->id)) {
+        if (static_cast<int64_t>(pool->requests().size()) >= options.max_requests) continue;
+        pool->admit(r->id, static_cast<int64_t>(r->prompt_length));
+      }
+      int64_t n = std::min({r->pending(), budget, options.prefill_chunk.value_or(r->pending())});
+      plan.emplace_back(r, n);
+      budget -= n;
+    }
+    return plan;
+  }
+
+  // A request has been fed completely: sample its next token, or finish it.
+  void advance(Request& r, const float* last_logits) {
+    if (r.done_sampling) {  // logits were requested for the last generated token too: it has now been fed
+      r.finished = true;
+      pool->free(r.id);
+      return;
+    }
+    int32_t token = argmax(last_logits, config.vocab_size);
+    r.generated.push_back(token);
+    r.sequence.push_back(token);
+    if (r.on_token) r.on_token(r.id, token);
+    const std::vector<int32_t>& stops = r.params.stop_token_ids;
+    if (static_cast<int64_t>(r.generated.size()) >= r.params.max_new_tokens ||
+        std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      r.done_sampling = true;
+    }
+    if (!(r.done_sampling && r.params.record_logits)) {
+      r.finished = r.done_sampling;
+      if (r.finished) pool->free(r.id);
+    }
+  }
+};
+
+Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  json::Fields manifest = read_manifest(artifact);
+  m.path = python_path(artifact);
+  m.options = options;
+  m.config = model_config(manifest);
+  StepFunction program = read_step_function(join_path(m.path, "program.json"));
+  PoolGeometry geometry = pool_geometry(manifest, m.config);
+  m.pool = std::make_unique<KVPool>(geometry, geometry.rows_for(options.max_requests, options.max_context));
+  const std::string target = manifest.string("target");
+  if (target == "reference") {
+    throw ArtifactError(m.path + ": a reference artifact runs in the Python interpreter only; compile with "
+                        "--target llvm for the C++ runtime");
+  }
+  if (target != "llvm") {
+    throw ArtifactError(m.path + ": an artifact for " + target + " needs that GPU; this host can run llvm / "
+                        "reference artifacts only (compile with --target llvm)");
+  }
+  json::Fields storage = manifest.object("pool_geometry");
+  if (storage.string("main_storage") != "fp32" || storage.string("index_storage") != "fp32") {
+    throw ArtifactError(m.path + ": the llvm backend runs fp32 pools (exact numerics) only");
+  }
+  m.executor = std::make_unique<Executor>(m.path, manifest, m.config, std::move(program), *m.pool);
+  if (options.max_step_tokens < 1 || (options.prefill_chunk && *options.prefill_chunk < 1)) {
+    throw UsageError("max_step_tokens and prefill_chunk must be positive");
+  }
+}
+
+Engine::~Engine() = default;
+Engine::Engine(Engine&&) noexcept = default;
+Engine& Engine::operator=(Engine&&) noexcept = default;
+
+int64_t Engine::submit(const std::vector<int32_t>& prompt, const GenerationParams& params, TokenCallback on_token) {
+  Impl& m = *impl_;
+  if (params.max_new_tokens < 0) {
+    throw UsageError("max_new_tokens must be >= 0, got " + std::to_string(params.max_new_tokens));
+  }
+  if (prompt.empty()) throw UsageError("the prompt is empty; give at least one token");
+  for (int32_t t : prompt) {
+    if (t < 0 || t >= m.config.vocab_size) {
+      throw UsageError("token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                       std::to_string(m.config.vocab_size) + ")");
+    }
+  }
+  if (static_cast<int64_t>(prompt.size()) + params.max_new_tokens > m.options.max_context) {
+    throw UsageError("prompt (" + std::to_string(prompt.size()) + ") + max_new_tokens (" +
+                     std::to_string(params.max_new_tokens) + ") exceeds the engine's max_context (" +
+                     std::to_string(m.options.max_context) + ")");
+  }
+  Request r;
+  r.id = m.next_id++;
+  r.prompt_length = prompt.size();
+  r.sequence = prompt;
+  r.params = params;
+  r.on_token = std::move(on_token);
+  if (params.max_new_tokens == 0 && !params.record_logits) r.done_sampling = r.finished = true;
+  int64_t id = r.id;
+  m.requests.emplace(id, std::move(r));
+  return id;
+}
+
+bool Engine::step() {
+  Impl& m = *impl_;
+  std::vector<std::pair<Request*, int64_t>> plan = m.schedule();
+  if (plan.empty()) return false;
+  std::vector<int32_t> tokens, positions, seq_ids;
+  for (auto [r, n] : plan) {
+    m.pool->ensure(r->id, r->fed + n);
+    for (int64_t i = r->fed; i < r->fed + n; ++i) {
+      tokens.push_back(r->sequence[i]);
+      positions.push_back(static_cast<int32_t>(i));
+      seq_ids.push_back(static_cast<int32_t>(r->id));
+    }
+  }
+  Tensor logits = m.executor->step(tokens, positions, seq_ids);
+  const int64_t vocab = m.config.vocab_size;
+  const float* row = logits.ptr<float>();
+  for (auto [r, n] : plan) {
+    r->fed += n;
+    if (r->params.record_logits) r->logits.insert(r->logits.end(), row, row + n * vocab);
+    if (r->pending() == 0) m.advance(*r, row + (n - 1) * vocab);
+    row += n * vocab;
+  }
+  return true;
+}
+
+void Engine::run() {
+  while (step()) {
+  }
+}
+
+bool Engine::finished(int64_t request) const { return impl_->request(request).finished; }
+
+const std::vector<int32_t>& Engine::tokens(int64_t request) const { return impl_->request(request).generated; }
+
+Result Engine::result(int64_t request) {
+  Request& r = impl_->request(request);
+  Result out{std::move(r.generated), std::move(r.logits), 0};
+  out.rows = static_cast<int64_t>(out.logits.size()) / impl_->config.vocab_size;
+  impl_->requests.erase(request);
+  return out;
+}
+
+Result Engine::generate(const std::vector<int32_t>& prompt, const GenerationParams& params, TokenCallback on_token) {
+  int64_t id = submit(prompt, params, std::move(on_token));
+  run();
+  return result(id);
+}
+
+int64_t Engine::vocab_size() const { return impl_->config.vocab_size; }
+const std::string& Engine::path() const { return impl_->path; }
+const KVPool& Engine::pool() const { return *impl_->pool; }
+
+}  // namespace dsv4c

@@ -1,0 +1,231 @@
+"""The C++ runtime (runtime/cpp) and its example host (examples/cpp_host) against Python.
+
+The module builds examples/cpp_host with CMake in a fresh build directory (while the tiny model
+compiles for the llvm target), then checks that ``dsv4c_host``
+
+* prints the tokens ``dsv4c generate --greedy`` prints, with logits within 1e-6 (single and
+  batched requests, chunked prefill),
+* fails like the Python CLI: exit status 2 and the same one-line message on stderr,
+
+and that the C++ KV pool makes the Python KVPool's decisions on random operation traces
+(admit / ensure / free / exhaust, valid or not), state by state.
+"""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv4c.cli import main as cli
+from dsv4c.errors import UsageError
+from dsv4c.frontend.config import config_from_dict, preset
+from dsv4c.passes.quant_plan import plan_for
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolExhausted, PoolGeometry
+from dsv4c.runtime.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _build(build_dir: Path) -> str | None:
+    """Configure and build the host and the pool-trace tool; the failure's output, or None."""
+    for cmd in (["cmake", "-S", str(REPO / "examples" / "cpp_host"), "-B", str(build_dir),
+                 f"-DDSV4C_PYTHON={sys.executable}"],
+                ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
+                 "--target", "dsv4c_host", "dsv4c_pool_trace"]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            return f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cpp(tmp_path_factory):
+    """(build directory, tiny llvm artifact)."""
+    root = tmp_path_factory.mktemp("cpp_host")
+    with ThreadPoolExecutor(1) as background:
+        build = background.submit(_build, root / "build")
+        assert cli(["make-tiny", "--out", str(root / "model")]) == 0
+        assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "art")]) == 0
+        failure = build.result()
+    if failure:
+        pytest.fail(failure)
+    return root / "build", root / "art"
+
+
+def _host(build: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(build / "dsv4c_host"), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _assert_close(cpp_logits: np.ndarray, py_logits: np.ndarray) -> None:
+    assert cpp_logits.dtype == np.float32 and cpp_logits.shape == py_logits.shape
+    assert float(np.abs(cpp_logits - py_logits).max()) <= 1e-6
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def test_host_prints_what_dsv4c_generate_prints(cpp, tmp_path, capsys):
+    build, art = cpp
+    assert cli(["generate", str(art), "--token-ids", "1,2,3", "--max-new-tokens", "8", "--greedy",
+                "--logits-out", str(tmp_path / "py.npy")]) == 0
+    expected = capsys.readouterr().out
+    done = _host(build, art, "--token-ids", "1,2,3", "--max-new-tokens", "8", "--logits-out", tmp_path / "cpp.npy")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == expected and len(expected.split()) == 8
+    _assert_close(np.load(tmp_path / "cpp.npy"), np.load(tmp_path / "py.npy"))
+
+
+@pytest.mark.parametrize("prompts, new_tokens, chunk", [
+    # Past the sliding window (8) and both compress ratios (4, 16), prompt fed in chunks of 7.
+    ([list(range(5, 25))], 14, 7),
+    # Three requests batched in every step; the short one decodes while the others still prefill.
+    ([list(range(5, 25)), [7, 8, 9], list(range(100, 140))], 20, 8),
+], ids=["chunked-prefill", "batched"])
+def test_host_matches_the_python_engine(cpp, tmp_path, prompts, new_tokens, chunk):
+    build, art = cpp
+    engine = Engine(art, prefill_chunk=chunk, max_context=max(4096, new_tokens + 8192))
+    ids = [engine.submit(p, SamplingParams(max_new_tokens=new_tokens), record_logits=True) for p in prompts]
+    engine.run()
+    results = [engine.result(i) for i in ids]
+    args = [a for p in prompts for a in ("--token-ids", ",".join(map(str, p)))]
+    done = _host(build, art, *args, "--max-new-tokens", new_tokens, "--prefill-chunk", chunk,
+                 "--logits-out", tmp_path / "cpp.npy")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.splitlines() == [" ".join(map(str, r.tokens)) for r in results]
+    _assert_close(np.load(tmp_path / "cpp.npy"), np.concatenate([r.logits for r in results]))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _tamper_weights(art: Path) -> None:
+    with open(art / "weights.safetensors", "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x01\x02\x03")
+
+
+def _set_version(version):
+    def edit(art: Path) -> None:
+        manifest = json.loads((art / "manifest.json").read_text())
+        manifest["format_version"] = version
+        (art / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+BREAKAGES = {
+    "tampered-weights": _tamper_weights,
+    "missing-file": lambda art: (art / "program.json").unlink(),
+    "no-manifest": lambda art: (art / "manifest.json").unlink(),
+    "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
+    "manifest-not-an-object": lambda art: (art / "manifest.json").write_text("[1]"),
+    **{f"version-{v!r}": _set_version(v) for v in (2, 2.5, 1e16, "1", None, [1, 2], {"it's": "x"})},
+}
+
+
+@pytest.mark.parametrize("breakage", [None, *BREAKAGES], ids=["missing-artifact", *BREAKAGES])
+def test_host_errors_are_the_python_cli_errors(cpp, tmp_path, capsys, breakage):
+    build, art = cpp
+    target = tmp_path / "art"
+    if breakage is not None:
+        shutil.copytree(art, target)
+        BREAKAGES[breakage](target)
+    # Messages name the artifact as pathlib prints it: "//" and a trailing "/" are normalised.
+    path = f"{tmp_path}//art/"
+    assert cli(["generate", path, "--token-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    expected = capsys.readouterr().err
+    done = _host(build, path, "--token-ids", "1,2", "--max-new-tokens", "2")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
+    assert expected.startswith(f"dsv4c: error: {tmp_path}/art") and expected.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--token-ids", "1,512", "--max-new-tokens", "2"],
+    ["--token-ids", "1", "--max-new-tokens", "2", "--prefill-chunk", "0"],
+    ["--token-ids", "1", "--max-new-tokens", "-1"],
+], ids=["vocabulary", "prefill-chunk", "max-new-tokens"])
+def test_host_usage_errors_are_the_python_cli_errors(cpp, capsys, argv):
+    build, art = cpp
+    assert cli(["generate", str(art), *argv]) == 2
+    expected = capsys.readouterr().err
+    done = _host(build, art, *argv)
+    assert (done.returncode, done.stderr) == (2, expected)
+
+
+# --------------------------------------------------------------------------- KV pool conformance
+
+
+def _state(pool: KVPool, error) -> dict:
+    return {"error": error, "requests": [[seq, r.slot, list(r.blocks)] for seq, r in sorted(pool.requests.items())],
+            "env_high": pool._env_high, "slot_high": pool._slot_high, "env_free": list(pool._env_free),
+            "slot_free": list(pool._slot_free), "free_envelopes": pool.free_envelopes}
+
+
+def _trace(rng: random.Random, pool: KVPool, steps: int) -> tuple[list[str], list[dict]]:
+    """Random operations, run through the Python pool: (ops, the state after each)."""
+    ops, states, next_seq = [], [], 0
+    for _ in range(steps):
+        live = sorted(pool.requests)
+        kind = rng.choices(["admit", "ensure", "free", "exhaust", "invalid"], [4, 5, 3, 1, 1])[0]
+        if kind == "admit" or (not live and kind in ("ensure", "free")):
+            op, next_seq = f"admit {next_seq} {rng.randrange(0, 3 * ENVELOPE_TOKENS)}", next_seq + 1
+        elif kind == "ensure":
+            seq = rng.choice(live)
+            op = f"ensure {seq} {max(0, len(pool.requests[seq].blocks) * ENVELOPE_TOKENS + rng.randrange(-300, 700))}"
+        elif kind == "free":
+            op = f"free {rng.choice(live)}"
+        elif kind == "exhaust":  # more envelopes than the pool has
+            tokens = (pool.max_envelopes + 1) * ENVELOPE_TOKENS
+            op = f"ensure {rng.choice(live)} {tokens}" if live else f"admit {next_seq} {tokens}"
+        else:  # a request admitted twice, or one the pool does not know
+            op = rng.choice([f"admit {live[0]} 0" if live else "free 999", f"ensure {next_seq + 5} 1", "free -1"])
+        name, seq, *count = op.split()
+        error = None
+        try:
+            {"admit": pool.admit, "ensure": pool.ensure, "free": pool.free}[name](int(seq), *map(int, count))
+        except (PoolExhausted, UsageError) as e:
+            error = [type(e).__name__, str(e)]
+        ops.append(op)
+        states.append(_state(pool, error))
+    return ops, states
+
+
+def _geometries(art: Path, root: Path):
+    """(geometry file for the C++ tool, the Python PoolGeometry): the tiny artifact's manifest
+    itself, and manifest-like files for the full-size presets."""
+    manifest = json.loads((art / "manifest.json").read_text())
+    cfg = config_from_dict(manifest["model"], manifest["model_name"])
+    yield art / "manifest.json", PoolGeometry.build(cfg, plan_for(cfg, "llvm", "exact"))
+    for name in ("flash", "pro"):
+        cfg = preset(name)
+        geometry = PoolGeometry.build(cfg, plan_for(cfg, "llvm", "exact"))
+        path = root / f"{name}.json"
+        path.write_text(json.dumps({"model": cfg.to_json_dict("hf"), "pool_geometry": geometry.summary()}))
+        yield path, geometry
+
+
+def test_cpp_pool_makes_the_python_pools_decisions(cpp, tmp_path):
+    build, art = cpp
+    for geometry_file, geometry in _geometries(art, tmp_path):
+        for seed in range(6):
+            rng = random.Random(seed)
+            # From one request's windows to a few requests with a few envelopes each.
+            total_rows = rng.randrange(geometry.window_rows_per_request,
+                                       3 * geometry.window_rows_per_request + 6 * geometry.rows_per_envelope)
+            ops, expected = _trace(rng, KVPool(geometry, total_rows), 150)
+            tool = build / "dsv4c_runtime" / "dsv4c_pool_trace"
+            done = subprocess.run([str(tool), str(geometry_file), str(total_rows)], input="\n".join(ops) + "\n",
+                                  capture_output=True, text=True, timeout=60)
+            assert (done.returncode, done.stderr) == (0, "")
+            got = [json.loads(line) for line in done.stdout.splitlines()]
+            assert len(got) == len(ops)
+            for op, g, e in zip(ops, got, expected):
+                assert g == e, f"{geometry_file.name}, seed {seed}, total_rows {total_rows}: after {op!r}"
+            assert any(s["error"] and s["error"][0] == "PoolExhausted" for s in expected)
