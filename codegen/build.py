@@ -10,7 +10,6 @@ import tvm
 
 from dsv4c.codegen import llvm_kernels
 from dsv4c.codegen.lowering import kernel_table
-from dsv4c.errors import UsageError
 from dsv4c.ir.core import Program
 
 
@@ -24,9 +23,13 @@ def llvm_target(mcpu: str | None = None) -> tvm.target.Target:
 
 
 def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False) -> dict:
+    specs, per_node = kernel_table(program, plan.fp8_format)
     if plan.target != "llvm":
-        raise UsageError(f"target {plan.target} is not built by this dsv4c yet; use --target llvm or reference")
-    specs, per_node = kernel_table(program)
+        from dsv4c.codegen.gpu import build_gpu
+
+        start = time.perf_counter()
+        info = build_gpu(specs, plan.target, out_dir)
+        return {**info, "build_seconds": round(time.perf_counter() - start, 2), "per_node": per_node}
     funcs = {}
     items = specs.items()
     if progress:

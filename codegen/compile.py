@@ -71,7 +71,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             else:
                 from dsv4c.codegen.lowering import weight_layout
 
-                stored = weight_layout(program, weights)
+                stored = weight_layout(program, weights, plan.fp8_format)
             write_safetensors(tmp / "weights.safetensors", stored)
         (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
         if Path(model).is_dir() and (Path(model) / "tokenizer.json").is_file():

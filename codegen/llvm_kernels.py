@@ -43,6 +43,20 @@ def decode_e4m3fn(code):
     return tirx.if_then_else(c >= 128, -mag, mag)
 
 
+def decode_e4m3fnuz(code):
+    """float32 value of an e4m3fnuz byte (gfx942): bias 8, no negative zero (0x80 is NaN)."""
+    c = _u(code)
+    exp, man = (c >> 3) & 15, c & 7
+    normal = tirx.reinterpret(F32, tirx.shift_left(_u(exp + 119, "uint32"), tirx.const(23, "uint32"))
+                              | tirx.shift_left(_u(man, "uint32"), tirx.const(20, "uint32")))
+    subnormal = _u(man, F32) * tirx.const(2.0 ** -10, F32)
+    mag = tirx.if_then_else(exp == 0, subnormal, normal)
+    return tirx.if_then_else(c >= 128, -mag, mag)
+
+
+FP8_DECODERS = {"fp8_b128": decode_e4m3fn, "fp8fnuz_b128": decode_e4m3fnuz}
+
+
 def decode_e2m1(nibble):
     """float32 value of an e2m1 code (0..15): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
     c = _u(nibble)
@@ -108,13 +122,13 @@ def _schedule_matmul(func, block: str, out_dim: int, gemv: bool):
 
 
 # Kernels built with TE as compute definitions: CPU schedules them here, GPU targets with dlight.
-COMPUTE_DEFINITIONS = frozenset({"linear", "grouped_linear", "experts_up", "experts_down"})
+COMPUTE_DEFINITIONS = frozenset({"linear"})
 
 
 def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = True):
-    """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32, or FP8 e4m3
-    codes with their 128x128 block scales expanded per column and tiled the same way,
-    [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales).
+    """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32; FP8 e4m3 (or
+    e4m3fnuz) codes with their 128x128 block scales expanded per column and tiled the same way,
+    [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); or FP4.
     GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8)."""
     if gemv:
         n = te.var("N")
@@ -123,105 +137,77 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = T
         n = te.var("B")
         rows = (n, GEMM_ROWS)
     x = te.placeholder(rows + (in_dim,), F32, name="x")
-    k = te.reduce_axis((0, in_dim), "k")
     tile = column_tile(out_dim)
-    if quant == "fp8_b128":
+    if quant in FP8_DECODERS:
+        decode = FP8_DECODERS[quant]
         w = te.placeholder((out_dim // tile, in_dim, tile), "uint8", name="w")
         s = te.placeholder((out_dim // tile, -(-in_dim // 128), tile), F32, name="s")
-        weight = lambda kk, o: decode_e4m3fn(w[o // tile, kk, o % tile]) * s[o // tile, kk // 128, o % tile]  # noqa: E731
+        tiled = lambda a, kk, c: decode(w[a, kk, c]) * s[a, kk // 128, c]  # noqa: E731
+        args = [x, w, s]
+    elif quant == "fp4_g32":
+        # Two e2m1 codes per byte along the input dim (element 2i in the low nibble), one E8M0
+        # scale per 32 inputs of a row: the checkpoint's own groups, tiled along the output.
+        w = te.placeholder((out_dim // tile, in_dim // 2, tile), "uint8", name="w")
+        s = te.placeholder((out_dim // tile, in_dim // 32, tile), "uint8", name="s")
+        tiled = lambda a, kk, c: decode_e2m1((_u(w[a, kk // 2, c]) >> ((kk % 2) * 4)) & 15) * \
+            decode_e8m0(s[a, kk // 32, c])  # noqa: E731
         args = [x, w, s]
     else:
         w = te.placeholder((out_dim // tile, in_dim, tile), F32, name="w")
-        weight = lambda kk, o: w[o // tile, kk, o % tile]  # noqa: E731
+        tiled = lambda a, kk, c: w[a, kk, c]  # noqa: E731
         args = [x, w]
-    y = te.compute(rows + (out_dim,), lambda *idx: te.sum(x[idx[:-1] + (k,)] * weight(k, idx[-1]), axis=k),
-                   name="y")
-    func = te.create_prim_func(args + [y])
-    return _schedule_matmul(func, "y", out_dim, gemv) if schedule else func
-
-
-def grouped_linear(groups: int, rank: int, in_dim: int, quant: str, schedule: bool = True):
-    """y[N, G, R] = x[N, G, I] @ W[g].T with W [G*R, I] (fp32 or FP8 blocks)."""
-    n = te.var("N")
-    x = te.placeholder((n, groups, in_dim), F32, name="x")
+    quantized = len(args) == 3
+    if quantized and not gemv:
+        # Prefill decodes each weight tile once into a scratch tile that every row block reuses.
+        decoded = te.compute((out_dim // tile, in_dim, tile), tiled, name="w_decoded")
+        tiled = lambda a, kk, c: decoded[a, kk, c]  # noqa: E731
     k = te.reduce_axis((0, in_dim), "k")
-    rows = groups * rank
-    if quant == "fp8_b128":
-        w = te.placeholder((rows, in_dim), "uint8", name="w")
-        s = te.placeholder((-(-rows // 128), -(-in_dim // 128)), F32, name="s")
-        y = te.compute((n, groups, rank), lambda i, g, r: te.sum(
-            x[i, g, k] * decode_e4m3fn(w[g * rank + r, k]) * s[(g * rank + r) // 128, k // 128], axis=k), name="y")
-        args = [x, w, s, y]
-    else:
-        w = te.placeholder((rows, in_dim), F32, name="w")
-        y = te.compute((n, groups, rank), lambda i, g, r: te.sum(x[i, g, k] * w[g * rank + r, k], axis=k), name="y")
-        args = [x, w, y]
+    y = te.compute(rows + (out_dim,), lambda *idx: te.sum(
+        x[idx[:-1] + (k,)] * tiled(idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
+    func = te.create_prim_func(args + [y])
     if not schedule:
-        return te.create_prim_func(args)
-    sch = s_tir.Schedule(te.create_prim_func(args))
-    i, g, r, kk = sch.get_loops(sch.get_sblock("y"))
-    sch.reorder(g, i, r, kk)
-    sch.parallel(g)
-    return sch.mod["main"]
+        return func
+    if quantized and not gemv:
+        return _schedule_decoded_gemm(func, tile)
+    return _schedule_matmul(func, "y", out_dim, gemv)
 
 
-def _expert_weights(n_experts: int, rows: int, cols: int, quant: str, name: str):
-    """Placeholders of one stacked expert projection [E, rows, cols] and its element reader:
-    fp32, or FP4 packed two per byte ([E, rows, cols/2]) with E8M0 scales per 32 columns."""
-    if quant == "fp4_g32":
-        w = te.placeholder((n_experts, rows, cols // 2), "uint8", name=name)
-        s = te.placeholder((n_experts, rows, cols // 32), "uint8", name=name + "_scale")
-
-        def read(e, r, c):
-            return decode_e2m1((_u(w[e, r, c // 2]) >> ((c % 2) * 4)) & 15) * decode_e8m0(s[e, r, c // 32])
-
-        return [w, s], read
-    w = te.placeholder((n_experts, rows, cols), F32, name=name)
-    return [w], lambda e, r, c: w[e, r, c]
-
-
-def _parallel_rows(func, blocks: list[str]):
+def _schedule_decoded_gemm(func, tile: int):
+    """GEMM over a low-bit weight: per (column tile, 128-deep k block) decode the weight block
+    once, then run every 8-row block over it, accumulating straight into y."""
     sch = s_tir.Schedule(func)
-    for name in blocks:
-        sch.parallel(sch.get_loops(sch.get_sblock(name))[0])
+    blk = sch.get_sblock("y")
+    b, r, j, k = sch.get_loops(blk)
+    jo, ji = sch.split(j, [None, tile])
+    ko, ki = sch.split(k, [None, 128])
+    sch.reorder(jo, ko, b, ki, r, ji)
+    sch.parallel(jo)
+    sch.unroll(r)
+    if tile > 1:
+        sch.vectorize(ji)
+    decoded = sch.get_sblock("w_decoded")
+    sch.compute_at(decoded, ko)
+    if tile > 1:
+        sch.vectorize(sch.get_loops(decoded)[-1])
+    sch.decompose_reduction(blk, ko)
     return sch.mod["main"]
 
 
-def experts_up(n_experts: int, inter: int, dim: int, k_sel: int, limit: float, quant: str, schedule: bool = True):
-    """act[t, j] = silu(min(W1[e] y, L)) * clamp(W3[e] y, -L, L) for e = ids[t, j]; W1/W3 [E, I, D]."""
-    n = te.var("N")
-    y = te.placeholder((n, dim), F32, name="y")
-    ids = te.placeholder((n, k_sel), "int32", name="ids")
-    w1, g1 = _expert_weights(n_experts, inter, dim, quant, "w1")
-    w3, g3 = _expert_weights(n_experts, inter, dim, quant, "w3")
-    d = te.reduce_axis((0, dim), "d")
-    gate = te.compute((n, k_sel, inter), lambda t, j, i: te.sum(y[t, d] * g1(ids[t, j], i, d), axis=d), name="gate")
-    d2 = te.reduce_axis((0, dim), "d2")
-    up = te.compute((n, k_sel, inter), lambda t, j, i: te.sum(y[t, d2] * g3(ids[t, j], i, d2), axis=d2), name="up")
-    lim = tirx.const(limit, F32)
-
-    def act(t, j, i):
-        g = tirx.min(gate[t, j, i], lim)
-        return g / (tirx.const(1, F32) + tirx.exp(-g)) * tirx.max(tirx.min(up[t, j, i], lim), -lim)
-
-    out = te.compute((n, k_sel, inter), act, name="act")
-    func = te.create_prim_func([y, ids] + w1 + w3 + [out])
-    return _parallel_rows(func, ["gate", "up", "act"]) if schedule else func
-
-
-def experts_down(n_experts: int, inter: int, dim: int, k_sel: int, quant: str, schedule: bool = True):
-    """out[t] = sum_j w[t, j] * W2[e] @ act[t, j] for e = ids[t, j]; W2 [E, D, I]."""
-    n = te.var("N")
-    act = te.placeholder((n, k_sel, inter), F32, name="act")
-    rw = te.placeholder((n, k_sel), F32, name="route_w")
-    ids = te.placeholder((n, k_sel), "int32", name="ids")
-    w2, g2 = _expert_weights(n_experts, dim, inter, quant, "w2")
-    j = te.reduce_axis((0, k_sel), "j")
-    i = te.reduce_axis((0, inter), "i")
-    out = te.compute((n, dim), lambda t, o: te.sum(rw[t, j] * g2(ids[t, j], o, i) * act[t, j, i], axis=[j, i]),
-                     name="out")
-    func = te.create_prim_func([act, rw, ids] + w2 + [out])
-    return _parallel_rows(func, ["out"]) if schedule else func
+def scatter_add_rows(dim: int):
+    """out[rows[i]] += scale[i] * vals[i]: one routed expert's outputs into its tokens' rows.
+    Experts are added one after another, in expert order, like the reference."""
+    @T.prim_func
+    def f(out: T.handle, rows: T.handle, scale: T.handle, vals: T.handle):
+        n = T.int32()
+        m = T.int32()
+        OUT = T.match_buffer(out, (n, dim), F32)
+        ROWS = T.match_buffer(rows, (m,), "int32")
+        SCALE = T.match_buffer(scale, (m,), F32)
+        VALS = T.match_buffer(vals, (m, dim), F32)
+        for i in T.parallel(m):  # rows are distinct within one expert
+            for j in range(dim):
+                OUT[ROWS[i], j] = OUT[ROWS[i], j] + VALS[i, j] * SCALE[i]
+    return f
 
 
 # --------------------------------------------------------------------------- elementwise / small

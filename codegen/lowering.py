@@ -35,8 +35,12 @@ def _k(factory: str, *params) -> KernelSpec:
 UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard"}
 
 
-def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
+def node_kernels(node: Node, cfg, fp8_format: str = "e4m3fn") -> dict[str, KernelSpec]:
     a, op = node.attrs, node.op
+
+    def _dense_quant(quant: str) -> str:
+        return dense_kernel_quant(quant, fp8_format)
+
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
     if op in UNSUPPORTED:
         raise UsageError(f"the llvm target does not compile op {op!r} yet (qat numerics / fused passes); "
@@ -83,8 +87,9 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
     if op == "sparse_attn":
         return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"])}
     if op == "grouped_linear":
+        # One matmul per group (the groups are independent projections of the heads).
         g, rows_in = a["groups"], ins[1]
-        return {"main": _k("grouped_linear", g, rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]))}
+        return _matmul("", rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]))
     if op == "moe_route":
         e, d = ins[1]
         out = {**_matmul("gate_", e, d, "fp32"), "scores": _k("route_scores", e),
@@ -95,9 +100,11 @@ def node_kernels(node: Node, cfg) -> dict[str, KernelSpec]:
             out.update(bias=_k("add_bias", e), select=_k("topk_rows", a["k"]))
         return out
     if op == "experts":
+        # Each routed expert runs as matmuls over the tokens routed to it, then is added in.
         e, inter, d = ins[3]
-        k, q = ins[1][1], _expert_quant(a["quant"])
-        return {"up": _k("experts_up", e, inter, d, k, a["limit"], q), "down": _k("experts_down", e, inter, d, k, q)}
+        q = _expert_quant(a["quant"])
+        return {**_matmul("up_", inter, d, q), "act": _k("swiglu", inter, a["limit"]), **_matmul("down_", d, inter, q),
+                "combine": _k("scatter_add_rows", d)}
     if op == "shared_expert":
         inter, d = ins[1]
         q = _dense_quant(a["quant"])
@@ -111,28 +118,31 @@ def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str) -> dict[str, Ker
             f"{prefix}gemm": _k("linear", out_dim, in_dim, quant, False)}
 
 
-def _dense_quant(quant: str) -> str:
-    # FP8 blocks stay FP8 (decoded in the kernel); everything else is kept as fp32.
-    return "fp8_b128" if quant == "fp8_b128" else "fp32"
+def dense_kernel_quant(quant: str, fp8_format: str = "e4m3fn") -> str:
+    """FP8 blocks stay FP8 (decoded in the kernel, fnuz on gfx942); everything else is fp32."""
+    if quant != "fp8_b128":
+        return "fp32"
+    return "fp8fnuz_b128" if fp8_format == "e4m3fnuz" else "fp8_b128"
 
 
 def _expert_quant(quant: str) -> str:
     return "fp4_g32" if quant == "fp4_g32" else "fp32"
 
 
-def kernel_table(program: Program) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
+def kernel_table(program: Program, fp8_format: str = "e4m3fn") -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
     """Distinct kernels of the step function, and per node the symbol of each role."""
     specs: dict[str, KernelSpec] = {}
     per_node = []
     for node in program.functions["step"].nodes:
-        roles = node_kernels(node, program.config)
+        roles = node_kernels(node, program.config, fp8_format)
         for spec in roles.values():
             specs[spec.symbol] = spec
         per_node.append({role: spec.symbol for role, spec in roles.items()})
     return specs, per_node
 
 
-def weight_layout(program: Program, weights: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
+def weight_layout(program: Program, weights: dict[str, np.ndarray],
+                  fp8_format: str = "e4m3fn") -> dict[str, tuple[str, np.ndarray]]:
     """Weights as the llvm kernels read them. Matmul weights are stored in column tiles
     ``[out / tile, in, tile]`` (see ``llvm_kernels.linear``); FP8 128x128 blocks as e4m3 codes
     with their scales expanded per column and tiled alike; FP4 experts packed two per byte +
@@ -145,18 +155,24 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray]) -> dict[str,
     for node in program.functions["step"].nodes:
         q = node.attrs.get("quant") or ""
         reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
-                 "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4]}.get(node.op, [])
+                 "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4], "grouped_linear": node.inputs[1:2],
+                 "experts": node.inputs[3:6]}.get(node.op, [])
         matmul.update(v.name for v in reads)
-        if node.op != "moe_route" and _dense_quant(q) == "fp8_b128":
+        if node.op not in ("moe_route", "experts") and dense_kernel_quant(q) == "fp8_b128":
             fp8.update(v.name for v in reads)
-        if node.op == "grouped_linear" and _dense_quant(q) == "fp8_b128":
-            fp8.add(node.inputs[1].name)
         if node.op == "experts" and _expert_quant(q) == "fp4_g32":
-            fp4.update(v.name for v in node.inputs[3:])
+            fp4.update(v.name for v in reads)
+    groups = {n.inputs[1].name: n.attrs["groups"] for n in program.functions["step"].nodes if n.op == "grouped_linear"}
 
     def tiles(a: np.ndarray) -> np.ndarray:
-        t = column_tile(a.shape[0])
-        return np.ascontiguousarray(a.reshape(a.shape[0] // t, t, a.shape[1]).transpose(0, 2, 1))
+        """[..., out, in] -> [..., out / tile, in, tile]; grouped weights tile each group's rows."""
+        lead, (o, i) = a.shape[:-2], a.shape[-2:]
+        t = column_tile(o)
+        return np.ascontiguousarray(np.moveaxis(a.reshape(*lead, o // t, t, i), -2, -1))
+
+    def grouped(name: str, a: np.ndarray) -> np.ndarray:
+        g = groups.get(name, 1)
+        return a.reshape(g, a.shape[0] // g, a.shape[1]) if g > 1 else a
 
     out: dict[str, tuple[str, np.ndarray]] = {}
     for name, value in weights.items():
@@ -165,18 +181,18 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray]) -> dict[str,
         elif name in fp8:
             codes, scales = lowbit.quantize_fp8_blocks(value, 128, "e8m0")
             scale = lowbit.decode_e8m0(scales).astype(np.float32)
-            if name in matmul:
-                per_column = np.repeat(scale, 128, axis=0)[:value.shape[0]]
-                out[name], out[name + ".scale"] = ("U8", tiles(codes)), ("F32", tiles(per_column))
-            else:
-                out[name], out[name + ".scale"] = ("U8", codes), ("F32", scale)
+            if fp8_format == "e4m3fnuz":  # gfx942: keep the bits, double the scale
+                codes, scale = lowbit.e4m3fn_to_fnuz(codes), 2 * scale
+            per_column = np.repeat(scale, 128, axis=0)[:value.shape[0]]
+            out[name] = ("U8", tiles(grouped(name, codes)))
+            out[name + ".scale"] = ("F32", tiles(grouped(name, per_column)))
         elif name in fp4:
             flat = value.reshape(-1, value.shape[-1])
             packed, scales = lowbit.quantize_fp4_groups(flat, 32)
-            out[name] = ("U8", packed.view(np.uint8).reshape(*value.shape[:-1], -1))
-            out[name + ".scale"] = ("U8", scales.reshape(*value.shape[:-1], -1))
+            out[name] = ("U8", tiles(packed.view(np.uint8).reshape(*value.shape[:-1], -1)))
+            out[name + ".scale"] = ("U8", tiles(scales.reshape(*value.shape[:-1], -1)))
         elif name in matmul:
-            out[name] = ("F32", tiles(np.asarray(value, np.float32)))
+            out[name] = ("F32", tiles(grouped(name, np.asarray(value, np.float32))))
         else:
             out[name] = ("F32", np.ascontiguousarray(value, np.float32))
     return out

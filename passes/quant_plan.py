@@ -71,10 +71,9 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact") -> QuantPla
     blocks = WeightLayout(fp8, (128, 128), "e8m0", "bf16" if target != "llvm" else "fp32")
     if target == "gfx950":
         expert = WeightLayout("fp4", (1, 32), "e8m0", "fp4")  # native MX FP4 math
-    elif target == "gfx942":
-        expert = WeightLayout(fp8, (128, 128), "e8m0", "bf16")  # no FP4 math: re-encoded as FP8 fnuz
     else:
-        expert = WeightLayout("fp4", (1, 32), "e8m0", "bf16" if target == "sm90" else "fp32")  # dequant in kernel
+        # No FP4 math on sm90 / gfx942: the kernels dequantize FP4 to BF16 (CPU: fp32).
+        expert = WeightLayout("fp4", (1, 32), "e8m0", "fp32" if target == "llvm" else "bf16")
     compute = "fp32" if target in ("llvm", "reference") else "bf16"
     weights = {
         "dense": blocks,

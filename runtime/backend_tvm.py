@@ -26,6 +26,15 @@ def _tvm(a: np.ndarray):
     return tvm.runtime.from_dlpack(a)
 
 
+def _shareable(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when DLPack can share it (contiguous, 64-byte aligned), else an aligned copy.
+    Outputs are always allocated aligned, so only read-only inputs (a slice of stacked expert
+    weights of odd sizes, say) are ever copied."""
+    if a.flags.c_contiguous and a.ctypes.data % 64 == 0:
+        return a
+    return _aligned_copy(a)
+
+
 def _aligned_copy(a: np.ndarray) -> np.ndarray:
     out = aligned_empty(a.shape, a.dtype)
     out[...] = a
@@ -70,7 +79,7 @@ class TvmBackend:
         return self.fns[symbol]
 
     def _call(self, symbol: str, *args) -> None:
-        self._fn(symbol)(*[a if not isinstance(a, np.ndarray) else _tvm(a) for a in args])
+        self._fn(symbol)(*[a if not isinstance(a, np.ndarray) else _tvm(_shareable(a)) for a in args])
 
     def _w(self, v):
         return self.weights[v.name]
@@ -147,9 +156,9 @@ class TvmBackend:
         self._call(roles["main"], flat, w, out.reshape(flat.shape))
         return [out]
 
-    def _matmul(self, roles, prefix: str, x: np.ndarray, weight) -> np.ndarray:
-        """y = x @ W.T through the GEMV kernel for decode-sized steps, else the 8-row-block GEMM."""
-        w = self._wq(weight)
+    def _matmul(self, roles, prefix: str, x: np.ndarray, w: list[np.ndarray]) -> np.ndarray:
+        """y = x @ W.T through the GEMV kernel for decode-sized steps, else the 8-row-block GEMM.
+        ``w`` is the tiled weight [out / tile, in, tile] and, when quantized, its scales."""
         rows = x.shape[0]
         out_dim = w[0].shape[0] * w[0].shape[2]
         if rows <= GEMV_MAX_ROWS:
@@ -166,7 +175,7 @@ class TvmBackend:
 
     def _op_linear(self, node, roles, args, n, ctx):
         x = args[0]
-        y = self._matmul(roles, "", x.reshape(-1, x.shape[-1]), node.inputs[1])
+        y = self._matmul(roles, "", x.reshape(-1, x.shape[-1]), self._wq(node.inputs[1]))
         return [y.reshape(x.shape[:-1] + (y.shape[-1],))]
 
     _op_lm_head = _op_linear
@@ -202,15 +211,14 @@ class TvmBackend:
         return [out]
 
     def _op_grouped_linear(self, node, roles, args, n, ctx):
-        w = self._wq(node.inputs[1])
-        g = node.attrs["groups"]
-        out = self._out(n, g, w[0].shape[0] // g)
-        self._call(roles["main"], args[0], *w, out)
-        return [out]
+        x = args[0]
+        w = self._wq(node.inputs[1])  # [G, rank / tile, in, tile] (+ scales)
+        outs = [self._matmul(roles, "", x[:, g], [a[g] for a in w]) for g in range(x.shape[1])]
+        return [_aligned_copy(np.stack(outs, axis=1))]
 
     def _op_moe_route(self, node, roles, args, n, ctx):
         k = node.attrs["k"]
-        logits = self._matmul(roles, "gate_", args[0], node.inputs[1])
+        logits = self._matmul(roles, "gate_", args[0], self._wq(node.inputs[1]))
         scores = self._out(n, logits.shape[1])
         self._call(roles["scores"], logits, scores)
         ids = self._out(n, k, dtype=np.int32)
@@ -227,18 +235,25 @@ class TvmBackend:
     def _op_experts(self, node, roles, args, n, ctx):
         y, route_w, ids = args[:3]
         w1, w2, w3 = (self._wq(v) for v in node.inputs[3:])
-        act = self._out(n, ids.shape[1], node.inputs[3].type.shape[1])
-        self._call(roles["up"], y, ids, *w1, *w3, act)
-        out = self._out(n, y.shape[1])
-        self._call(roles["down"], act, route_w, ids, *w2, out)
+        out = aligned_zeros((n, y.shape[1]), np.float32)
+        for e in np.unique(ids):  # ascending expert ids, as the reference adds them
+            tokens, slots = np.nonzero(ids == e)
+            x = y[tokens]
+            gate = self._matmul(roles, "up_", x, [a[e] for a in w1])
+            up = self._matmul(roles, "up_", x, [a[e] for a in w3])
+            act = self._out(len(tokens), gate.shape[1])
+            self._call(roles["act"], gate, up, act)
+            down = self._matmul(roles, "down_", act, [a[e] for a in w2])
+            self._call(roles["combine"], out, _aligned_copy(tokens.astype(np.int32)),
+                       _aligned_copy(route_w[tokens, slots]), _aligned_copy(down))
         return [out]
 
     def _op_shared_expert(self, node, roles, args, n, ctx):
-        gate = self._matmul(roles, "up_", args[0], node.inputs[1])
-        up = self._matmul(roles, "up_", args[0], node.inputs[3])
+        gate = self._matmul(roles, "up_", args[0], self._wq(node.inputs[1]))
+        up = self._matmul(roles, "up_", args[0], self._wq(node.inputs[3]))
         act = self._out(n, gate.shape[1])
         self._call(roles["act"], gate, up, act)
-        return [self._matmul(roles, "down_", act, node.inputs[2])]
+        return [self._matmul(roles, "down_", act, self._wq(node.inputs[2]))]
 
     # ------------------------------------------------------------------ KV state
     def _op_kv_write(self, node, roles, args, n, ctx):

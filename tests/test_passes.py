@@ -147,7 +147,7 @@ def test_golden_quant_plans(model_name, target):
         assert plan["weights"]["expert"]["storage"] == "fp4" and plan["index_kv"]["hadamard"]
         assert plan["index_kv"]["layout"] != "rowmajor"  # layout tag separate from the quant mode
     if target == "gfx942":
-        assert plan["weights"]["expert"]["storage"] == "fp8_fnuz"
+        assert plan["weights"]["expert"] == {"storage": "fp4", "block": [1, 32], "scale": "e8m0", "compute": "bf16"}
     if target != "llvm":
         assert plan["main_kv"]["storage"] == "fp8" and plan["main_kv"]["row_bytes"] == 584
 
@@ -169,7 +169,7 @@ def test_fnuz_re_encoding_on_every_byte():
 def test_inspect_plan_and_json_keys(capsys):
     assert cli(["inspect", "flash", "--target", "gfx942", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["fp8_format"] == "e4m3fnuz" and report["expert_format"] == "fp8_fnuz"
+    assert report["fp8_format"] == "e4m3fnuz" and report["expert_format"] == "fp4"
     assert report["main_row_bytes"] == 584 and report["index_row_bytes"] == 132
     assert cli(["inspect", "pro", "--target", "gfx950", "--plan"]) == 0
     out = capsys.readouterr().out

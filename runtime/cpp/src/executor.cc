@@ -19,7 +19,9 @@ namespace {
 constexpr int64_t kGemvMaxRows = 4;
 constexpr int64_t kGemmRows = 8;
 
-// Kernel arguments are tensors or lists of tensors (a weight and its scales), flattened in order.
+// Kernel arguments are tensors or lists of tensors (a weight and its scales), flattened in order;
+// any that is not 64-byte aligned (a slice of stacked weights) is passed as an aligned copy, as
+// backend_tvm._call does.
 void append(std::vector<Tensor>& out, const Tensor& t) { out.push_back(t); }
 void append(std::vector<Tensor>& out, const std::vector<Tensor>& ts) { out.insert(out.end(), ts.begin(), ts.end()); }
 
@@ -27,6 +29,7 @@ template <class... Args>
 void call(const ffi::Function& kernel, const Args&... args) {
   std::vector<Tensor> tensors;
   (append(tensors, args), ...);
+  for (Tensor& t : tensors) t = t.shareable();  // the copies live until the call returns
   std::vector<DLTensor> dl;
   dl.reserve(tensors.size());  // the views below point into it
   std::vector<ffi::AnyView> views;
@@ -284,9 +287,9 @@ std::vector<Tensor> Executor::op_rmsnorm(const Call& c) {
   return {out};
 }
 
-// y = x @ W.T through the GEMV kernel for decode-sized steps, else the 8-row-block GEMM.
-Tensor Executor::matmul(const Call& c, const std::string& prefix, const Tensor& x, const Operand& weight) {
-  std::vector<Tensor> w = weight_and_scale(weight);
+// y = x @ W.T through the GEMV kernel for decode-sized steps, else the 8-row-block GEMM. `w` is
+// the tiled weight [out / tile, in, tile] and, when quantized, its scales.
+Tensor Executor::matmul(const Call& c, const std::string& prefix, const Tensor& x, const std::vector<Tensor>& w) {
   const int64_t rows = x.shape[0], out_dim = w[0].shape[0] * w[0].shape[2];  // weights in column tiles
   if (rows <= kGemvMaxRows) {
     Tensor y = Tensor::zeros({rows, out_dim});
@@ -303,7 +306,7 @@ Tensor Executor::matmul(const Call& c, const std::string& prefix, const Tensor& 
 
 std::vector<Tensor> Executor::op_linear(const Call& c) {
   const Tensor& x = c.args[0];
-  Tensor y = matmul(c, "", x.reshape({-1, x.shape.back()}), c.node.inputs[1]);
+  Tensor y = matmul(c, "", x.reshape({-1, x.shape.back()}), weight_and_scale(c.node.inputs[1]));
   std::vector<int64_t> shape(x.shape.begin(), x.shape.end() - 1);
   shape.push_back(y.shape.back());
   return {y.reshape(shape)};
@@ -358,17 +361,35 @@ std::vector<Tensor> Executor::op_rmsnorm_rope(const Call& c) {
   return {out};
 }
 
+// One matmul per group on the contiguous copy of x[:, g], with the weight slice w[g]; the outputs
+// stacked along axis 1.
 std::vector<Tensor> Executor::op_grouped_linear(const Call& c) {
-  std::vector<Tensor> w = weight_and_scale(c.node.inputs[1]);
-  const int64_t groups = c.node.attrs.integer("groups");
-  Tensor out = Tensor::zeros({c.n, groups, w[0].shape[0] / groups});
-  call(c.kernel("main"), c.args[0], w, out);
+  const Tensor& x = c.args[0];  // [T, G, I]
+  std::vector<Tensor> w = weight_and_scale(c.node.inputs[1]);  // [G, rank / tile, I, tile] (+ scales)
+  const int64_t groups = x.shape[1], in = x.shape[2];
+  std::vector<Tensor> outs;
+  for (int64_t g = 0; g < groups; ++g) {
+    Tensor xg = Tensor::zeros({c.n, in});
+    for (int64_t t = 0; t < c.n; ++t) {
+      std::copy_n(x.ptr<float>() + (t * groups + g) * in, in, xg.ptr<float>() + t * in);
+    }
+    std::vector<Tensor> wg;
+    for (const Tensor& a : w) wg.push_back(a.index(g));
+    outs.push_back(matmul(c, "", xg, wg));
+  }
+  const int64_t rank = outs.empty() ? 0 : outs[0].shape[1];
+  Tensor out = Tensor::zeros({c.n, groups, rank});
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t t = 0; t < c.n; ++t) {
+      std::copy_n(outs[g].ptr<float>() + t * rank, rank, out.ptr<float>() + (t * groups + g) * rank);
+    }
+  }
   return {out};
 }
 
 std::vector<Tensor> Executor::op_moe_route(const Call& c) {
   const int64_t k = c.node.attrs.integer("k");
-  Tensor logits = matmul(c, "gate_", c.args[0], c.node.inputs[1]);
+  Tensor logits = matmul(c, "gate_", c.args[0], weight_and_scale(c.node.inputs[1]));
   const int64_t experts = logits.shape[1];
   Tensor scores = Tensor::zeros({c.n, experts});
   call(c.kernel("scores"), logits, scores);
@@ -385,22 +406,48 @@ std::vector<Tensor> Executor::op_moe_route(const Call& c) {
   return {weights, ids};
 }
 
+// Each routed expert, in ascending id order: its tokens' rows through gate / up matmuls, swiglu,
+// the down matmul, then added into the output scaled by the routing weights.
 std::vector<Tensor> Executor::op_experts(const Call& c) {
-  const Tensor &y = c.args[0], &route_w = c.args[1], &ids = c.args[2];
-  const std::vector<Operand>& in = c.node.inputs;  // ..., w1, w2, w3
-  Tensor act = Tensor::zeros({c.n, ids.shape[1], in[3].type.shape[1]});
-  call(c.kernel("up"), y, ids, weight_and_scale(in[3]), weight_and_scale(in[5]), act);
+  const Tensor &y = c.args[0], &route_w = c.args[1], &ids = c.args[2];  // [T, D], [T, K] f32, [T, K] i32
+  const std::vector<Operand>& in = c.node.inputs;  // ..., w1, w2, w3: [E, out / tile, in, tile] (+ scales)
+  const std::vector<Tensor> w1 = weight_and_scale(in[3]), w2 = weight_and_scale(in[4]), w3 = weight_and_scale(in[5]);
+  const int64_t k = ids.shape[1];
+  const int32_t* id = ids.ptr<int32_t>();
   Tensor out = Tensor::zeros({c.n, y.shape[1]});
-  call(c.kernel("down"), act, route_w, ids, weight_and_scale(in[4]), out);
+  auto slice = [](const std::vector<Tensor>& w, int64_t e) {
+    std::vector<Tensor> out;
+    for (const Tensor& a : w) out.push_back(a.index(e));
+    return out;
+  };
+  for (int32_t e : std::set<int32_t>(id, id + ids.numel())) {  // np.unique: ascending
+    std::vector<int64_t> tokens;  // np.nonzero(ids == e): (token, slot) pairs in row-major order
+    std::vector<float> scales;    // route_w[tokens, slots]
+    for (int64_t t = 0; t < c.n; ++t) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (id[t * k + j] == e) {
+          tokens.push_back(t);
+          scales.push_back(route_w.ptr<float>()[t * k + j]);
+        }
+      }
+    }
+    Tensor x = take_rows(y, tokens);
+    Tensor gate = matmul(c, "up_", x, slice(w1, e));
+    Tensor up = matmul(c, "up_", x, slice(w3, e));
+    Tensor act = Tensor::zeros({static_cast<int64_t>(tokens.size()), gate.shape[1]});
+    call(c.kernel("act"), gate, up, act);
+    Tensor down = matmul(c, "down_", act, slice(w2, e));
+    call(c.kernel("combine"), out, Tensor::int32(tokens), floats(scales), down);
+  }
   return {out};
 }
 
 std::vector<Tensor> Executor::op_shared_expert(const Call& c) {
-  Tensor gate = matmul(c, "up_", c.args[0], c.node.inputs[1]);
-  Tensor up = matmul(c, "up_", c.args[0], c.node.inputs[3]);
+  Tensor gate = matmul(c, "up_", c.args[0], weight_and_scale(c.node.inputs[1]));
+  Tensor up = matmul(c, "up_", c.args[0], weight_and_scale(c.node.inputs[3]));
   Tensor act = Tensor::zeros({c.n, gate.shape[1]});
   call(c.kernel("act"), gate, up, act);
-  return {matmul(c, "down_", act, c.node.inputs[2])};
+  return {matmul(c, "down_", act, weight_and_scale(c.node.inputs[2]))};
 }
 
 // ------------------------------------------------------------------------------ KV state

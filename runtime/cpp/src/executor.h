@@ -52,7 +52,7 @@ class Executor {
   const Tensor& weight(const Operand& v) const;
   std::vector<Tensor> weight_and_scale(const Operand& v) const;
   const Tensor& ones(int64_t dim);
-  Tensor matmul(const Call& c, const std::string& prefix, const Tensor& x, const Operand& w);
+  Tensor matmul(const Call& c, const std::string& prefix, const Tensor& x, const std::vector<Tensor>& w);
 
   std::vector<Tensor> op_embed(const Call& c);
   std::vector<Tensor> op_hc_expand(const Call& c);

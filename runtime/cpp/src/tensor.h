@@ -1,4 +1,5 @@
-// Host tensors handed to the kernels as DLTensor: 64-byte aligned, contiguous, shared storage.
+// Host tensors handed to the kernels as DLTensor: contiguous, shared storage, 64-byte aligned
+// except for index() views (the kernel call passes those as aligned copies, see shareable()).
 // Reshapes are views of the same storage (like numpy reshape of a contiguous array).
 #ifndef DSV4C_SRC_TENSOR_H_
 #define DSV4C_SRC_TENSOR_H_
@@ -6,6 +7,7 @@
 #include <dlpack/dlpack.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <vector>
@@ -80,6 +82,27 @@ struct Tensor {
   Tensor first_rows(int64_t rows) const {
     Tensor t = *this;
     t.shape[0] = rows;
+    return t;
+  }
+
+  /// Element `i` along axis 0 (numpy a[i] of a contiguous a), sharing storage. The view starts
+  /// i * (row bytes) into the storage, so it need not be 64-byte aligned: see shareable().
+  Tensor index(int64_t i) const {
+    if (shape.empty() || i < 0 || i >= shape[0]) throw std::logic_error("index out of range along axis 0");
+    size_t row_bytes = nbytes() / static_cast<size_t>(shape[0]);
+    Tensor t{std::shared_ptr<void>(data, static_cast<char*>(data.get()) + i * row_bytes), dtype,
+             std::vector<int64_t>(shape.begin() + 1, shape.end())};
+    return t;
+  }
+
+  bool aligned() const { return reinterpret_cast<uintptr_t>(data.get()) % 64 == 0; }
+
+  /// This tensor when the kernels can take it as it is (64-byte aligned), else an aligned copy
+  /// (Python: backend_tvm._shareable). Only read-only inputs are ever copied.
+  Tensor shareable() const {
+    if (!defined() || aligned()) return *this;
+    Tensor t = zeros(shape, dtype);
+    std::memcpy(t.data.get(), data.get(), nbytes());
     return t;
   }
 
