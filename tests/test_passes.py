@@ -147,7 +147,7 @@ def test_golden_quant_plans(model_name, target):
         assert plan["weights"]["expert"]["storage"] == "fp4" and plan["index_kv"]["hadamard"]
         assert plan["index_kv"]["layout"] != "rowmajor"  # layout tag separate from the quant mode
     if target == "gfx942":
-        assert plan["weights"]["expert"] == {"storage": "fp4", "block": [1, 32], "scale": "e8m0", "compute": "bf16"}
+        assert plan["weights"]["expert"] == {"storage": "fp4", "block": (1, 32), "scale": "e8m0", "compute": "bf16"}
     if target != "llvm":
         assert plan["main_kv"]["storage"] == "fp8" and plan["main_kv"]["row_bytes"] == 584
 
