@@ -721,7 +721,20 @@ def index_score(heads: int, dim: int):
 
 def sparse_attn(heads: int, dim: int, scale: float):
     """Softmax attention over each query's CSR row list; rows >= R are this step's fresh KV.
-    The per-head sink enters the denominator only."""
+    The per-head sink enters the denominator only. Dot products and the weighted sum run on
+    ``lanes``-wide vectors along the head dim (the row loop stays scalar: its length is data)."""
+    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0)
+    chunks = dim // lanes
+
+    @T.macro
+    def row_dot(Q, POOL, STEP, part, t, h, row, r):
+        for l in T.vectorized(lanes):
+            part[l] = T.float32(0)
+        for c in range(chunks):
+            for l in T.vectorized(lanes):
+                part[l] = part[l] + Q[t, h, c * lanes + l] * T.if_then_else(
+                    row < r, POOL[T.min(row, r - 1), c * lanes + l], STEP[T.max(row - r, 0), c * lanes + l])
+
     @T.prim_func
     def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, indptr: T.handle, indices: T.handle,
           out: T.handle):
@@ -738,31 +751,31 @@ def sparse_attn(heads: int, dim: int, scale: float):
         OUT = T.match_buffer(out, (n, heads, dim), F32)
         for t in T.parallel(n):
             acc = T.alloc_buffer((3,), F32, scope="local")
+            part = T.alloc_buffer((lanes,), F32, scope="local")
             o = T.alloc_buffer((dim,), F32, scope="local")
             for h in range(heads):
                 acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
                 for k in range(IP[t + 1] - IP[t]):
+                    row_dot(Q, POOL, STEP, part, t, h, IX[IP[t] + k], r)
                     acc[1] = T.float32(0)
-                    for d in range(dim):
-                        acc[1] = acc[1] + Q[t, h, d] * T.if_then_else(
-                            IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), d],
-                            STEP[T.max(IX[IP[t] + k] - r, 0), d])
+                    for l in range(lanes):
+                        acc[1] = acc[1] + part[l]
                     acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
                 acc[2] = T.exp(SINK[h] - acc[0])
-                for d in range(dim):
+                for d in T.vectorized(dim):
                     o[d] = T.float32(0)
                 for k in range(IP[t + 1] - IP[t]):
+                    row_dot(Q, POOL, STEP, part, t, h, IX[IP[t] + k], r)
                     acc[1] = T.float32(0)
-                    for d in range(dim):
-                        acc[1] = acc[1] + Q[t, h, d] * T.if_then_else(
-                            IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), d],
-                            STEP[T.max(IX[IP[t] + k] - r, 0), d])
+                    for l in range(lanes):
+                        acc[1] = acc[1] + part[l]
                     acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
                     acc[2] = acc[2] + acc[1]
-                    for d in range(dim):
-                        o[d] = o[d] + acc[1] * T.if_then_else(
-                            IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), d],
-                            STEP[T.max(IX[IP[t] + k] - r, 0), d])
-                for d in range(dim):
+                    for c in range(chunks):
+                        for l in T.vectorized(lanes):
+                            o[c * lanes + l] = o[c * lanes + l] + acc[1] * T.if_then_else(
+                                IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), c * lanes + l],
+                                STEP[T.max(IX[IP[t] + k] - r, 0), c * lanes + l])
+                for d in T.vectorized(dim):
                     OUT[t, h, d] = o[d] / acc[2]
     return f
