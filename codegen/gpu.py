@@ -75,7 +75,10 @@ def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                           dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
         return mod["main"]
-    func = factory(*spec.params)
+    if spec.factory in llvm_kernels.VECTOR_KERNELS:
+        func = factory(*spec.params, max_lanes=llvm_kernels.GPU_MAX_LANES)
+    else:
+        func = factory(*spec.params)
     body = func.body
     if isinstance(body, tirx.For) and body.kind == tirx.ForKind.PARALLEL:
         body = _bind_rows(body)

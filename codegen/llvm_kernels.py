@@ -128,7 +128,8 @@ COMPUTE_DEFINITIONS = frozenset({"linear"})
 def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = True):
     """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32; FP8 e4m3 (or
     e4m3fnuz) codes with their 128x128 block scales expanded per column and tiled the same way,
-    [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); or FP4.
+    [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); FP4; or
+    BF16 (half the bytes of fp32 for the BF16 tensors of the checkpoint, such as the head).
     GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8)."""
     if gemv:
         n = te.var("N")
@@ -152,11 +153,17 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = T
         tiled = lambda a, kk, c: decode_e2m1((_u(w[a, kk // 2, c]) >> ((kk % 2) * 4)) & 15) * \
             decode_e8m0(s[a, kk // 32, c])  # noqa: E731
         args = [x, w, s]
+    elif quant == "bf16":
+        # BF16 bits in a uint16: the float32 with the same top half (exact).
+        w = te.placeholder((out_dim // tile, in_dim, tile), "uint16", name="w")
+        tiled = lambda a, kk, c: tirx.reinterpret(F32, tirx.shift_left(_u(w[a, kk, c], "uint32"),  # noqa: E731
+                                                                       tirx.const(16, "uint32")))
+        args = [x, w]
     else:
         w = te.placeholder((out_dim // tile, in_dim, tile), F32, name="w")
         tiled = lambda a, kk, c: w[a, kk, c]  # noqa: E731
         args = [x, w]
-    quantized = len(args) == 3
+    quantized = quant != "fp32"
     if quantized and not gemv:
         # Prefill decodes each weight tile once into a scratch tile that every row block reuses.
         decoded = te.compute((out_dim // tile, in_dim, tile), tiled, name="w_decoded")
@@ -719,11 +726,16 @@ def index_score(heads: int, dim: int):
     return f
 
 
-def sparse_attn(heads: int, dim: int, scale: float):
+# Kernels with explicit vector loops, and the widest vector GPU code generators accept.
+VECTOR_KERNELS = frozenset({"sparse_attn"})
+GPU_MAX_LANES = 4
+
+
+def sparse_attn(heads: int, dim: int, scale: float, max_lanes: int = 16):
     """Softmax attention over each query's CSR row list; rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only. Dot products and the weighted sum run on
     ``lanes``-wide vectors along the head dim (the row loop stays scalar: its length is data)."""
-    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0)
+    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and l <= max_lanes)
     chunks = dim // lanes
 
     @T.macro
@@ -762,8 +774,9 @@ def sparse_attn(heads: int, dim: int, scale: float):
                         acc[1] = acc[1] + part[l]
                     acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
                 acc[2] = T.exp(SINK[h] - acc[0])
-                for d in T.vectorized(dim):
-                    o[d] = T.float32(0)
+                for c in range(chunks):
+                    for l in T.vectorized(lanes):
+                        o[c * lanes + l] = T.float32(0)
                 for k in range(IP[t + 1] - IP[t]):
                     row_dot(Q, POOL, STEP, part, t, h, IX[IP[t] + k], r)
                     acc[1] = T.float32(0)
@@ -776,6 +789,7 @@ def sparse_attn(heads: int, dim: int, scale: float):
                             o[c * lanes + l] = o[c * lanes + l] + acc[1] * T.if_then_else(
                                 IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), c * lanes + l],
                                 STEP[T.max(IX[IP[t] + k] - r, 0), c * lanes + l])
-                for d in T.vectorized(dim):
-                    OUT[t, h, d] = o[d] / acc[2]
+                for c in range(chunks):
+                    for l in T.vectorized(lanes):
+                        OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
     return f

@@ -119,7 +119,9 @@ def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str) -> dict[str, Ker
 
 
 def dense_kernel_quant(quant: str, fp8_format: str = "e4m3fn") -> str:
-    """FP8 blocks stay FP8 (decoded in the kernel, fnuz on gfx942); everything else is fp32."""
+    """FP8 blocks stay FP8 (decoded in the kernel, fnuz on gfx942), BF16 stays BF16; the rest fp32."""
+    if quant == "bf16":
+        return "bf16"
     if quant != "fp8_b128":
         return "fp32"
     return "fp8fnuz_b128" if fp8_format == "e4m3fnuz" else "fp8_b128"
@@ -151,7 +153,7 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray],
     values reach the kernels unchanged."""
     from dsv4c.codegen.llvm_kernels import column_tile
 
-    matmul, fp8, fp4 = set(), set(), set()
+    matmul, fp8, fp4, bf16 = set(), set(), set(), set()
     for node in program.functions["step"].nodes:
         q = node.attrs.get("quant") or ""
         reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
@@ -162,6 +164,8 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray],
             fp8.update(v.name for v in reads)
         if node.op == "experts" and _expert_quant(q) == "fp4_g32":
             fp4.update(v.name for v in reads)
+        if node.op in ("linear", "linear_split", "lm_head") and dense_kernel_quant(q) == "bf16":
+            bf16.update(v.name for v in reads)
     groups = {n.inputs[1].name: n.attrs["groups"] for n in program.functions["step"].nodes if n.op == "grouped_linear"}
 
     def tiles(a: np.ndarray) -> np.ndarray:
@@ -191,6 +195,11 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray],
             packed, scales = lowbit.quantize_fp4_groups(flat, 32)
             out[name] = ("U8", tiles(packed.view(np.uint8).reshape(*value.shape[:-1], -1)))
             out[name + ".scale"] = ("U8", tiles(scales.reshape(*value.shape[:-1], -1)))
+        elif name in bf16:
+            if not np.array_equal(lowbit.bf16_roundtrip(value), value):
+                raise UsageError(f"weight {name} is declared BF16 but holds values BF16 cannot represent; "
+                                 "fix the checkpoint's config (torch_dtype / quantization_config)")
+            out[name] = ("BF16", tiles(lowbit.bf16_bits_from_f32(value)))
         elif name in matmul:
             out[name] = ("F32", tiles(grouped(name, np.asarray(value, np.float32))))
         else:

@@ -38,6 +38,8 @@ class Model:
         # The storage format each projection arrives in; passes re-plan it per target.
         self.dense_quant = {"fp8": "fp8_b128"}.get(w.dense, w.dense)
         self.expert_quant = {"fp4": "fp4_g32", "fp8": "fp8_b128"}.get(w.experts, w.experts)
+        # Compressors, weights_proj and the head ship as BF16 (fp32 in an fp32 checkpoint).
+        self.bf16_quant = "fp32" if w.dense == "fp32" else "bf16"
 
     # ------------------------------------------------------------------ helpers
     def _w(self, b: Builder, name: str, *shape: int) -> Value:
@@ -83,8 +85,8 @@ class Model:
         c, tag = self.cfg, f"l{layer.index}.{stream}"
         overlap = layer.attention == CSA
         width = (2 if overlap else 1) * head_dim
-        kv = self._linear(b, x, f"{prefix}wkv.weight", width, c.hidden_size, "bf16", f"{tag}.ckv")
-        gate = self._linear(b, x, f"{prefix}wgate.weight", width, c.hidden_size, "bf16", f"{tag}.cgate")
+        kv = self._linear(b, x, f"{prefix}wkv.weight", width, c.hidden_size, self.bf16_quant, f"{tag}.ckv")
+        gate = self._linear(b, x, f"{prefix}wgate.weight", width, c.hidden_size, self.bf16_quant, f"{tag}.cgate")
         ape = self._w(b, f"{prefix}ape", layer.compress_ratio, width)
         norm = self._w(b, f"{prefix}norm.weight", head_dim)
         quant = "none"
@@ -106,7 +108,8 @@ class Model:
         if self.numerics == "qat":
             q = b.emit("hadamard", [q], {}, f"{tag}.q_rot")
             q = b.emit("fp4_roundtrip", [q], {"block": 32}, f"{tag}.q_fp4")
-        weights = self._linear(b, x, f"{prefix}indexer.weights_proj.weight", hi, c.hidden_size, "bf16", f"{tag}.w")
+        weights = self._linear(b, x, f"{prefix}indexer.weights_proj.weight", hi, c.hidden_size, self.bf16_quant,
+                               f"{tag}.w")
         scores = b.emit("index_score", [q, weights, pos, seq, state], {"layer": layer.index,
                                                                       "ratio": layer.compress_ratio},
                         f"{tag}.scores")
@@ -180,7 +183,7 @@ class Model:
         y = b.emit("hc_head", [h, fn, base, scale], {"hc_mult": n, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps},
                    f"{prefix}y")
         y = self._norm(b, y, f"{prefix}norm.weight", d, f"{prefix}y_normed")
-        return b.emit("lm_head", [y, self._w(b, "head.weight", c.vocab_size, d)], {"quant": "bf16"}, "logits")
+        return b.emit("lm_head", [y, self._w(b, "head.weight", c.vocab_size, d)], {"quant": self.bf16_quant}, "logits")
 
     # ------------------------------------------------------------------ functions
     def step(self) -> Function:
