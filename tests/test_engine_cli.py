@@ -124,3 +124,20 @@ def test_engine_api_errors(tiny):
         SamplingParams(max_new_tokens=-1)
     with pytest.raises(UsageError, match="max_context"):
         engine.submit([1] * 10, SamplingParams(max_new_tokens=10**6))
+
+
+def test_text_in_text_out_with_tokenizer_json(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>"] + [f"w{i}" for i in range(511)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert cli(["make-tiny", "--out", str(tmp_path / "model")]) == 0
+    tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    assert cli(["compile", "--model", str(tmp_path / "model"), "--target", "reference", "-o", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert cli(["generate", str(tmp_path / "a"), "--prompt", "w5 w6 w7", "--max-new-tokens", "4"]) == 0
+    text = capsys.readouterr().out.strip()
+    engine = Engine(tmp_path / "a")
+    ids = engine.generate(engine.encode("w5 w6 w7"), SamplingParams(max_new_tokens=4)).tokens
+    assert text == engine.decode(ids).strip() and len(text.split()) == 4
