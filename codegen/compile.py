@@ -11,7 +11,7 @@ import numpy as np
 
 from dsv4c import __version__
 from dsv4c.errors import UsageError
-from dsv4c.frontend.checkpoint import load_weights, random_weights
+from dsv4c.frontend.checkpoint import ir_weights, load_weights, random_weights
 from dsv4c.frontend.config import PRESETS, ModelConfig, resolve_model
 from dsv4c.frontend.safetensors_io import write_safetensors
 from dsv4c.frontend.trace import trace
@@ -35,18 +35,8 @@ def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: boo
         return load_weights(cfg, model, names, progress=progress)
     if model == "tiny":
         # The built-in tiny preset compiles with the same weights `dsv4c make-tiny --seed 0` writes.
-        from dsv4c.frontend.checkpoint import _ir_name
-
-        stacked: dict[str, list] = {}
-        out = {}
-        for name, value in random_weights(cfg, 0).items():
-            ir = _ir_name(name)
-            if ir != name:
-                stacked.setdefault(ir, []).append(value)
-            else:
-                out[name] = value
-        out.update({k: np.stack(v) for k, v in stacked.items()})
-        return {k: v for k, v in out.items() if k in names}
+        weights = ir_weights(random_weights(cfg, 0))
+        return {k: v for k, v in weights.items() if k in names}
     raise UsageError(f"model {model!r} has no weights here; pass a model directory, or --no-weights to compile "
                      "the structure only")
 

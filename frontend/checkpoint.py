@@ -334,8 +334,7 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | No
         if unknown:
             raise UsageError(f"load_weights: {unknown[0]} is not a weight of this model ({len(unknown)} unknown names)")
     specs = [s for s in every if names is None or _ir_name(s.name) in names]
-    out: dict[str, np.ndarray] = {}
-    stacks: dict[str, list[np.ndarray]] = {}
+    official: dict[str, np.ndarray] = {}
     with Checkpoint(path) as ckpt:
         if names is None:
             # A checkpoint of a deeper or wider model (more layers, experts, an MTP block)
@@ -351,14 +350,21 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | No
 
             it = tqdm(specs, desc="loading weights", unit="tensor", leave=False)
         for spec in it:
-            value = ckpt.read(spec, cfg.n_routed_experts)
-            ir = _ir_name(spec.name)
-            if ir != spec.name:
-                stacks.setdefault(ir, []).append(value)
-            else:
-                out[spec.name] = value
-    for ir, parts in stacks.items():
-        out[ir] = np.stack(parts)
+            official[spec.name] = ckpt.read(spec, cfg.n_routed_experts)
+    return ir_weights(official)
+
+
+def ir_weights(official: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Official-name tensors by their IR names: per-expert projections stacked in expert order."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, list[np.ndarray]] = {}
+    for name, value in official.items():  # the inventory lists experts in order
+        ir = _ir_name(name)
+        if ir != name:
+            stacks.setdefault(ir, []).append(value)
+        else:
+            out[name] = value
+    out.update({ir: np.stack(parts) for ir, parts in stacks.items()})
     return out
 
 

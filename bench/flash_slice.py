@@ -1,0 +1,180 @@
+"""Benchmark: the compiled CPU artifact vs transformers eager fp32 on a "flash slice".
+
+Flash widths (hidden 4096, 64 heads x 512, q_lora 1024, o_groups 8, index 64 x 128,
+top-k 512), 2 layers (HCA + CSA), 16 experts top-6, vocab 32000. Our artifact keeps the
+checkpoint's FP8 / FP4 weights and decodes them inside the kernels; transformers runs the
+same (dequantized) weights in fp32. Each system runs in its own child process with the same
+thread count, so peak RSS is per system; the script prints ratios (ours / transformers),
+which is what to compare on a noisy shared machine.
+
+    python bench/flash_slice.py [--contexts 2048 8192] [--prefill 2048] [--decode-steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FLASH_SLICE = {
+    "model_type": "deepseek_v4", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 2,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "n_routed_experts": 16, "n_shared_experts": 1,
+    "num_experts_per_tok": 6, "moe_intermediate_size": 2048, "routed_scaling_factor": 1.5,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128, "hc_mult": 4,
+    "num_hash_layers": 0, "num_nextn_predict_layers": 0, "compress_ratios": [128, 4],
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128]},
+    "expert_dtype": "fp4",
+}
+
+
+class _Dequantized(dict):
+    """The FP8 / FP4 checkpoint's tensors as fp32, read one at a time (never all in memory)."""
+
+    def __init__(self, cfg, path):
+        from dsv4c.frontend.checkpoint import Checkpoint, inventory
+
+        super().__init__({spec.name: spec for spec in inventory(cfg)})
+        self.checkpoint = Checkpoint(path)
+        self.n_experts = cfg.n_routed_experts
+
+    def __getitem__(self, name):
+        return self.checkpoint.read(dict.__getitem__(self, name), self.n_experts)
+
+
+def prepare(workdir: Path, stage: str) -> None:
+    """One stage per child process, so that no process holds two copies of 1.4 G parameters:
+    make the FP8 / FP4 checkpoint, write the same values as fp32 for transformers, compile."""
+    from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+    from dsv4c.frontend.config import config_from_dict, with_weights
+
+    cfg = config_from_dict(FLASH_SLICE, "flash-slice")
+    if stage == "make":
+        write_checkpoint(cfg, random_weights(cfg, 0), workdir / "fp8")
+    elif stage == "fp32":
+        write_checkpoint(with_weights(cfg, dense="fp32", experts="fp32"), _Dequantized(cfg, workdir / "fp8"),
+                         workdir / "fp32")
+    else:
+        from dsv4c.codegen.compile import compile_model
+
+        start = time.perf_counter()
+        compile_model(str(workdir / "fp8"), "llvm", workdir / "artifact", progress=False)
+        print(f"compile: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], steps: int, threads: int) -> dict:
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    if system == "dsv4c":
+        from dsv4c.runtime.engine import Engine
+
+        engine = Engine(workdir / "artifact", max_step_tokens=max(contexts + [prefill]) + steps,
+                        max_context=max(contexts + [prefill]) + steps + 256, max_requests=1)
+        backend = engine.backend
+
+        def forward(tokens, start, seq):
+            engine.pool.ensure(seq, start + len(tokens))
+            return backend.step(np.asarray(tokens, np.int32), np.arange(start, start + len(tokens), dtype=np.int32),
+                                np.full(len(tokens), seq, np.int32))
+
+        def new_request(seq):
+            engine.pool.admit(seq)
+
+        def end_request(seq):
+            engine.pool.free(seq)
+    else:
+        import torch
+        from transformers import DeepseekV4ForCausalLM, DynamicCache
+
+        torch.set_num_threads(threads)
+        model = DeepseekV4ForCausalLM.from_pretrained(workdir / "fp32", dtype=torch.float32).eval()
+        caches = {}
+
+        def new_request(seq):
+            caches[seq] = DynamicCache(config=model.config)
+
+        def end_request(seq):
+            caches.pop(seq)
+
+        def forward(tokens, start, seq):
+            with torch.no_grad():
+                ids = torch.tensor(np.asarray(tokens)[None])
+                return model(ids, past_key_values=caches[seq], use_cache=True, logits_to_keep=1).logits[0].numpy()
+
+    def prefill_to(seq, n):
+        # Chunks of 2048 keep transformers' indexer scores ([S, H, E] floats) within memory.
+        for start in range(0, n, 2048):
+            forward(rng.integers(0, 32000, min(2048, n - start)), start, seq)
+
+    new_request(0)
+    start = time.perf_counter()
+    prefill_to(0, prefill)
+    out["prefill_tok_s"] = prefill / (time.perf_counter() - start)
+    end_request(0)
+    for i, ctx in enumerate(contexts, start=1):
+        new_request(i)
+        prefill_to(i, ctx)
+        times = []
+        for s in range(steps):
+            t = time.perf_counter()
+            forward([int(rng.integers(0, 32000))], ctx + s, i)
+            times.append(time.perf_counter() - t)
+        out[f"decode_ms_at_{ctx}"] = float(np.median(times) * 1e3)
+        end_request(i)
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--workdir", type=Path)
+    p.add_argument("--system", choices=["dsv4c", "transformers"], help=argparse.SUPPRESS)
+    p.add_argument("--stage", choices=["make", "fp32", "compile"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.stage:
+        prepare(args.workdir, args.stage)
+        return
+    if args.system:  # child process
+        print(json.dumps(run_system(args.system, args.workdir, args.prefill, args.contexts, args.decode_steps,
+                                    args.threads)))
+        return
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dsv4c-bench-"))
+    for stage, done in (("make", "fp8"), ("fp32", "fp32"), ("compile", "artifact")):
+        if not (workdir / done).exists():
+            subprocess.run([sys.executable, __file__, "--stage", stage, "--workdir", str(workdir)], check=True)
+    results = {}
+    for system in ("dsv4c", "transformers"):
+        cmd = [sys.executable, __file__, "--system", system, "--workdir", str(workdir), "--prefill", str(args.prefill),
+               "--decode-steps", str(args.decode_steps), "--threads", str(args.threads), "--contexts",
+               *map(str, args.contexts)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TVM_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        results[system] = json.loads(done.stdout.strip().splitlines()[-1])
+    ours, ref = results["dsv4c"], results["transformers"]
+    print(f"flash slice, {args.threads} threads (ratios: higher is better for tok/s, lower for ms and MiB)")
+    print(f"{'metric':<22}{'dsv4c':>12}{'transformers':>14}{'ratio':>9}")
+    for key in ours:
+        better = ours[key] / ref[key] if key.endswith("tok_s") else ref[key] / ours[key]
+        print(f"{key:<22}{ours[key]:>12.1f}{ref[key]:>14.1f}{better:>8.2f}x")
+    # What bounds decode: bytes of weights each token touches vs measured bandwidth.
+    artifact = workdir / "artifact" / "weights.safetensors"
+    print(f"artifact weights: {artifact.stat().st_size / 2**30:.2f} GiB on disk")
+
+
+if __name__ == "__main__":
+    main()
