@@ -623,9 +623,25 @@ def scatter_rows(width: int):
     return f
 
 
+def _compressor_source(width: int, ratio: int):
+    """Reads (kv, score) of a compressor source row: ``src >= 0`` is a row of this step (its
+    score is the gate plus ``ape[pos % ratio]``), ``src < 0`` is ring row ``-src - 1`` (stored
+    with its ape already added)."""
+    @T.macro
+    def read(RKV, RSC, KV, GATE, POS, APE, src, col, kv_out, score_out, slot):
+        if src >= 0:
+            kv_out[slot] = KV[src, col]
+            score_out[slot] = GATE[src, col] + APE[POS[src] % ratio, col]
+        else:
+            kv_out[slot] = RKV[-src - 1, col]
+            score_out[slot] = RSC[-src - 1, col]
+    return read
+
+
 def ring_gather(width: int, ratio: int):
-    """ring[dst[i]] = source row src[i] (kv and score), where src >= 0 is a step row (its score
-    gets ape[pos % ratio] added) and src < 0 is ring row -src-1."""
+    """ring[dst[i]] = compressor source row src[i] (kv and score)."""
+    read = _compressor_source(width, ratio)
+
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
           src: T.handle, dst: T.handle):
@@ -640,14 +656,13 @@ def ring_gather(width: int, ratio: int):
         APE = T.match_buffer(ape, (ratio, width), F32)
         SRC = T.match_buffer(src, (m,), "int32")
         DST = T.match_buffer(dst, (m,), "int32")
-        for i in T.serial(m):
+        for i in T.serial(m):  # in order: a ring row may be both read (as a source) and written
+            kv_val = T.alloc_buffer((1,), F32, scope="local")
+            score_val = T.alloc_buffer((1,), F32, scope="local")
             for j in range(width):
-                if SRC[i] >= 0:
-                    RKV[DST[i], j] = KV[SRC[i], j]
-                    RSC[DST[i], j] = GATE[SRC[i], j] + APE[POS[SRC[i]] % ratio, j]
-                else:
-                    RKV[DST[i], j] = RKV[-SRC[i] - 1, j]
-                    RSC[DST[i], j] = RSC[-SRC[i] - 1, j]
+                read(RKV, RSC, KV, GATE, POS, APE, SRC[i], j, kv_val, score_val, 0)
+                RKV[DST[i], j] = kv_val[0]
+                RSC[DST[i], j] = score_val[0]
     return f
 
 
@@ -656,6 +671,7 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     window's slots src[w, s] (step row if >= 0, ring row -src-1 otherwise). With overlap the
     first ``ratio`` slots read the first half of the columns, the rest the second half."""
     slots = 2 * ratio if overlap else ratio
+    read = _compressor_source(width, ratio)
 
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
@@ -677,13 +693,8 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
             acc = T.alloc_buffer((3,), F32, scope="local")
             for c in range(head_dim):
                 for s in range(slots):
-                    col = T.if_then_else(overlap and s >= ratio, c + head_dim, c)
-                    if SRC[w, s] >= 0:
-                        val[s] = KV[SRC[w, s], col]
-                        sc[s] = GATE[SRC[w, s], col] + APE[POS[SRC[w, s]] % ratio, col]
-                    else:
-                        val[s] = RKV[-SRC[w, s] - 1, col]
-                        sc[s] = RSC[-SRC[w, s] - 1, col]
+                    read(RKV, RSC, KV, GATE, POS, APE, SRC[w, s],
+                         T.if_then_else(overlap and s >= ratio, c + head_dim, c), val, sc, s)
                 acc[0] = T.float32(NEG_INF)
                 for s in range(slots):
                     acc[0] = T.max(acc[0], sc[s])
