@@ -174,6 +174,8 @@ class Engine:
             pass
 
     def result(self, rid: int) -> Result:
+        if rid not in self.requests:
+            raise UsageError(f"no request {rid} in this engine (already collected, or never submitted)")
         r = self.requests.pop(rid)
         return Result(r.generated, np.stack(r.logits).astype(np.float32) if r.record_logits else None)
 

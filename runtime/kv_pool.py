@@ -350,6 +350,8 @@ class KVPool:
         """A slot for a new request, plus envelopes for ``reserve_tokens`` tokens up front."""
         if seq in self.requests:
             raise UsageError(f"request {seq} is already in the pool")
+        if reserve_tokens < 0:
+            raise UsageError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
         envs, (slot,) = self._take(-(-reserve_tokens // ENVELOPE_TOKENS) if self.geometry.rows_per_envelope else 0, 1)
         for kv, score in self.state.values():
             kv[slot] = 0.0

@@ -124,6 +124,10 @@ def test_engine_api_errors(tiny):
         SamplingParams(max_new_tokens=-1)
     with pytest.raises(UsageError, match="max_context"):
         engine.submit([1] * 10, SamplingParams(max_new_tokens=10**6))
+    with pytest.raises(UsageError, match="no request 12345"):
+        engine.result(12345)
+    with pytest.raises(UsageError, match="reserve_tokens"):
+        engine.pool.admit(777, reserve_tokens=-1)
 
 
 def test_text_in_text_out_with_tokenizer_json(tmp_path, capsys):
