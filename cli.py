@@ -163,8 +163,10 @@ def _cmd_generate(args) -> int:
     temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
     if temperature == 0 and args.top_p is not None:
         raise UsageError("--top-p needs --temperature > 0")
+    # Size the pool for this request: a text prompt has at most one token per character (+ specials).
+    prompt_bound = len(args.token_ids) if args.token_ids is not None else len(args.prompt) + 16
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
-                    max_context=max(4096, args.max_new_tokens + 8192))
+                    max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1))
     prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
