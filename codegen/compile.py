@@ -12,7 +12,7 @@ import numpy as np
 from dsv4c import __version__
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import ir_weights, load_weights, random_weights
-from dsv4c.frontend.config import PRESETS, ModelConfig, resolve_model
+from dsv4c.frontend.config import ModelConfig, resolve_model
 from dsv4c.frontend.safetensors_io import write_safetensors
 from dsv4c.frontend.trace import trace
 from dsv4c.ir.core import Program

@@ -12,14 +12,10 @@ float8 cast rounds subnormals wrongly on llvm and its float4 type does not build
 
 from __future__ import annotations
 
-from typing import Callable
 
-import numpy as np
-import tvm
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
-from dsv4c.ir.core import Node
 
 F32 = "float32"
 NEG_INF = -3.4028234663852886e38

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dsv4c.errors import UsageError
 from dsv4c.frontend import lowbit
 
 F32 = np.float32
@@ -168,7 +169,7 @@ def request_groups(positions: np.ndarray, seq_ids: np.ndarray):
         idx = np.nonzero(seq_ids == seq)[0]
         pos = positions[idx]
         if np.any(np.diff(pos) != 1):
-            raise ValueError(f"request {seq}: positions in one step must be consecutive, got {pos.tolist()}")
+            raise UsageError(f"request {seq}: positions in one step must be consecutive, got {pos.tolist()}")
         yield seq, idx, int(pos[0])
 
 

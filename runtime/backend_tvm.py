@@ -17,6 +17,7 @@ from dsv4c.codegen.llvm_kernels import GEMM_ROWS
 from dsv4c.errors import UsageError
 from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.ir.kernels import request_groups
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty, aligned_zeros, attention_indices
 
 GEMV_MAX_ROWS = 4  # steps with more tokens than this take the prefill GEMM
@@ -357,11 +358,10 @@ class _StepContext:
 
     def __init__(self, positions: np.ndarray, seq_ids: np.ndarray):
         self.positions, self.seq_ids = positions, seq_ids
-        self.groups = []
+        self.groups = list(request_groups(positions, seq_ids))
         self.step_start = np.empty_like(positions)
-        for seq in dict.fromkeys(seq_ids.tolist()):
-            idx = np.nonzero(seq_ids == seq)[0]
-            if np.any(np.diff(idx) != 1) or np.any(np.diff(positions[idx]) != 1):
-                raise UsageError(f"request {seq}: its tokens must be contiguous in the step, at consecutive positions")
-            self.groups.append((seq, idx, int(positions[idx[0]])))
-            self.step_start[idx] = positions[idx[0]]
+        for seq, idx, first in self.groups:
+            # CSR rows of this step's fresh KV are addressed by offset from the query token.
+            if np.any(np.diff(idx) != 1):
+                raise UsageError(f"request {seq}: its tokens must be contiguous in the step")
+            self.step_start[idx] = first

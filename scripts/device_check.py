@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from dsv4c.codegen import llvm_kernels  # noqa: E402
 from dsv4c.codegen.build import llvm_target  # noqa: E402
-from dsv4c.codegen.compile import compile_model  # noqa: E402
 from dsv4c.codegen.lowering import KernelSpec  # noqa: E402
 
 # (spec, argument builder): inputs first, outputs last (the outputs are compared).

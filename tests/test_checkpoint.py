@@ -18,7 +18,7 @@ from dsv4c.frontend.checkpoint import (
     write_checkpoint,
 )
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
-from dsv4c.frontend.safetensors_io import SafetensorsFile, f32_from_bf16_bits, write_safetensors
+from dsv4c.frontend.safetensors_io import SafetensorsFile, write_safetensors
 
 TINY = with_weights(preset("tiny"), dense="fp32", experts="fp32")
 # FP8 / FP4 storage with partial 128x128 edge blocks (160 and 96 are not multiples of 128).
@@ -83,8 +83,7 @@ def refused(cfg, path, *named, error=CheckpointError, **kwargs) -> str:
     return message
 
 
-def bf16(x):
-    return f32_from_bf16_bits(lowbit.bf16_bits_from_f32(x))
+bf16 = lowbit.bf16_roundtrip
 
 
 @pytest.fixture(scope="module")
