@@ -6,15 +6,20 @@ encode their parameters; :func:`node_kernels` maps an IR node to the kernels it 
 the single source of those names for the builder (which compiles them) and the manifest
 (which the runtime reads).
 
-Low-bit weights are decoded inside the kernels with integer bit operations (TVM's own
-float8 cast rounds subnormals wrongly on llvm and its float4 type does not build).
+Low-bit weights and pool rows are decoded, and pool rows encoded, inside the kernels with
+integer bit operations (TVM's own float8 cast rounds subnormals wrongly on llvm and its float4
+type does not build). The encoders reproduce ``frontend.lowbit`` bit for bit, so a low-bit pool
+written here holds the same bytes as one written by ``runtime.kv_pool``'s numpy codecs.
 """
 
 from __future__ import annotations
 
+import struct
 
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
+
+from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR
 
 
 F32 = "float32"
@@ -65,6 +70,121 @@ def decode_e2m1(nibble):
 
 def decode_e8m0(code):
     return tirx.reinterpret(F32, tirx.shift_left(_u(code, "uint32"), tirx.const(23, "uint32")))
+
+
+def decode_bf16(bits):
+    """float32 value of BF16 bits in a uint16 (exact: the float32 with the same top half)."""
+    return tirx.reinterpret(F32, tirx.shift_left(_u(bits, "uint32"), tirx.const(16, "uint32")))
+
+
+def decode_f32_le(plane, row, first):
+    """float32 stored as 4 little-endian bytes at plane[row, first:first + 4]."""
+    word = _u(plane[row, first], "uint32")
+    for b in range(1, 4):
+        word = word | tirx.shift_left(_u(plane[row, first + b], "uint32"), tirx.const(8 * b, "uint32"))
+    return tirx.reinterpret(F32, word)
+
+
+# --------------------------------------------------------------------------- low-bit encoding (TIR exprs)
+#
+# Mirrors of ``frontend.lowbit``'s encoders in int32 arithmetic on float32 bit patterns, exact
+# for every float32 input (NaN included). The Python names below are shared subexpressions, so
+# the IR repeats them and TIR's CSE folds them back. (Let-binding them instead trips TVM 0.27's
+# NarrowDataType pass: "Detected bound for ... conflicts with memorization".) Kernels bind the
+# input to a name first (x = v / s): the encoders repeat x, and repeated loads under a Select
+# become one branch per copy, which CSE cannot merge.
+
+
+def _f32_bits(value: float) -> int:
+    """Bit pattern of ``value`` rounded to float32, as a non-negative int."""
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _bits(x):
+    return tirx.reinterpret("int32", x)
+
+
+def _flag(cond):
+    return tirx.Cast("int32", cond)
+
+
+def abs_bits(x):
+    """int32 bits of |x| for float32 x. Bits of non-negative floats order like their values and
+    NaNs sort above +inf, so an integer max of these is np.abs(...).max() exactly, NaN included."""
+    return _bits(x) & 0x7FFFFFFF
+
+
+def amax_floor(amax, floor: float):
+    """max(amax, floor) as float32, for amax >= 0 (or a NaN without its sign bit): the maximum of
+    bit patterns, which keeps a NaN amax like np.maximum does."""
+    return tirx.reinterpret(F32, tirx.max(_bits(amax), tirx.const(_f32_bits(floor), "int32")))
+
+
+def _encode_minifloat(x, man_bits: int, emin: int, max_value: float, sign_bit: int, nan_code=None):
+    """int32 code of float32 ``x`` rounded to nearest-even onto a small float, saturating at
+    ``max_value``: ``lowbit._encode_minifloat`` step by step. A NaN gives ``nan_code``, or (None)
+    the zero code with the NaN's sign bit, as lowbit's e2m1 does."""
+    bits = _bits(x)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    # Saturation on bit patterns: min(|x|, max_value) for every non-NaN x; NaN magnitudes are 0.
+    magnitude = tirx.Select(is_nan, 0, tirx.min(bits & 0x7FFFFFFF, _f32_bits(max_value)))
+    exp_field = magnitude >> 23
+    # float32 subnormals share the exponent of the smallest normal and lack the implicit one.
+    exponent = tirx.max(exp_field, 1) - 127
+    mantissa = (magnitude & 0x7FFFFF) | tirx.shift_left(_flag(exp_field > 0), 23)
+    # Right shift from units of 2**(exponent - 23) to the target grid 2**(max(exponent, emin) -
+    # man_bits); capped at 25, where every float32 mantissa (< 2**24) rounds to 0.
+    shift = tirx.min(23 - man_bits + tirx.max(emin - exponent, 0), 25)
+    steps = tirx.shift_right(mantissa, shift)
+    remainder = mantissa - tirx.shift_left(steps, shift)
+    half = tirx.shift_left(tirx.const(1, "int32"), shift - 1)
+    round_up = _flag(remainder > half) | (_flag(remainder == half) & (steps & 1))
+    # steps holds the implicit one (normals), so adding it to the shifted exponent field carries.
+    code = tirx.shift_left(tirx.max(exponent, emin) - emin, man_bits) + steps + round_up
+    code = code | tirx.shift_left((bits >> 31) & 1, sign_bit)
+    return code if nan_code is None else tirx.Select(is_nan, nan_code, code)
+
+
+def encode_e4m3fn(x):
+    """e4m3fn code (int32 0..255) of float32 x as ``lowbit.encode_e4m3fn``: nearest-even,
+    |x| > 448 saturates to 0x7E / 0xFE, NaN -> 0x7F."""
+    return _encode_minifloat(x, 3, -6, E4M3_MAX, 7, nan_code=0x7F)
+
+
+def encode_e2m1(x):
+    """e2m1 code (int32 0..15) of float32 x as ``lowbit.encode_e2m1``: nearest, ties to the even
+    code, |x| > 6 saturates, NaN -> a zero code."""
+    return _encode_minifloat(x, 1, 0, E2M1_MAX, 3)
+
+
+def pow2_ceil_scale(amax, floor: float, qmax: float):
+    """``lowbit.pow2_ceil_scale(max(amax, floor), qmax)`` as float32, for amax >= 0: the float32
+    quotient max(amax, floor) / qmax, then rounded up to a power of two on its bits (exact powers
+    stay; inf and NaN pass through). The floor keeps the quotient a normal float32, where adding
+    one to the exponent field and clearing the mantissa is that rounding."""
+    if floor / qmax < 2.0 ** -126:
+        raise ValueError(f"amax floor {floor} / {qmax} would allow subnormal scales")
+    ratio = _bits(amax_floor(amax, floor) / tirx.const(qmax, F32))
+    exp_field = ratio >> 23
+    exact = tirx.Or((ratio & 0x7FFFFF) == 0, exp_field == 255)
+    return tirx.reinterpret(F32, tirx.Select(exact, ratio, tirx.shift_left(exp_field + 1, 23)))
+
+
+def encode_e8m0(scale):
+    """e8m0 code (int32) of a power-of-two float32 scale 2**-127..2**127 (its exponent field;
+    2**-127 is the subnormal 0x00400000, code 0); NaN -> 0xFF."""
+    return (_bits(scale) >> 23) & 0xFF
+
+
+def bf16_bits(x):
+    """uint16 BF16 bits of float32 x as ``lowbit.bf16_bits_from_f32``: nearest-even by adding
+    0x7FFF plus the lowest kept bit before truncating; a NaN keeps its top half with the quiet bit."""
+    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731  (uint32: the rounding add may wrap, as in numpy)
+    bits = tirx.reinterpret("uint32", x)
+    rounded = tirx.shift_right(bits + u32(0x7FFF) + (tirx.shift_right(bits, u32(16)) & u32(1)), u32(16))
+    is_nan = (bits & u32(0x7FFFFFFF)) > u32(0x7F800000)
+    quiet = tirx.shift_right(bits, u32(16)) | u32(0x40)
+    return tirx.Cast("uint16", tirx.Select(is_nan, quiet, rounded))
 
 
 # --------------------------------------------------------------------------- GEMM / GEMV
@@ -152,8 +272,7 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = T
     elif quant == "bf16":
         # BF16 bits in a uint16: the float32 with the same top half (exact).
         w = te.placeholder((out_dim // tile, in_dim, tile), "uint16", name="w")
-        tiled = lambda a, kk, c: tirx.reinterpret(F32, tirx.shift_left(_u(w[a, kk, c], "uint32"),  # noqa: E731
-                                                                       tirx.const(16, "uint32")))
+        tiled = lambda a, kk, c: decode_bf16(w[a, kk, c])  # noqa: E731
         args = [x, w]
     else:
         w = te.placeholder((out_dim // tile, in_dim, tile), F32, name="w")
@@ -619,6 +738,151 @@ def scatter_rows(width: int):
     return f
 
 
+# --------------------------------------------------------------------------- low-bit pool rows
+#
+# The byte layouts of runtime.kv_pool's codecs (sizes: passes.quant_plan), one pool row each:
+#   main fp8   nope plane u8 [NoPE e4m3fn codes | one E8M0 scale per 64 | padding to 8 bytes]
+#              rope plane u16 [BF16 bits]
+#   index fp8  u8 [e4m3fn codes | one fp32 scale, 4 bytes little-endian]
+#   index fp4  u8 [e2m1 pairs, element 2i in the low nibble | one E8M0 scale per 32]
+# The store kernels write the same bytes as the codecs' numpy writers, the readers below decode
+# to the same float32 values as their numpy readers.
+
+MAIN_FP8_GROUP = 64
+INDEX_FP4_GROUP = 32
+
+
+def main_nope_width(nope_dim: int) -> int:
+    """Bytes per row of the main fp8 NoPE plane: codes, then the scales padded to 8 bytes (the
+    448 + 8 packing of vLLM / SGLang; quant_plan.main_row_bytes minus the rope plane)."""
+    return nope_dim + -(-(nope_dim // MAIN_FP8_GROUP) // 8) * 8
+
+
+def index_plane_row(dim: int, storage: str) -> tuple[int, str]:
+    """(elements per row, dtype) of the index plane for ``storage``."""
+    if storage == "fp32":
+        return dim, F32
+    if storage == "fp8":
+        return dim + 4, "uint8"
+    if storage == "fp4":
+        if dim % INDEX_FP4_GROUP:
+            raise ValueError(f"fp4 index rows need a multiple of {INDEX_FP4_GROUP} values, got {dim}")
+        return dim // 2 + dim // INDEX_FP4_GROUP, "uint8"
+    raise ValueError(f"unknown index storage {storage!r}: fp32, fp8 or fp4")
+
+
+def _check_main_fp8(nope_dim: int) -> None:
+    if nope_dim <= 0 or nope_dim % MAIN_FP8_GROUP:
+        raise ValueError(f"fp8 main rows need a NoPE part of a multiple of {MAIN_FP8_GROUP} values, "
+                         f"got {nope_dim}")
+
+
+def index_key(plane, row, d, dim: int, storage: str):
+    """Value d of index row ``row`` as float32, as _IndexCodec.read decodes it (code times
+    scale, one float32 product); fp32 rows are read as they are."""
+    if storage == "fp32":
+        return plane[row, d]
+    if storage == "fp8":
+        return decode_e4m3fn(plane[row, d]) * decode_f32_le(plane, row, dim)
+    nibble = tirx.shift_right(_u(plane[row, d // 2]), (d % 2) * 4) & 15
+    return decode_e2m1(nibble) * decode_e8m0(plane[row, dim // 2 + d // INDEX_FP4_GROUP])
+
+
+def main_fp8_value(nope_plane, rope_plane, row, first, lane, nope_dim: int):
+    """Value ``first + lane`` of a main fp8 row as float32, as _MainCodec.read decodes it: NoPE
+    code times its group's E8M0 scale, or the BF16 rope value. ``first`` starts a chunk of
+    lanes that lies wholly in one part and one scale group, so the branch and the scale index
+    stay scalar when ``lane`` is vectorized. if_then_else evaluates only the part it picks, so
+    the other part's column may lie outside its plane."""
+    nope = decode_e4m3fn(nope_plane[row, first + lane]) * \
+        decode_e8m0(nope_plane[row, nope_dim + first // MAIN_FP8_GROUP])
+    return tirx.if_then_else(first < nope_dim, nope, decode_bf16(rope_plane[row, first + lane - nope_dim]))
+
+
+@T.macro
+def _amax_bits(VALS, i, first, count, amax):
+    """amax[0] = bits of max |VALS[i, first:first + count]| (see abs_bits)."""
+    amax[0] = 0
+    for j in range(count):
+        amax[0] = T.max(amax[0], abs_bits(VALS[i, first + j]))
+
+
+def store_main_fp8(nope_dim: int, rope_dim: int):
+    """Main fp8 pool rows: nope_plane[rows[i]], rope_plane[rows[i]] = vals[i], the bytes
+    _MainCodec.write stores. Per 64 NoPE values s = pow2_ceil(max(amax, 1e-4) / 448), codes
+    e4m3fn(v / s) (the codec's clip to +-448 is the encoder's saturation), the E8M0 scales after
+    the codes (padding bytes untouched); rope values as BF16 bits. Rows must be distinct."""
+    _check_main_fp8(nope_dim)
+    groups = nope_dim // MAIN_FP8_GROUP
+
+    @T.prim_func
+    def f(nope_plane: T.handle, rope_plane: T.handle, rows: T.handle, vals: T.handle):
+        r = T.int32()
+        n = T.int32()
+        NOPE = T.match_buffer(nope_plane, (r, main_nope_width(nope_dim)), "uint8")
+        ROPE = T.match_buffer(rope_plane, (r, rope_dim), "uint16")
+        ROWS = T.match_buffer(rows, (n,), "int32")
+        VALS = T.match_buffer(vals, (n, nope_dim + rope_dim), F32)
+        for i in T.parallel(n):
+            amax = T.alloc_buffer((1,), "int32", scope="local")
+            scale = T.alloc_buffer((1,), F32, scope="local")
+            for g in range(groups):
+                _amax_bits(VALS, i, g * MAIN_FP8_GROUP, MAIN_FP8_GROUP, amax)
+                scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR, E4M3_MAX)
+                for j in range(MAIN_FP8_GROUP):
+                    x = VALS[i, g * MAIN_FP8_GROUP + j] / scale[0]
+                    NOPE[ROWS[i], g * MAIN_FP8_GROUP + j] = T.Cast("uint8", encode_e4m3fn(x))
+                NOPE[ROWS[i], nope_dim + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+            for j in range(rope_dim):
+                x = VALS[i, nope_dim + j]
+                ROPE[ROWS[i], j] = bf16_bits(x)
+    return f
+
+
+def store_index(dim: int, storage: str):
+    """Index pool rows: plane[rows[i]] = vals[i] in ``storage`` (fp8 / fp4), the bytes
+    _IndexCodec.write stores. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not a
+    power of two), codes e4m3fn(v / s), unclipped in the codec: v / s may exceed 448 by rounding
+    and then saturates in the encoder as in lowbit. fp4: per 32 values s = pow2_ceil(max(amax,
+    6 * 2**-126) / 6), codes e2m1(v / s) packed in pairs, then the E8M0 scales. Rows must be
+    distinct."""
+    width, dtype = index_plane_row(dim, storage)
+    if storage == "fp32":
+        raise ValueError("fp32 index rows are stored with scatter_rows")
+    fp8 = storage == "fp8"
+
+    @T.prim_func
+    def f(plane: T.handle, rows: T.handle, vals: T.handle):
+        r = T.int32()
+        n = T.int32()
+        PLANE = T.match_buffer(plane, (r, width), dtype)
+        ROWS = T.match_buffer(rows, (n,), "int32")
+        VALS = T.match_buffer(vals, (n, dim), F32)
+        for i in T.parallel(n):
+            amax = T.alloc_buffer((1,), "int32", scope="local")
+            scale = T.alloc_buffer((1,), F32, scope="local")
+            if fp8:
+                _amax_bits(VALS, i, 0, dim, amax)
+                scale[0] = amax_floor(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR) / T.float32(E4M3_MAX)
+                for j in range(dim):
+                    x = VALS[i, j] / scale[0]
+                    PLANE[ROWS[i], j] = T.Cast("uint8", encode_e4m3fn(x))
+                for b in range(4):  # the scale's float32 bytes, little-endian like the codec's .view(uint8)
+                    PLANE[ROWS[i], dim + b] = T.Cast("uint8", (T.reinterpret("int32", scale[0]) >> (8 * b)) & 255)
+            else:
+                for g in range(dim // INDEX_FP4_GROUP):
+                    _amax_bits(VALS, i, g * INDEX_FP4_GROUP, INDEX_FP4_GROUP, amax)
+                    scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP4_AMAX_FLOOR, E2M1_MAX)
+                    for j in range(INDEX_FP4_GROUP // 2):  # pack_fp4: element 2j in the low nibble
+                        x_low = VALS[i, g * INDEX_FP4_GROUP + 2 * j] / scale[0]
+                        x_high = VALS[i, g * INDEX_FP4_GROUP + 2 * j + 1] / scale[0]
+                        low = encode_e2m1(x_low)
+                        high = encode_e2m1(x_high)
+                        PLANE[ROWS[i], g * (INDEX_FP4_GROUP // 2) + j] = T.Cast("uint8", low | (high << 4))
+                    PLANE[ROWS[i], dim // 2 + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+    return f
+
+
 def _compressor_source(width: int, ratio: int):
     """Reads (kv, score) of a compressor source row: ``src >= 0`` is a row of this step (its
     score is the gate plus ``ape[pos % ratio]``), ``src < 0`` is ring row ``-src - 1`` (stored
@@ -703,9 +967,12 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     return f
 
 
-def index_score(heads: int, dim: int):
-    """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0."""
+def index_score(heads: int, dim: int, storage: str = "fp32"):
+    """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0.
+    The key rows are index pool rows in ``storage`` (fp32, or fp8 / fp4 bytes decoded value by
+    value exactly as _IndexCodec.read does, see index_key)."""
     scale = (heads ** -0.5) * (dim ** -0.5)
+    width, dtype = index_plane_row(dim, storage)
 
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
@@ -714,7 +981,7 @@ def index_score(heads: int, dim: int):
         e = T.int32()
         Q = T.match_buffer(q, (n, heads, dim), F32)
         W = T.match_buffer(w, (n, heads), F32)
-        PLANE = T.match_buffer(plane, (r, dim), F32)
+        PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n, e), "int32")
         OUT = T.match_buffer(out, (n, e), F32)
         for t in T.parallel(n):
@@ -727,7 +994,7 @@ def index_score(heads: int, dim: int):
                     for h in range(heads):
                         acc[1] = T.float32(0)
                         for d in range(dim):
-                            acc[1] = acc[1] + Q[t, h, d] * PLANE[ROWS[t, j], d]
+                            acc[1] = acc[1] + Q[t, h, d] * index_key(PLANE, ROWS[t, j], d, dim, storage)
                         acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[t, h] * T.float32(scale))
                     OUT[t, j] = acc[0]
     return f
@@ -738,21 +1005,92 @@ VECTOR_KERNELS = frozenset({"sparse_attn"})
 GPU_MAX_LANES = 4
 
 
-def sparse_attn(heads: int, dim: int, scale: float, max_lanes: int = 16):
+def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
+                max_lanes: int = 16):
     """Softmax attention over each query's CSR row list; rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only. Dot products and the weighted sum run on
-    ``lanes``-wide vectors along the head dim (the row loop stays scalar: its length is data)."""
-    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and l <= max_lanes)
+    ``lanes``-wide vectors along the head dim (the row loop stays scalar: its length is data).
+
+    ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
+    planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the
+    rope part), decoded value by value as _MainCodec.read does (see main_fp8_value). So the
+    arguments are (q, pool, step, sink, indptr, indices, out) or (q, nope_plane, rope_plane,
+    step, sink, indptr, indices, out)."""
+    nope_dim = dim - rope_dim
+    # A vector chunk never straddles the NoPE / rope boundary (nor, lanes dividing 64, a scale group).
+    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= max_lanes)
     chunks = dim // lanes
+    if main_storage == "fp8":
+        _check_main_fp8(nope_dim)
+    elif main_storage != "fp32":
+        raise ValueError(f"sparse_attn reads fp32 or fp8 main pools, not {main_storage!r}")
+
+    def kv(pool, STEP, row, r, c, l):
+        """Value c * lanes + l of KV row ``row``: the pool's (decoded) below R, else this step's."""
+        if main_storage == "fp32":
+            stored = pool[0][T.min(row, r - 1), c * lanes + l]
+        else:
+            stored = main_fp8_value(pool[0], pool[1], T.min(row, r - 1), c * lanes, l, nope_dim)
+        return T.if_then_else(row < r, stored, STEP[T.max(row - r, 0), c * lanes + l])
 
     @T.macro
-    def row_dot(Q, POOL, STEP, part, t, h, row, r):
+    def row_dot(Q, pool, STEP, part, t, h, row, r):
         for l in T.vectorized(lanes):
             part[l] = T.float32(0)
         for c in range(chunks):
             for l in T.vectorized(lanes):
-                part[l] = part[l] + Q[t, h, c * lanes + l] * T.if_then_else(
-                    row < r, POOL[T.min(row, r - 1), c * lanes + l], STEP[T.max(row - r, 0), c * lanes + l])
+                part[l] = part[l] + Q[t, h, c * lanes + l] * kv(pool, STEP, row, r, c, l)
+
+    @T.macro
+    def attend(Q, pool, STEP, SINK, IP, IX, OUT, r, t):
+        acc = T.alloc_buffer((3,), F32, scope="local")
+        part = T.alloc_buffer((lanes,), F32, scope="local")
+        o = T.alloc_buffer((dim,), F32, scope="local")
+        for h in range(heads):
+            acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
+            for k in range(IP[t + 1] - IP[t]):
+                row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
+                acc[1] = T.float32(0)
+                for l in range(lanes):
+                    acc[1] = acc[1] + part[l]
+                acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
+            acc[2] = T.exp(SINK[h] - acc[0])
+            for c in range(chunks):
+                for l in T.vectorized(lanes):
+                    o[c * lanes + l] = T.float32(0)
+            for k in range(IP[t + 1] - IP[t]):
+                row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
+                acc[1] = T.float32(0)
+                for l in range(lanes):
+                    acc[1] = acc[1] + part[l]
+                acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
+                acc[2] = acc[2] + acc[1]
+                for c in range(chunks):
+                    for l in T.vectorized(lanes):
+                        o[c * lanes + l] = o[c * lanes + l] + acc[1] * kv(pool, STEP, IX[IP[t] + k], r, c, l)
+            for c in range(chunks):
+                for l in T.vectorized(lanes):
+                    OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
+
+    if main_storage == "fp8":
+        @T.prim_func
+        def f(q: T.handle, nope_plane: T.handle, rope_plane: T.handle, step: T.handle, sink: T.handle,
+              indptr: T.handle, indices: T.handle, out: T.handle):
+            n = T.int32()
+            r = T.int32()
+            m = T.int32()
+            nnz = T.int32()
+            Q = T.match_buffer(q, (n, heads, dim), F32)
+            NOPE = T.match_buffer(nope_plane, (r, main_nope_width(nope_dim)), "uint8")
+            ROPE = T.match_buffer(rope_plane, (r, rope_dim), "uint16")
+            STEP = T.match_buffer(step, (m, dim), F32)
+            SINK = T.match_buffer(sink, (heads,), F32)
+            IP = T.match_buffer(indptr, (n + 1,), "int32")
+            IX = T.match_buffer(indices, (nnz,), "int32")
+            OUT = T.match_buffer(out, (n, heads, dim), F32)
+            for t in T.parallel(n):
+                attend(Q, (NOPE, ROPE), STEP, SINK, IP, IX, OUT, r, t)
+        return f
 
     @T.prim_func
     def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, indptr: T.handle, indices: T.handle,
@@ -769,34 +1107,5 @@ def sparse_attn(heads: int, dim: int, scale: float, max_lanes: int = 16):
         IX = T.match_buffer(indices, (nnz,), "int32")
         OUT = T.match_buffer(out, (n, heads, dim), F32)
         for t in T.parallel(n):
-            acc = T.alloc_buffer((3,), F32, scope="local")
-            part = T.alloc_buffer((lanes,), F32, scope="local")
-            o = T.alloc_buffer((dim,), F32, scope="local")
-            for h in range(heads):
-                acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
-                for k in range(IP[t + 1] - IP[t]):
-                    row_dot(Q, POOL, STEP, part, t, h, IX[IP[t] + k], r)
-                    acc[1] = T.float32(0)
-                    for l in range(lanes):
-                        acc[1] = acc[1] + part[l]
-                    acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
-                acc[2] = T.exp(SINK[h] - acc[0])
-                for c in range(chunks):
-                    for l in T.vectorized(lanes):
-                        o[c * lanes + l] = T.float32(0)
-                for k in range(IP[t + 1] - IP[t]):
-                    row_dot(Q, POOL, STEP, part, t, h, IX[IP[t] + k], r)
-                    acc[1] = T.float32(0)
-                    for l in range(lanes):
-                        acc[1] = acc[1] + part[l]
-                    acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
-                    acc[2] = acc[2] + acc[1]
-                    for c in range(chunks):
-                        for l in T.vectorized(lanes):
-                            o[c * lanes + l] = o[c * lanes + l] + acc[1] * T.if_then_else(
-                                IX[IP[t] + k] < r, POOL[T.min(IX[IP[t] + k], r - 1), c * lanes + l],
-                                STEP[T.max(IX[IP[t] + k] - r, 0), c * lanes + l])
-                for c in range(chunks):
-                    for l in T.vectorized(lanes):
-                        OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
+            attend(Q, (POOL,), STEP, SINK, IP, IX, OUT, r, t)
     return f
