@@ -50,7 +50,7 @@ def _cmd_inspect(args) -> int:
     from dsv4c.runtime.kv_pool import PoolGeometry
 
     cfg = resolve_model(args.model)
-    plan = plan_for(cfg, args.target, args.numerics)
+    plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
     report = {"model": cfg.name, "target": args.target, "numerics": args.numerics, **geometry.summary(),
               "fp8_format": plan.fp8_format, "expert_format": plan.expert_format}
@@ -98,7 +98,7 @@ def _cmd_compile(args) -> int:
     passes = PipelineOptions(disable=set(args.disable_pass or ()), print_ir_after_all=args.print_ir_after_all,
                              print_ir_after=set(args.print_ir_after or ()), verbose=args.verbose)
     compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights,
-                  passes=passes)
+                  passes=passes, kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 
@@ -191,7 +191,13 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+KV_HELP = ("KV pool row format: fp8 (FP8 NoPE + BF16 rope rows, FP8 or FP4 index rows), fp32, or auto (the "
+           "target's default: fp32 for exact numerics on llvm, fp8 on GPUs)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from dsv4c.passes.quant_plan import KV_CACHE_DTYPES
+
     parser = argparse.ArgumentParser(prog="dsv4c", description="Ahead-of-time compiler for DeepSeek-V4 models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -213,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="artifact directory to create")
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     p.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (stderr)")
     p.add_argument("--print-ir-after", action="append", metavar="PASS", help="print the IR after this pass")
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip this pass")
@@ -249,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")
     p.add_argument("--target", default="llvm", choices=("llvm", "sm90", "gfx942", "gfx950"))
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     p.add_argument("--memory", type=_parse_bytes, help="device memory for the pool, e.g. 80GiB")
     p.add_argument("--plan", action="store_true", help="also print the quantization plan")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import tvm
 
-from dsv4c.codegen import llvm_kernels
-from dsv4c.codegen.lowering import kernel_table
+from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.ir.core import Program
 
 
@@ -23,7 +22,7 @@ def llvm_target(mcpu: str | None = None) -> tvm.target.Target:
 
 
 def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False) -> dict:
-    specs, per_node = kernel_table(program, plan.fp8_format)
+    specs, per_node = kernel_table(program, plan)
     if plan.target != "llvm":
         from dsv4c.codegen.gpu import build_gpu
 
@@ -37,8 +36,7 @@ def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False)
 
         items = tqdm(list(items), desc="generating kernels", unit="kernel", leave=False)
     for symbol, spec in items:
-        factory = getattr(llvm_kernels, spec.factory)
-        funcs[symbol] = factory(*spec.params).with_attr("global_symbol", symbol)
+        funcs[symbol] = kernel_factory(spec.factory)(*spec.params).with_attr("global_symbol", symbol)
     start = time.perf_counter()
     mcpu = host_cpu()
     executable = tvm.compile(tvm.IRModule(funcs), target=llvm_target(mcpu))

@@ -42,13 +42,14 @@ def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: boo
 
 
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
-                  progress: bool | None = None, log=print, passes: PipelineOptions | None = None) -> Path:
+                  progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
+                  kv_cache_dtype: str = "auto") -> Path:
     if target not in TARGETS:
         raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
     program = run_pipeline(trace(cfg, numerics), passes)
-    plan = plan_for(cfg, target, numerics)
+    plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
     weights = _weights_for(cfg, model, program, no_weights, progress)
     if weights is not None:
@@ -80,6 +81,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             "tvm_version": tvm.__version__,
             "target": target,
             "numerics": numerics,
+            "kv_cache_dtype": kv_cache_dtype,
             "model_name": cfg.name,
             "model": cfg.to_json_dict("hf"),
             "has_weights": weights is not None,

@@ -64,8 +64,9 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
 def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
     """GPU version of a CPU kernel: dlight for compute definitions, thread binding for TIR."""
     from dsv4c.codegen import llvm_kernels
+    from dsv4c.codegen.lowering import kernel_factory
 
-    factory = getattr(llvm_kernels, spec.factory)
+    factory = kernel_factory(spec.factory)
     if spec.factory in llvm_kernels.COMPUTE_DEFINITIONS:
         from tvm.s_tir import dlight as dl
 

@@ -19,7 +19,7 @@ from dsv4c.ir.core import Node, Program
 
 @dataclass(frozen=True)
 class KernelSpec:
-    factory: str  # function name in dsv4c.codegen.llvm_kernels
+    factory: str  # function name in dsv4c.codegen.llvm_kernels or movement_kernels
     params: tuple
 
     @property
@@ -35,11 +35,20 @@ def _k(factory: str, *params) -> KernelSpec:
 UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard"}
 
 
-def node_kernels(node: Node, cfg, fp8_format: str = "e4m3fn") -> dict[str, KernelSpec]:
+def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
+    """The kernels of one node under a quantization plan (weight formats, pool row formats)."""
     a, op = node.attrs, node.op
+    main_kv, index_kv = plan.main_kv.storage, plan.index_kv.storage
 
     def _dense_quant(quant: str) -> str:
-        return dense_kernel_quant(quant, fp8_format)
+        return dense_kernel_quant(quant, plan.fp8_format)
+
+    def _store(stream: str, width: int) -> KernelSpec:
+        """Writes pool rows in the plan's format (fp32 rows are a plain scatter)."""
+        if stream == "index":
+            return _k("scatter_rows", width) if index_kv == "fp32" else _k("store_index", width, index_kv)
+        return _k("scatter_rows", width) if main_kv == "fp32" else _k("store_main_fp8", width - cfg.rope_dim,
+                                                                          cfg.rope_dim)
 
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
     if op in UNSUPPORTED:
@@ -73,19 +82,21 @@ def node_kernels(node: Node, cfg, fp8_format: str = "e4m3fn") -> dict[str, Kerne
         heads = shape[1] if len(shape) == 3 else 1
         return {"main": _k("rmsnorm_rope", heads, shape[-1], a["rope_dim"], a["eps"], len(ins) == 3)}
     if op == "kv_write":
-        return {"main": _k("scatter_rows", ins[0][1])}
+        return {"main": _store("main", ins[0][1])}
     if op == "compress":
         width, d = ins[0][1], a["head_dim"]
         return {"ring": _k("ring_gather", width, a["ratio"]), "pool": _k("compress_pool", width, d, a["ratio"],
                                                                            a["overlap"]),
                 "norm": _k("rmsnorm", d, a["eps"], True), "rope": _k("rope", 1, d, a["rope_dim"], False),
-                "store": _k("scatter_rows", d)}
+                "store": _store(a["stream"], d)}
     if op == "index_score":
-        return {"main": _k("index_score", ins[0][1], ins[0][2])}
+        storage = () if index_kv == "fp32" else (index_kv,)
+        return {"main": _k("index_score", ins[0][1], ins[0][2], *storage)}
     if op == "index_topk":
         return {"main": _k("topk_rows", a["k"])}
     if op == "sparse_attn":
-        return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"])}
+        storage = () if main_kv == "fp32" else (main_kv, cfg.rope_dim)
+        return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *storage)}
     if op == "grouped_linear":
         # One matmul per group (the groups are independent projections of the heads).
         g, rows_in = a["groups"], ins[1]
@@ -131,12 +142,23 @@ def _expert_quant(quant: str) -> str:
     return "fp4_g32" if quant == "fp4_g32" else "fp32"
 
 
-def kernel_table(program: Program, fp8_format: str = "e4m3fn") -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
+# Shape-generic data movement every executor uses (see movement_kernels), called by symbol.
+MOVEMENT_KERNELS = ("gather_rows", "copy_columns")
+
+
+def kernel_factory(name: str):
+    """The factory of a kernel named in a :class:`KernelSpec`."""
+    from dsv4c.codegen import llvm_kernels, movement_kernels
+
+    return getattr(movement_kernels if name in MOVEMENT_KERNELS else llvm_kernels, name)
+
+
+def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
     """Distinct kernels of the step function, and per node the symbol of each role."""
-    specs: dict[str, KernelSpec] = {}
+    specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in MOVEMENT_KERNELS}
     per_node = []
     for node in program.functions["step"].nodes:
-        roles = node_kernels(node, program.config, fp8_format)
+        roles = node_kernels(node, program.config, plan)
         for spec in roles.values():
             specs[spec.symbol] = spec
         per_node.append({role: spec.symbol for role, spec in roles.items()})

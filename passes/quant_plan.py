@@ -62,9 +62,14 @@ def index_row_bytes(cfg: ModelConfig, storage: str) -> int:
     return {"fp4": d // 2 + d // 32, "fp8": d + 4, "fp32": 4 * d}[storage]
 
 
-def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact") -> QuantPlan:
+KV_CACHE_DTYPES = ("auto", "fp32", "fp8")
+
+
+def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dtype: str = "auto") -> QuantPlan:
     if target not in TARGETS and target != "reference":
         raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)} (or reference)")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UsageError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     fnuz = target == "gfx942"
     fp8 = "fp8_fnuz" if fnuz else "fp8"
     # gfx942 keeps the e4m3fn bits and doubles the (still power-of-two) scale.
@@ -82,16 +87,26 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact") -> QuantPla
         "fp32": WeightLayout("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
         "index": WeightLayout("int", None, None, "int32"),
     }
-    if target in ("llvm", "reference"):
+    cpu = target in ("llvm", "reference")
+    if kv_cache_dtype == "auto":
         # The CPU pool follows the numerics: fp32 rows reproduce transformers exactly, the
-        # official FP8 / FP4 rows reproduce the QAT reference exactly.
-        main = "fp32" if numerics == "exact" else "fp8"
-        index = "fp32" if numerics == "exact" else "fp4"
-        index_layout = "rowmajor"
+        # official FP8 / FP4 rows reproduce the QAT reference exactly. GPUs keep low-bit rows.
+        kv_cache_dtype = "fp32" if cpu and numerics == "exact" else "fp8"
+    if kv_cache_dtype == "fp32":  # full-precision rows on any target (parity, debugging)
+        main = index = "fp32"
     else:
+        # Index rows: FP4 where the hardware has FP4 math (gfx950) and in the QAT reference,
+        # FP8 with a per-row scale elsewhere.
         main = "fp8"
-        index = "fp4" if target == "gfx950" else "fp8"
-        index_layout = "gfx950_fp4_preshuffled" if target == "gfx950" else "rowmajor"
+        index = "fp4" if target == "gfx950" or (cpu and numerics == "qat") else "fp8"
+    index_layout = "gfx950_fp4_preshuffled" if target == "gfx950" and index == "fp4" else "rowmajor"
+    nope = cfg.head_dim - cfg.rope_dim
+    if main == "fp8" and nope % 64:
+        raise UsageError(f"an fp8 KV cache scales NoPE channels in groups of 64, and this model has {nope} "
+                         f"(head_dim {cfg.head_dim} - rope {cfg.rope_dim}); use --kv-cache-dtype fp32")
+    if index == "fp4" and cfg.index_head_dim % 32:
+        raise UsageError(f"fp4 index rows scale groups of 32 channels, and index_head_dim is {cfg.index_head_dim}; "
+                         "use --kv-cache-dtype fp32")
     return QuantPlan(
         target=target,
         numerics=numerics,

@@ -1,9 +1,12 @@
-"""The CPU backend: runs the step program with the compiled kernels of ``kernels.so``.
+"""The TVM backend: runs the step program with the compiled kernels of ``kernels.so`` on one
+device (the CPU for llvm artifacts, a GPU for sm90 / gfx942 / gfx950 artifacts).
 
-Tensors live in 64-byte aligned numpy arrays shared zero-copy with TVM (DLPack), so the
-host code that builds row lists and the kernels see the same memory. Host work per step is
-bookkeeping only (which rows a request owns, which windows close); all arithmetic on
-activations, weights and the pool runs in the kernels.
+Activations, weights and the KV pool are TVM tensors on that device; the host only does
+bookkeeping (which rows a request owns, which windows close), uploads those small index
+arrays, and reads back what it must decide on (routed expert ids, the final logits). Every
+rearrangement of activations is a kernel (``movement_kernels``), so the CPU runs exactly the
+executor a GPU runs. On the CPU the pool planes are the :class:`KVPool`'s numpy arrays, shared
+zero-copy through DLPack.
 """
 
 from __future__ import annotations
@@ -18,22 +21,10 @@ from dsv4c.errors import UsageError
 from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.runtime.artifact import ArtifactError
 from dsv4c.ir.kernels import request_groups
-from dsv4c.runtime.kv_pool import KVPool, aligned_empty, aligned_zeros, attention_indices
+from dsv4c.runtime.kv_pool import KVPool, aligned_empty, attention_indices
 
 GEMV_MAX_ROWS = 4  # steps with more tokens than this take the prefill GEMM
-
-
-def _tvm(a: np.ndarray):
-    return tvm.runtime.from_dlpack(a)
-
-
-def _shareable(a: np.ndarray) -> np.ndarray:
-    """``a`` itself when DLPack can share it (contiguous, 64-byte aligned), else an aligned copy.
-    Outputs are always allocated aligned, so only read-only inputs (a slice of stacked expert
-    weights of odd sizes, say) are ever copied."""
-    if a.flags.c_contiguous and a.ctypes.data % 64 == 0:
-        return a
-    return _aligned_copy(a)
+_PLANE_ORDER = ("kv", "nope", "rope")  # main pool planes in kernel argument order
 
 
 def _aligned_copy(a: np.ndarray) -> np.ndarray:
@@ -42,36 +33,70 @@ def _aligned_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def _view(t, shape) -> tvm.runtime.Tensor:
+    """The same memory under another shape (a prefix when smaller): no copy."""
+    return t._create_view(tuple(int(s) for s in shape))
+
+
 class TvmBackend:
-    def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool):
-        if pool.geometry.main_storage != "fp32" or pool.geometry.index_storage != "fp32":
-            raise ArtifactError(f"{artifact}: the llvm backend runs fp32 pools (exact numerics) only")
-        built_for, here = manifest["kernels"]["mcpu"], tvm.target.codegen.llvm_get_system_cpu()
-        if built_for != here:
-            # Vector instructions of another CPU would crash the process, not raise.
-            raise ArtifactError(f"{artifact}: kernels were built for CPU {built_for!r}, this host is {here!r}; "
-                                "recompile the artifact on this machine")
+    def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool, device=None):
+        self.device = device or tvm.cpu(0)
+        self.on_host = self.device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
+        if self.on_host:
+            built_for, here = manifest["kernels"]["mcpu"], tvm.target.codegen.llvm_get_system_cpu()
+            if built_for != here:
+                # Vector instructions of another CPU would crash the process, not raise.
+                raise ArtifactError(f"{artifact}: kernels were built for CPU {built_for!r}, this host is {here!r}; "
+                                    "recompile the artifact on this machine")
         self.lib = tvm.runtime.load_module(str(artifact / manifest["kernels"]["library"]))
         self.per_node = manifest["kernels"]["per_node"]
         self.program, self.pool, self.cfg = program, pool, program.config
+        # Stacked weights (routed experts, head groups) are held one tensor per index: kernels
+        # take tensors that start at their allocation, not views into one.
+        stacked = {v.name for node in program.functions["step"].nodes if node.op in ("experts", "grouped_linear")
+                   for v in node.inputs if v.kind == "weight"}
+        self.weights: dict[str, tvm.runtime.Tensor] = {}
+        self.parts: dict[str, list[tvm.runtime.Tensor]] = {}
         with SafetensorsFile(artifact / "weights.safetensors") as st:
-            self.weights = {n: _aligned_copy(st.read_raw(n)) for n in st.names()}
-        self.weight_tensors = {n: _tvm(a) for n, a in self.weights.items()}
+            for name in st.names():
+                raw = st.read_raw(name)
+                if name.removesuffix(".scale") in stacked:
+                    self.parts[name] = [self.upload(part) for part in raw]
+                else:
+                    self.weights[name] = self.upload(raw)
         cfg = self.cfg
-        self.inv_freq = {"main": _aligned_copy(cfg.main_rope.inv_freq(cfg.rope_dim)),
-                         "compress": _aligned_copy(cfg.compress_rope.inv_freq(cfg.rope_dim))}
+        self.inv_freq = {"main": self.upload(cfg.main_rope.inv_freq(cfg.rope_dim)),
+                         "compress": self.upload(cfg.compress_rope.inv_freq(cfg.rope_dim))}
         self.layers = {l.index: l for l in cfg.layers}
-        self.plane = pool.planes["kv"]
-        self.plane_t = _tvm(self.plane)
-        self.index_t = _tvm(pool.index_plane)
-        self.state_t = {key: tuple(_tvm(a.reshape(-1, a.shape[-1])) for a in pair) for key, pair in pool.state.items()}
+        # The main planes in kernel argument order: (kv,) for fp32 rows, (nope, rope) for fp8.
+        self.main_planes = tuple(self.pool_tensor(pool.planes[k]) for k in sorted(pool.planes, key=_PLANE_ORDER.index))
+        self.index_plane = self.pool_tensor(pool.index_plane)
+        self.state_t = {key: tuple(self.pool_tensor(a.reshape(-1, a.shape[-1])) for a in pair)
+                        for key, pair in pool.state.items()}
         self.fns: dict[str, object] = {}
-        self._ones: dict[int, np.ndarray] = {}
+        self._ones: dict[int, object] = {}
 
-    def ones(self, dim: int) -> np.ndarray:
+    # ------------------------------------------------------------------ memory
+    def upload(self, a: np.ndarray) -> tvm.runtime.Tensor:
+        """A host array as a tensor on the device (zero-copy on the CPU when DLPack can share it)."""
+        a = np.asarray(a)
+        if self.on_host:
+            if not (a.flags.c_contiguous and a.ctypes.data % 64 == 0):
+                a = _aligned_copy(a)
+            return tvm.runtime.from_dlpack(a)
+        return tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
+
+    def pool_tensor(self, a: np.ndarray) -> tvm.runtime.Tensor:
+        """A pool plane on the device: the KVPool's own array on the CPU, a device copy otherwise."""
+        return tvm.runtime.from_dlpack(a) if self.on_host else tvm.runtime.tensor(a, self.device)
+
+    def empty(self, shape, dtype: str = "float32") -> tvm.runtime.Tensor:
+        return tvm.runtime.empty(tuple(int(s) for s in shape), dtype, self.device)
+
+    def ones(self, dim: int):
         """The weight argument of an unweighted rmsnorm kernel (not read by it)."""
         if dim not in self._ones:
-            self._ones[dim] = _aligned_copy(np.ones(dim, np.float32))
+            self._ones[dim] = self.upload(np.ones(dim, np.float32))
         return self._ones[dim]
 
     def _fn(self, symbol: str):
@@ -80,34 +105,51 @@ class TvmBackend:
         return self.fns[symbol]
 
     def _call(self, symbol: str, *args) -> None:
-        self._fn(symbol)(*[a if not isinstance(a, np.ndarray) else _tvm(_shareable(a)) for a in args])
+        """Run a kernel; host arrays among the arguments (row lists, indices) are uploaded first."""
+        self._fn(symbol)(*[self.upload(a) if isinstance(a, np.ndarray) else a for a in args])
 
     def _w(self, v):
         return self.weights[v.name]
 
-    def _wq(self, v) -> list[np.ndarray]:
+    def _wq(self, v) -> list:
         """A weight and, when it is quantized, its scales (in kernel argument order)."""
         scale = self.weights.get(v.name + ".scale")
         return [self.weights[v.name]] if scale is None else [self.weights[v.name], scale]
+
+    def _wq_part(self, v, i: int) -> list:
+        """Expert / group ``i`` of a stacked weight (and its scales)."""
+        scale = self.parts.get(v.name + ".scale")
+        return [self.parts[v.name][i]] if scale is None else [self.parts[v.name][i], scale[i]]
+
+    def gather(self, x, idx: np.ndarray):
+        """Rows ``idx`` of ``x`` (zeros where idx < 0) as a new tensor."""
+        out = self.empty((len(idx), x.shape[1]))
+        self._call("gather_rows", x, idx.astype(np.int32), out)
+        return out
+
+    def columns(self, x, start: int, width: int):
+        """Columns [start, start + width) of a 2-d tensor as a new tensor."""
+        out = self.empty((x.shape[0], width))
+        self._call("copy_columns", x, start, out, 0, width)
+        return out
 
     # ------------------------------------------------------------------ step
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
         fn = self.program.functions["step"]
         n = len(tokens)
-        env: dict[int, np.ndarray] = {}
+        env: dict[int, object] = {}
         for v, arr in zip(fn.inputs, (tokens, positions, seq_ids)):
-            env[id(v)] = _aligned_copy(arr.astype(np.int32))
+            env[id(v)] = self.upload(np.asarray(arr, np.int32))
         ctx = _StepContext(positions.astype(np.int64), seq_ids.astype(np.int64))
         for node, roles in zip(fn.nodes, self.per_node):
             args = [env.get(id(v)) if v.kind != "weight" else None for v in node.inputs]
             outs = getattr(self, "_op_" + node.op)(node, roles, args, n, ctx)
             for o, arr in zip(node.outputs, outs):
                 env[id(o)] = arr
-        return env[id(fn.outputs[0])]
+        return env[id(fn.outputs[0])].numpy()
 
-    @staticmethod
-    def _out(n: int, *shape, dtype=np.float32) -> np.ndarray:
-        return aligned_empty((n,) + tuple(shape), dtype)
+    def _out(self, n: int, *shape, dtype: str = "float32"):
+        return self.empty((n,) + tuple(shape), dtype)
 
     # ------------------------------------------------------------------ ops
     def _op_embed(self, node, roles, args, n, ctx):
@@ -133,14 +175,14 @@ class TvmBackend:
 
     def _op_mhc_seam(self, node, roles, args, n, ctx):
         h = args[1]
-        outs = [aligned_empty(h.shape, np.float32), self._out(n, h.shape[2]), self._out(n, h.shape[1]),
+        outs = [self.empty(h.shape), self._out(n, h.shape[2]), self._out(n, h.shape[1]),
                 self._out(n, h.shape[1], h.shape[1])]
         self._call(roles["main"], *args[:4], *(self._w(v) for v in node.inputs[4:7]), *outs)
         return outs
 
     def _op_mhc_post_head(self, node, roles, args, n, ctx):
         h = args[1]
-        outs = [aligned_empty(h.shape, np.float32), self._out(n, h.shape[2])]
+        outs = [self.empty(h.shape), self._out(n, h.shape[2])]
         self._call(roles["main"], *args[:4], *(self._w(v) for v in node.inputs[4:7]), *outs)
         return outs
 
@@ -151,78 +193,86 @@ class TvmBackend:
 
     def _op_rmsnorm(self, node, roles, args, n, ctx):
         x = args[0]
-        flat = x.reshape(-1, x.shape[-1])
-        out = aligned_empty(x.shape, np.float32)
+        flat = (int(np.prod(x.shape[:-1])), x.shape[-1])
+        out = self.empty(x.shape)
         w = self._w(node.inputs[1]) if len(node.inputs) == 2 else self.ones(x.shape[-1])
-        self._call(roles["main"], flat, w, out.reshape(flat.shape))
+        self._call(roles["main"], _view(x, flat), w, _view(out, flat))
         return [out]
 
-    def _matmul(self, roles, prefix: str, x: np.ndarray, w: list[np.ndarray]) -> np.ndarray:
+    def _matmul(self, roles, prefix: str, x, w: list):
         """y = x @ W.T through the GEMV kernel for decode-sized steps, else the 8-row-block GEMM.
         ``w`` is the tiled weight [out / tile, in, tile] and, when quantized, its scales."""
         rows = x.shape[0]
         out_dim = w[0].shape[0] * w[0].shape[2]
         if rows <= GEMV_MAX_ROWS:
-            y = aligned_empty((rows, out_dim), np.float32)
+            y = self.empty((rows, out_dim))
             self._call(roles[prefix + "gemv"], x, *w, y)
             return y
         blocks = -(-rows // GEMM_ROWS)
-        padded = aligned_zeros((blocks * GEMM_ROWS, x.shape[1]), np.float32)
-        padded[:rows] = x
-        y = aligned_empty((blocks * GEMM_ROWS, out_dim), np.float32)
-        self._call(roles[prefix + "gemm"], padded.reshape(blocks, GEMM_ROWS, -1), *w,
-                   y.reshape(blocks, GEMM_ROWS, out_dim))
-        return y[:rows]
+        padded = self.gather(x, np.concatenate([np.arange(rows), np.full(blocks * GEMM_ROWS - rows, -1)]))
+        y = self.empty((blocks * GEMM_ROWS, out_dim))
+        self._call(roles[prefix + "gemm"], _view(padded, (blocks, GEMM_ROWS, x.shape[1])), *w,
+                   _view(y, (blocks, GEMM_ROWS, out_dim)))
+        return _view(y, (rows, out_dim))
 
     def _op_linear(self, node, roles, args, n, ctx):
         x = args[0]
-        y = self._matmul(roles, "", x.reshape(-1, x.shape[-1]), self._wq(node.inputs[1]))
-        return [y.reshape(x.shape[:-1] + (y.shape[-1],))]
+        y = self._matmul(roles, "", _view(x, (int(np.prod(x.shape[:-1])), x.shape[-1])), self._wq(node.inputs[1]))
+        return [_view(y, tuple(x.shape[:-1]) + (y.shape[-1],))]
 
     _op_lm_head = _op_linear
 
     def _op_linear_split(self, node, roles, args, n, ctx):
         (y,) = self._op_linear(node, roles, args, n, ctx)
-        bounds = np.cumsum(node.attrs["sizes"])[:-1]
-        return [_aligned_copy(part) for part in np.split(y, bounds, axis=-1)]
+        starts = np.concatenate([[0], np.cumsum(node.attrs["sizes"])[:-1]])
+        flat = _view(y, (n, y.shape[-1]))
+        return [_view(self.columns(flat, int(s), size), (n,) + tuple(o.type.shape[1:]))
+                for s, size, o in zip(starts, node.attrs["sizes"], node.outputs)]
 
     def _op_reshape(self, node, roles, args, n, ctx):
-        return [args[0].reshape((n,) + tuple(node.attrs["shape"][1:]))]
+        return [_view(args[0], (n,) + tuple(node.attrs["shape"][1:]))]
 
     def _op_add(self, node, roles, args, n, ctx):
-        out = aligned_empty(args[0].shape, np.float32)
-        self._call(roles["main"], args[0].reshape(n, -1), args[1].reshape(n, -1), out.reshape(n, -1))
+        out = self.empty(args[0].shape)
+        flat = (n, int(np.prod(args[0].shape[1:])))
+        self._call(roles["main"], _view(args[0], flat), _view(args[1], flat), _view(out, flat))
         return [out]
 
+    def _rope_call(self, symbol, x, *rest):
+        heads = x.shape[1] if len(x.shape) == 3 else 1
+        shape = (x.shape[0], heads, x.shape[-1])
+        out = self.empty(x.shape)
+        self._call(symbol, _view(x, shape), *rest, _view(out, shape))
+        return out
+
     def _op_rope(self, node, roles, args, n, ctx):
-        x = args[0]
-        out = aligned_empty(x.shape, np.float32)
-        heads = x.shape[1] if x.ndim == 3 else 1
-        self._call(roles["main"], x.reshape(n, heads, x.shape[-1]), args[1], self.inv_freq[node.attrs["rope"]],
-                   out.reshape(n, heads, x.shape[-1]))
-        return [out]
+        return [self._rope_call(roles["main"], args[0], args[1], self.inv_freq[node.attrs["rope"]])]
 
     def _op_rmsnorm_rope(self, node, roles, args, n, ctx):
         x = args[0]
-        heads = x.shape[1] if x.ndim == 3 else 1
         w = self._w(node.inputs[1]) if len(node.inputs) == 3 else self.ones(x.shape[-1])
-        out = aligned_empty(x.shape, np.float32)
-        self._call(roles["main"], x.reshape(n, heads, x.shape[-1]), w, args[-1], self.inv_freq[node.attrs["rope"]],
-                   out.reshape(n, heads, x.shape[-1]))
-        return [out]
+        return [self._rope_call(roles["main"], x, w, args[-1], self.inv_freq[node.attrs["rope"]])]
 
     def _op_grouped_linear(self, node, roles, args, n, ctx):
-        x = args[0]
-        w = self._wq(node.inputs[1])  # [G, rank / tile, in, tile] (+ scales)
-        outs = [self._matmul(roles, "", x[:, g], [a[g] for a in w]) for g in range(x.shape[1])]
-        return [_aligned_copy(np.stack(outs, axis=1))]
+        x = args[0]  # [n, G, in]: group g's inputs are columns [g * in, (g + 1) * in)
+        groups, width = x.shape[1], x.shape[2]
+        flat = _view(x, (n, groups * width))
+        first = self._matmul(roles, "", self.columns(flat, 0, width), self._wq_part(node.inputs[1], 0))
+        rank = first.shape[1]
+        out = self.empty((n, groups, rank))
+        out_flat = _view(out, (n, groups * rank))
+        for g in range(groups):
+            y = first if g == 0 else self._matmul(roles, "", self.columns(flat, g * width, width),
+                                                  self._wq_part(node.inputs[1], g))
+            self._call("copy_columns", y, 0, out_flat, g * rank, rank)
+        return [out]
 
     def _op_moe_route(self, node, roles, args, n, ctx):
         k = node.attrs["k"]
         logits = self._matmul(roles, "gate_", args[0], self._wq(node.inputs[1]))
         scores = self._out(n, logits.shape[1])
         self._call(roles["scores"], logits, scores)
-        ids = self._out(n, k, dtype=np.int32)
+        ids = self._out(n, k, dtype="int32")
         if node.attrs["mode"] == "hash":
             self._call(roles["select"], self._w(node.inputs[2]), args[3], ids)
         else:
@@ -234,19 +284,22 @@ class TvmBackend:
         return [weights, ids]
 
     def _op_experts(self, node, roles, args, n, ctx):
-        y, route_w, ids = args[:3]
-        w1, w2, w3 = (self._wq(v) for v in node.inputs[3:])
-        out = aligned_zeros((n, y.shape[1]), np.float32)
+        y, route_w, ids_t = args[:3]
+        w1, w2, w3 = node.inputs[3:]
+        ids = ids_t.numpy()  # the host decides which experts run: one read-back per MoE layer
+        k = ids.shape[1]
+        out = self.gather(y, np.full(n, -1))  # zeros
+        flat_w = _view(route_w, (n * k, 1))
         for e in np.unique(ids):  # ascending expert ids, as the reference adds them
             tokens, slots = np.nonzero(ids == e)
-            x = y[tokens]
-            gate = self._matmul(roles, "up_", x, [a[e] for a in w1])
-            up = self._matmul(roles, "up_", x, [a[e] for a in w3])
+            x = self.gather(y, tokens)
+            gate = self._matmul(roles, "up_", x, self._wq_part(w1, e))
+            up = self._matmul(roles, "up_", x, self._wq_part(w3, e))
             act = self._out(len(tokens), gate.shape[1])
             self._call(roles["act"], gate, up, act)
-            down = self._matmul(roles, "down_", act, [a[e] for a in w2])
-            self._call(roles["combine"], out, _aligned_copy(tokens.astype(np.int32)),
-                       _aligned_copy(route_w[tokens, slots]), _aligned_copy(down))
+            down = self._matmul(roles, "down_", act, self._wq_part(w2, e))
+            weight = self.gather(flat_w, tokens * k + slots)
+            self._call(roles["combine"], out, tokens.astype(np.int32), _view(weight, (len(tokens),)), down)
         return [out]
 
     def _op_shared_expert(self, node, roles, args, n, ctx):
@@ -262,7 +315,7 @@ class TvmBackend:
         keep = np.concatenate([idx[-window:] for _, idx, _ in ctx.groups])
         rows = np.concatenate([self.pool.window_row(seq, layer, ctx.positions[idx[-window:]])
                                for seq, idx, _ in ctx.groups]).astype(np.int32)
-        self._call(roles["main"], self.plane, _aligned_copy(rows), _aligned_copy(args[0][keep]))
+        self._call(roles["main"], *self.main_planes, rows, self.gather(args[0], keep))
         return [None]
 
     def _op_compress(self, node, roles, args, n, ctx):
@@ -299,23 +352,22 @@ class TvmBackend:
             cur_src.append(rest)
             cur_dst.append(base + cur + ctx.positions[rest] % r)
         if windows:
-            src = _aligned_copy(np.concatenate(windows).astype(np.int32))
+            src = np.concatenate(windows).astype(np.int32)
             pooled = self._out(len(src), d)
             self._call(roles["pool"], ring_kv, ring_sc, kv, gate, pos, ape, src, pooled)
             normed = self._out(len(src), d)
             self._call(roles["norm"], pooled, self._w(node.inputs[3]), normed)
             roped = self._out(len(src), d)
-            self._call(roles["rope"], normed.reshape(-1, 1, d), _aligned_copy(np.concatenate(entry_pos).astype(np.int32)),
-                       self.inv_freq["compress"], roped.reshape(-1, 1, d))
-            plane = self.index_t if stream == "index" else self.plane_t
-            self._call(roles["store"], plane, _aligned_copy(np.concatenate(entry_rows).astype(np.int32)), roped)
+            self._call(roles["rope"], _view(normed, (len(src), 1, d)), np.concatenate(entry_pos).astype(np.int32),
+                       self.inv_freq["compress"], _view(roped, (len(src), 1, d)))
+            planes = (self.index_plane,) if stream == "index" else self.main_planes
+            self._call(roles["store"], *planes, np.concatenate(entry_rows).astype(np.int32), roped)
         # Ring update after pooling read it: the last closed window becomes the "previous" half
         # (CSA), then this step's rows of the open window go to their "current" slots.
         for srcs, dsts in ((prev_src, prev_dst), (cur_src, cur_dst)):
             if srcs and sum(len(x) for x in srcs):
                 self._call(roles["ring"], ring_kv, ring_sc, kv, gate, pos, ape,
-                           _aligned_copy(np.concatenate(srcs).astype(np.int32)),
-                           _aligned_copy(np.concatenate(dsts).astype(np.int32)))
+                           np.concatenate(srcs).astype(np.int32), np.concatenate(dsts).astype(np.int32))
         return [None]
 
     def _op_index_score(self, node, roles, args, n, ctx):
@@ -332,24 +384,23 @@ class TvmBackend:
                 rows[idx, :count] = block
         out = self._out(n, width)
         if width:
-            self._call(roles["main"], args[0], args[1], self.index_t, _aligned_copy(rows), out)
+            self._call(roles["main"], args[0], args[1], self.index_plane, rows, out)
         return [out]
 
     def _op_index_topk(self, node, roles, args, n, ctx):
-        out = self._out(n, node.attrs["k"], dtype=np.int32)
-        if args[0].shape[1] == 0:
-            out[...] = -1
-        else:
-            self._call(roles["main"], args[0], out)
+        if args[0].shape[1] == 0:  # no compressed entry visible yet
+            return [self.upload(np.full((n, node.attrs["k"]), -1, np.int32))]
+        out = self._out(n, node.attrs["k"], dtype="int32")
+        self._call(roles["main"], args[0], out)
         return [out]
 
     def _op_sparse_attn(self, node, roles, args, n, ctx):
         layer = self.layers[node.attrs["layer"]]
-        topk = args[6] if len(args) > 6 else None
+        # The selected entries decide which rows each query reads: read back (one per CSA layer).
+        topk = args[6].numpy() if len(args) > 6 else None
         indptr, indices = attention_indices(self.pool, layer, ctx.seq_ids, ctx.positions, ctx.step_start, topk)
         out = self._out(n, *args[0].shape[1:])
-        self._call(roles["main"], args[0], self.plane, args[1], self._w(node.inputs[2]), _aligned_copy(indptr),
-                   _aligned_copy(indices), out)
+        self._call(roles["main"], args[0], *self.main_planes, args[1], self._w(node.inputs[2]), indptr, indices, out)
         return [out]
 
 

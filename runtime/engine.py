@@ -53,18 +53,32 @@ class Result:
     logits: np.ndarray | None  # [prompt_len + len(tokens), vocab] when recorded
 
 
+def gpu_device(target: str):
+    """The GPU this host has for a GPU target, or None (no such GPU, or another architecture)."""
+    import tvm
+
+    if target == "sm90":
+        device = tvm.cuda(0)
+        return device if device.exist and device.compute_version == "9.0" else None
+    device = tvm.rocm(0)
+    return device if device.exist and target in (device.device_name or "") else None
+
+
 def load_backend(artifact: Path, manifest: dict, program, pool: KVPool):
     target = manifest["target"]
     if target == "reference":
         from dsv4c.runtime.backend_reference import ReferenceBackend
 
         return ReferenceBackend(artifact, manifest, program, pool)
-    if target == "llvm":
-        from dsv4c.runtime.backend_tvm import TvmBackend
+    from dsv4c.runtime.backend_tvm import TvmBackend
 
+    if target == "llvm":
         return TvmBackend(artifact, manifest, program, pool)
-    raise ArtifactError(f"{artifact}: an artifact for {target} needs that GPU; this host can run llvm / reference "
-                        "artifacts only (compile with --target llvm)")
+    device = gpu_device(target)
+    if device is None:
+        raise ArtifactError(f"{artifact}: an artifact for {target} needs that GPU and this host has none; run it "
+                            "there, or compile with --target llvm for this CPU")
+    return TvmBackend(artifact, manifest, program, pool, device)
 
 
 class Engine:
@@ -75,7 +89,7 @@ class Engine:
         self.manifest = manifest
         self.config = config_from_dict(manifest["model"], manifest["model_name"])
         self.program = program_from_json(json.loads((self.path / "program.json").read_text()), self.config)
-        plan = plan_for(self.config, manifest["target"], self.program.numerics)
+        plan = plan_for(self.config, manifest["target"], self.program.numerics, manifest.get("kv_cache_dtype", "auto"))
         geometry = PoolGeometry.build(self.config, plan)
         envelopes = max_requests * -(-max_context // ENVELOPE_TOKENS)
         self.pool = KVPool(geometry, envelopes * geometry.rows_per_envelope

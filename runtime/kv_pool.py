@@ -30,19 +30,19 @@ ENVELOPE_TOKENS = 256
 F32 = np.float32
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
+def aligned_empty(shape, dtype, allocate=np.empty) -> np.ndarray:
     """An uninitialised array on a 64-byte boundary, so TVM can share it zero-copy (DLPack)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
+    raw = allocate(nbytes + 64, np.uint8)
     offset = (-raw.ctypes.data) % 64
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
 def aligned_zeros(shape, dtype) -> np.ndarray:
-    out = aligned_empty(shape, dtype)
-    out[...] = 0
-    return out
+    # np.zeros maps zero pages lazily: a pool whose planes live on a GPU costs no host memory
+    # for its (never written) host planes.
+    return aligned_empty(shape, dtype, np.zeros)
 
 
 class PoolExhausted(DsvError):
