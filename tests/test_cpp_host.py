@@ -146,6 +146,22 @@ def test_host_errors_are_the_python_cli_errors(cpp, tmp_path, capsys, breakage):
     assert expected.startswith(f"dsv4c: error: {tmp_path}/art") and expected.count("\n") == 1
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"pool_geometry": {"main_storage": "fp8"}}, "runs fp32 KV pools only; compile with --kv-cache-dtype fp32"),
+    ({"target": "sm90"}, "runs llvm artifacts only; an artifact for sm90 runs in the Python runtime"),
+], ids=["fp8-pool", "gpu-target"])
+def test_host_refuses_what_it_cannot_run(cpp, tmp_path, edit, message):
+    build, art = cpp
+    target = tmp_path / "art"
+    shutil.copytree(art, target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    for key, value in edit.items():
+        manifest[key] = {**manifest[key], **value} if isinstance(value, dict) else value
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    done = _host(build, target, "--token-ids", "1,2", "--max-new-tokens", "2")
+    assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv", [
     ["--token-ids", "1,512", "--max-new-tokens", "2"],
     ["--token-ids", "1", "--max-new-tokens", "2", "--prefill-chunk", "0"],

@@ -121,12 +121,12 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
                         "--target llvm for the C++ runtime");
   }
   if (target != "llvm") {
-    throw ArtifactError(m.path + ": an artifact for " + target + " needs that GPU; this host can run llvm / "
-                        "reference artifacts only (compile with --target llvm)");
+    throw ArtifactError(m.path + ": the C++ host runs llvm artifacts only; an artifact for " + target +
+                        " runs in the Python runtime on that GPU (or compile with --target llvm)");
   }
   json::Fields storage = manifest.object("pool_geometry");
   if (storage.string("main_storage") != "fp32" || storage.string("index_storage") != "fp32") {
-    throw ArtifactError(m.path + ": the llvm backend runs fp32 pools (exact numerics) only");
+    throw ArtifactError(m.path + ": the C++ host runs fp32 KV pools only; compile with --kv-cache-dtype fp32 (the llvm default)");
   }
   m.executor = std::make_unique<Executor>(m.path, manifest, m.config, std::move(program), *m.pool);
   if (options.max_step_tokens < 1 || (options.prefill_chunk && *options.prefill_chunk < 1)) {
