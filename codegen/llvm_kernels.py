@@ -984,19 +984,18 @@ def index_score(heads: int, dim: int, storage: str = "fp32"):
         PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n, e), "int32")
         OUT = T.match_buffer(out, (n, e), F32)
-        for t in T.parallel(n):
+        for i in T.parallel(n * e):  # one (query, entry) pair each: decode scores thousands at once
             acc = T.alloc_buffer((2,), F32, scope="local")
-            for j in range(e):
-                if ROWS[t, j] < 0:
-                    OUT[t, j] = T.float32(NEG_INF)
-                else:
-                    acc[0] = T.float32(0)
-                    for h in range(heads):
-                        acc[1] = T.float32(0)
-                        for d in range(dim):
-                            acc[1] = acc[1] + Q[t, h, d] * index_key(PLANE, ROWS[t, j], d, dim, storage)
-                        acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[t, h] * T.float32(scale))
-                    OUT[t, j] = acc[0]
+            if ROWS[i // e, i % e] < 0:
+                OUT[i // e, i % e] = T.float32(NEG_INF)
+            else:
+                acc[0] = T.float32(0)
+                for h in range(heads):
+                    acc[1] = T.float32(0)
+                    for d in range(dim):
+                        acc[1] = acc[1] + Q[i // e, h, d] * index_key(PLANE, ROWS[i // e, i % e], d, dim, storage)
+                    acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[i // e, h] * T.float32(scale))
+                OUT[i // e, i % e] = acc[0]
     return f
 
 
@@ -1042,35 +1041,34 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                 part[l] = part[l] + Q[t, h, c * lanes + l] * kv(pool, STEP, row, r, c, l)
 
     @T.macro
-    def attend(Q, pool, STEP, SINK, IP, IX, OUT, r, t):
+    def attend(Q, pool, STEP, SINK, IP, IX, OUT, r, t, h):
         acc = T.alloc_buffer((3,), F32, scope="local")
         part = T.alloc_buffer((lanes,), F32, scope="local")
         o = T.alloc_buffer((dim,), F32, scope="local")
-        for h in range(heads):
-            acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
-            for k in range(IP[t + 1] - IP[t]):
-                row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
-                acc[1] = T.float32(0)
-                for l in range(lanes):
-                    acc[1] = acc[1] + part[l]
-                acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
-            acc[2] = T.exp(SINK[h] - acc[0])
+        acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
+        for k in range(IP[t + 1] - IP[t]):
+            row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
+            acc[1] = T.float32(0)
+            for l in range(lanes):
+                acc[1] = acc[1] + part[l]
+            acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
+        acc[2] = T.exp(SINK[h] - acc[0])
+        for c in range(chunks):
+            for l in T.vectorized(lanes):
+                o[c * lanes + l] = T.float32(0)
+        for k in range(IP[t + 1] - IP[t]):
+            row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
+            acc[1] = T.float32(0)
+            for l in range(lanes):
+                acc[1] = acc[1] + part[l]
+            acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
+            acc[2] = acc[2] + acc[1]
             for c in range(chunks):
                 for l in T.vectorized(lanes):
-                    o[c * lanes + l] = T.float32(0)
-            for k in range(IP[t + 1] - IP[t]):
-                row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
-                acc[1] = T.float32(0)
-                for l in range(lanes):
-                    acc[1] = acc[1] + part[l]
-                acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
-                acc[2] = acc[2] + acc[1]
-                for c in range(chunks):
-                    for l in T.vectorized(lanes):
-                        o[c * lanes + l] = o[c * lanes + l] + acc[1] * kv(pool, STEP, IX[IP[t] + k], r, c, l)
-            for c in range(chunks):
-                for l in T.vectorized(lanes):
-                    OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
+                    o[c * lanes + l] = o[c * lanes + l] + acc[1] * kv(pool, STEP, IX[IP[t] + k], r, c, l)
+        for c in range(chunks):
+            for l in T.vectorized(lanes):
+                OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
 
     if main_storage == "fp8":
         @T.prim_func
@@ -1088,8 +1086,8 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
             IP = T.match_buffer(indptr, (n + 1,), "int32")
             IX = T.match_buffer(indices, (nnz,), "int32")
             OUT = T.match_buffer(out, (n, heads, dim), F32)
-            for t in T.parallel(n):
-                attend(Q, (NOPE, ROPE), STEP, SINK, IP, IX, OUT, r, t)
+            for i in T.parallel(n * heads):  # one (query, head) pair each: a decode step has 64 of them
+                attend(Q, (NOPE, ROPE), STEP, SINK, IP, IX, OUT, r, i // heads, i % heads)
         return f
 
     @T.prim_func
@@ -1106,6 +1104,6 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         IP = T.match_buffer(indptr, (n + 1,), "int32")
         IX = T.match_buffer(indices, (nnz,), "int32")
         OUT = T.match_buffer(out, (n, heads, dim), F32)
-        for t in T.parallel(n):
-            attend(Q, (POOL,), STEP, SINK, IP, IX, OUT, r, t)
+        for i in T.parallel(n * heads):  # one (query, head) pair each: a decode step has 64 of them
+            attend(Q, (POOL,), STEP, SINK, IP, IX, OUT, r, i // heads, i % heads)
     return f

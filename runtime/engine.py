@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -61,7 +62,12 @@ def gpu_device(target: str):
         device = tvm.cuda(0)
         return device if device.exist and device.compute_version == "9.0" else None
     device = tvm.rocm(0)
-    return device if device.exist and target in (device.device_name or "") else None
+    if not device.exist:
+        return None
+    # ROCm reports the ISA (gfx942) in the name or the compute version depending on the driver;
+    # refuse a named other ISA, accept when none is named.
+    arch = re.search(r"gfx\d+", f"{device.device_name} {device.compute_version}")
+    return device if arch is None or arch[0] == target else None
 
 
 def load_backend(artifact: Path, manifest: dict, program, pool: KVPool):
