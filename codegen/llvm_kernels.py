@@ -723,21 +723,6 @@ def route_weights(n_experts: int, k: int, scale: float):
 # --------------------------------------------------------------------------- KV state
 
 
-def scatter_rows(width: int):
-    """plane[rows[i]] = values[i] (in place on the pool plane)."""
-    @T.prim_func
-    def f(plane: T.handle, rows: T.handle, vals: T.handle):
-        r = T.int32()
-        n = T.int32()
-        PLANE = T.match_buffer(plane, (r, width), F32)
-        ROWS = T.match_buffer(rows, (n,), "int32")
-        VALS = T.match_buffer(vals, (n, width), F32)
-        for i in T.parallel(n):
-            for j in range(width):
-                PLANE[ROWS[i], j] = VALS[i, j]
-    return f
-
-
 # --------------------------------------------------------------------------- low-bit pool rows
 #
 # The byte layouts of runtime.kv_pool's codecs (sizes: passes.quant_plan), one pool row each:
@@ -839,16 +824,14 @@ def store_main_fp8(nope_dim: int, rope_dim: int):
     return f
 
 
-def store_index(dim: int, storage: str):
-    """Index pool rows: plane[rows[i]] = vals[i] in ``storage`` (fp8 / fp4), the bytes
-    _IndexCodec.write stores. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not a
+def store_rows(dim: int, storage: str):
+    """Pool rows of one plane: plane[rows[i]] = vals[i] in ``storage``: fp32 as they are (main or
+    index rows), fp8 / fp4 index rows as the bytes _IndexCodec.write stores. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not a
     power of two), codes e4m3fn(v / s), unclipped in the codec: v / s may exceed 448 by rounding
     and then saturates in the encoder as in lowbit. fp4: per 32 values s = pow2_ceil(max(amax,
     6 * 2**-126) / 6), codes e2m1(v / s) packed in pairs, then the E8M0 scales. Rows must be
     distinct."""
     width, dtype = index_plane_row(dim, storage)
-    if storage == "fp32":
-        raise ValueError("fp32 index rows are stored with scatter_rows")
     fp8 = storage == "fp8"
 
     @T.prim_func
@@ -861,7 +844,10 @@ def store_index(dim: int, storage: str):
         for i in T.parallel(n):
             amax = T.alloc_buffer((1,), "int32", scope="local")
             scale = T.alloc_buffer((1,), F32, scope="local")
-            if fp8:
+            if storage == "fp32":
+                for j in range(dim):
+                    PLANE[ROWS[i], j] = VALS[i, j]
+            elif fp8:
                 _amax_bits(VALS, i, 0, dim, amax)
                 scale[0] = amax_floor(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR) / T.float32(E4M3_MAX)
                 for j in range(dim):

@@ -46,9 +46,9 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     def _store(stream: str, width: int) -> KernelSpec:
         """Writes pool rows in the plan's format (fp32 rows are a plain scatter)."""
         if stream == "index":
-            return _k("scatter_rows", width) if index_kv == "fp32" else _k("store_index", width, index_kv)
-        return _k("scatter_rows", width) if main_kv == "fp32" else _k("store_main_fp8", width - cfg.rope_dim,
-                                                                          cfg.rope_dim)
+            return _k("store_rows", width, index_kv)
+        return _k("store_rows", width, "fp32") if main_kv == "fp32" else _k("store_main_fp8", width - cfg.rope_dim,
+                                                                              cfg.rope_dim)
 
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
     if op in UNSUPPORTED:

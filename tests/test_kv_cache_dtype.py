@@ -83,7 +83,7 @@ def test_gpu_targets_use_the_kernel_set_the_cpu_runs():
     assert cpu == sm90
     assert any("store_main_fp8" in s for roles in sm90 for s in roles.values())
     _, gfx950 = kernel_table(program, plan_for(cfg, "gfx950"))
-    assert any("store_index" in s and "fp4" in s for roles in gfx950 for s in roles.values())
+    assert any("store_rows" in s and "fp4" in s for roles in gfx950 for s in roles.values())
 
 
 def test_fp8_cache_needs_64_aligned_nope_channels():

@@ -169,7 +169,7 @@ def test_store_main_fp8_writes_the_codec_bytes(model):
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])
 @pytest.mark.parametrize("target", ["sm90", "gfx950"])  # index fp8 / fp4
-def test_store_index_writes_the_codec_bytes(model, target):
+def test_store_rows_writes_the_codec_bytes(model, target):
     pool, mirror = _pool(model, target), _pool(model, target)
     g = pool.geometry
     rng = np.random.default_rng(3)
@@ -178,7 +178,7 @@ def test_store_index_writes_the_codec_bytes(model, target):
     if g.index_storage == "fp8":  # the quotient at row 7's amax is really above 448, and saturates to 0x7E
         assert F32(1.9127556) / (F32(1.9127556) / F32(448)) > 448
     pool.write_index(rows, values)
-    kernel = _kernel("store_index", g.index_head_dim, g.index_storage)
+    kernel = _kernel("store_rows", g.index_head_dim, g.index_storage)
     plane, _, _ = _run(kernel, mirror.index_plane, rows, values)
     assert np.array_equal(plane, pool.index_plane)
 
@@ -257,8 +257,8 @@ def test_gpu_versions_build(target_name, monkeypatch):
     target = tvm.target.Target(gpu.TARGETS[target_name])
     specs = {  # the flash / pro pool shapes
         "store_main_fp8": KernelSpec("store_main_fp8", (448, 64)),
-        "store_index_fp8": KernelSpec("store_index", (128, "fp8")),
-        "store_index_fp4": KernelSpec("store_index", (128, "fp4")),
+        "store_rows_fp8": KernelSpec("store_rows", (128, "fp8")),
+        "store_rows_fp4": KernelSpec("store_rows", (128, "fp4")),
         "index_score_fp8": KernelSpec("index_score", (64, 128, "fp8")),
         "index_score_fp4": KernelSpec("index_score", (64, 128, "fp4")),
         "sparse_attn_fp8": KernelSpec("sparse_attn", (64, 512, 512 ** -0.5, "fp8", 64)),
