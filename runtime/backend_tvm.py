@@ -257,13 +257,12 @@ class TvmBackend:
         x = args[0]  # [n, G, in]: group g's inputs are columns [g * in, (g + 1) * in)
         groups, width = x.shape[1], x.shape[2]
         flat = _view(x, (n, groups * width))
-        first = self._matmul(roles, "", self.columns(flat, 0, width), self._wq_part(node.inputs[1], 0))
-        rank = first.shape[1]
+        tile = self._wq_part(node.inputs[1], 0)[0]  # [rank / t, in, t]
+        rank = tile.shape[0] * tile.shape[2]
         out = self.empty((n, groups, rank))
         out_flat = _view(out, (n, groups * rank))
         for g in range(groups):
-            y = first if g == 0 else self._matmul(roles, "", self.columns(flat, g * width, width),
-                                                  self._wq_part(node.inputs[1], g))
+            y = self._matmul(roles, "", self.columns(flat, g * width, width), self._wq_part(node.inputs[1], g))
             self._call("copy_columns", y, 0, out_flat, g * rank, rank)
         return [out]
 
