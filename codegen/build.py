@@ -1,45 +1,80 @@
-"""Build the kernels of a program into ``kernels.so`` for the CPU target."""
+"""Build the compiled step: the kernels of a program, specialised for the target, and the
+Relax entry functions that call them, into one library the runtime opens with
+``relax.VirtualMachine`` (the ``vm`` section of the manifest describes it)."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import tvm
+from tvm import relax
 
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
+from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
+from dsv4c.targets import target_info
+
+LIBRARY = "model.so"
+DEFAULT_MAX_STEP_TOKENS = 2048  # the prefill function's memory bound (Engine max_step_tokens)
 
 
-def host_cpu() -> str:
-    """LLVM's name for this machine's CPU (e.g. znver4): kernels use its vector width."""
-    return tvm.target.codegen.llvm_get_system_cpu()
+def relax_pipeline(target: tvm.target.Target, cuda_graph: bool) -> tvm.transform.Pass:
+    """The passes that turn our call_tir-only functions into VM code: no fusion or legalization
+    (every call already is a scheduled kernel), static memory planning under the declared
+    token bounds, and on CUDA the rewrite of static regions into captured CUDA graphs."""
+    t = relax.transform
+    passes = [t.ToNonDataflow(), t.RemovePurityChecking(), t.CallTIRRewrite(), t.StaticPlanBlockMemory()]
+    if cuda_graph:
+        passes.append(t.RewriteCUDAGraph())
+    passes += [t.LowerAllocTensor(), t.KillAfterLastUse(), t.LowerRuntimeBuiltin(), t.ComputePrimValue(),
+               t.VMShapeLower(), t.AttachGlobalSymbol()]
+    seq = tvm.transform.Sequential(passes)
+
+    @tvm.transform.module_pass(opt_level=0)
+    def pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return seq(mod)
+
+    return pipeline
 
 
-def llvm_target(mcpu: str | None = None) -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu or host_cpu(), "num-cores": os.cpu_count() or 1})
-
-
-def build_kernels(program: Program, plan, out_dir: Path, progress: bool = False) -> dict:
-    specs, per_node = kernel_table(program, plan)
-    if plan.target != "llvm":
-        from dsv4c.codegen.gpu import build_gpu
-
-        start = time.perf_counter()
-        info = build_gpu(specs, plan.target, out_dir)
-        return {**info, "build_seconds": round(time.perf_counter() - start, 2), "per_node": per_node}
-    funcs = {}
-    items = specs.items()
+def lower_step(program: Program, plan, geometry, target_name: str, max_step_tokens: int, progress: bool = False):
+    """(the Relax module after our pipeline, the step description, the TVM target): what
+    ``build_step`` compiles. Tests inspect the lowered module (e.g. for CUDA graphs)."""
+    info = target_info(target_name)
+    specs, _ = kernel_table(program, plan)
+    target = info.tvm_target()
+    items = list(specs.items())
     if progress:
         from tqdm import tqdm
 
-        items = tqdm(list(items), desc="generating kernels", unit="kernel", leave=False)
-    for symbol, spec in items:
-        funcs[symbol] = kernel_factory(spec.factory)(*spec.params).with_attr("global_symbol", symbol)
+        items = tqdm(items, desc="generating kernels", unit="kernel", leave=False)
+    if info.kind == "cpu":
+        kernels = {symbol: kernel_factory(spec.factory)(*spec.params) for symbol, spec in items}
+    else:
+        from dsv4c.codegen.gpu import gpu_kernel
+
+        kernels = {symbol: gpu_kernel(spec, target) for symbol, spec in items}
+    step = build_step_module(program, plan, geometry, kernels, max_step_tokens, info.cuda_graph)
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": info.cuda_graph}):
+        lowered = relax_pipeline(target, info.cuda_graph)(step.module)
+    return lowered, step, target
+
+
+def build_step(program: Program, plan, geometry, out_dir: Path, target_name: str,
+               max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS, progress: bool = False) -> tuple[dict, dict]:
+    """Compile the step into ``out_dir / LIBRARY``; the manifest's ``kernels`` and ``vm`` sections."""
+    info = target_info(target_name)
     start = time.perf_counter()
-    mcpu = host_cpu()
-    executable = tvm.compile(tvm.IRModule(funcs), target=llvm_target(mcpu))
-    executable.export_library(str(out_dir / "kernels.so"))
-    return {"library": "kernels.so", "mcpu": mcpu, "count": len(funcs), "build_seconds": round(time.perf_counter() - start, 2),
-            "per_node": per_node}
+    lowered, step, target = lower_step(program, plan, geometry, target_name, max_step_tokens, progress)
+    with info.toolchain():
+        executable = tvm.compile(lowered, target=target, relax_pipeline=None)
+        executable.export_library(str(out_dir / LIBRARY))
+    kernels = {"count": len(kernel_table(program, plan)[0]), "build_seconds": round(time.perf_counter() - start, 2),
+               **info.library_facts(target)}
+    vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS), "params": step.params,
+          "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,
+          "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
+          "cuda_graph": info.cuda_graph}
+    return kernels, vm

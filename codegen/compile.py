@@ -22,8 +22,7 @@ from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.artifact import staging, write_manifest
 from dsv4c.runtime.kv_pool import PoolGeometry
-
-TARGETS = ("reference", "llvm", "sm90", "gfx942", "gfx950")
+from dsv4c.targets import target_info
 
 
 def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: bool, progress: bool):
@@ -41,11 +40,28 @@ def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: boo
                      "the structure only")
 
 
+def step_constants(program: Program) -> dict[str, tuple[str, np.ndarray]]:
+    """The constant tensors the compiled step takes beside the weights: both rope frequency
+    tables (computed once, here, so every runtime uses the same bits) and ones vectors for
+    the unweighted norms (their kernels share the weighted signature)."""
+    from dsv4c.codegen.relax_step import constant_names
+
+    cfg = program.config
+    tables = {"const.rope.main": cfg.main_rope.inv_freq(cfg.rope_dim),
+              "const.rope.compress": cfg.compress_rope.inv_freq(cfg.rope_dim)}
+    out = {}
+    for name in constant_names(program):
+        if name in tables:
+            out[name] = ("F32", np.ascontiguousarray(tables[name], np.float32))
+        elif name.startswith("const.ones."):
+            out[name] = ("F32", np.ones(int(name.rsplit(".", 1)[1]), np.float32))
+    return out
+
+
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
                   kv_cache_dtype: str = "auto") -> Path:
-    if target not in TARGETS:
-        raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    info = target_info(target)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
     program = run_pipeline(trace(cfg, numerics), passes)
@@ -56,24 +72,24 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
         weights = materialize_weights(program, weights)
     with staging(out) as tmp:
         if weights is not None:
-            if target == "reference":
+            if not info.compiled:
                 stored = {k: ("F32", np.ascontiguousarray(v, np.float32)) if v.dtype.kind == "f"
                           else ("I64", v.astype(np.int64)) for k, v in weights.items()}
             else:
                 from dsv4c.codegen.lowering import weight_layout
 
-                stored = weight_layout(program, weights, plan.fp8_format)
+                stored = {**weight_layout(program, weights, plan.fp8_format), **step_constants(program)}
             write_safetensors(tmp / "weights.safetensors", stored)
         (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
         if Path(model).is_dir() and (Path(model) / "tokenizer.json").is_file():
             shutil.copyfile(Path(model) / "tokenizer.json", tmp / "tokenizer.json")
         entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
                                  "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
-        kernels = {}
-        if target not in ("reference",):
-            from dsv4c.codegen.build import build_kernels
+        kernels, vm = {}, None
+        if info.compiled:
+            from dsv4c.codegen.build import build_step
 
-            kernels = build_kernels(program, plan, tmp, progress=progress)
+            kernels, vm = build_step(program, plan, geometry, tmp, target, progress=progress)
         import tvm
 
         write_manifest(tmp, {
@@ -89,6 +105,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             "pool_geometry": geometry.summary(),
             "entry_points": entry_points,
             "kernels": kernels,
+            **({"vm": vm} if vm else {}),
         })
     log(f"compiled {cfg.name} for {target} ({numerics}) -> {out}")
     return Path(out)

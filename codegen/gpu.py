@@ -23,11 +23,6 @@ from tvm import tirx
 from dsv4c.errors import DsvError
 
 THREADS = 64
-TARGETS = {
-    "sm90": {"kind": "cuda", "arch": "sm_90a"},
-    "gfx942": {"kind": "rocm", "mcpu": "gfx942"},
-    "gfx950": {"kind": "rocm", "mcpu": "gfx950"},
-}
 
 
 class ToolchainError(DsvError):
@@ -136,44 +131,15 @@ def rocm_environment() -> dict[str, str]:
     return {"PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "ROCM_PATH": rocm}
 
 
-# --------------------------------------------------------------------------- build
-
-
-def build_gpu(specs: dict, target_name: str, out_dir: Path) -> dict:
-    """Compile the kernels for a GPU target into ``kernels.so`` holding device code."""
-    if target_name == "sm90":
+def toolchain_environment(info) -> dict[str, str]:
+    """Environment variables a build for GPU target ``info`` needs, or a ToolchainError saying what
+    to install. sm90: device code is compiled by nvcc at build time (TVM's CUDA compile callback
+    in nvcc mode) into a fatbin inside the library, so loading needs no compiler; ROCm: TVM's
+    LLVM backend links AMDGPU code objects with ld.lld against the ROCm device bitcode."""
+    if info.kind == "cuda":
         nvcc = find_nvcc()
-        target = tvm.target.Target(TARGETS["sm90"], host={"kind": "cuda_host"})
-        gpu_funcs = {k: gpu_kernel(spec, target).with_attr("global_symbol", k) for k, spec in specs.items()}
-        executable = tvm.compile(tvm.IRModule(gpu_funcs), target=target)
-        from tvm.backend.cuda import export_cuda_host
+        import tvm.support.nvcc  # noqa: F401  (registers tvm_callback_cuda_compile)
 
-        source = out_dir.parent / f".{out_dir.name}-kernels.cu"
-        source.write_text(export_cuda_host(executable.mod))
-        import tvm_ffi
-
-        ffi_root = Path(tvm_ffi.__file__).parent
-        cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", "-gencode",
-               "arch=compute_90a,code=sm_90a", f"-I{ffi_root / 'include'}", str(source), "-o",
-               str(out_dir / "kernels.so"), f"-L{ffi_root / 'lib'}", "-ltvm_ffi"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        source.unlink(missing_ok=True)
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ToolchainError(f"nvcc failed to build the sm_90a kernels: {last}")
-        return {"library": "kernels.so", "device_code": "cubin sm_90a", "count": len(specs)}
-    env = rocm_environment()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        target = tvm.target.Target(TARGETS[target_name])
-        gpu_funcs = {k: gpu_kernel(spec, target).with_attr("global_symbol", k) for k, spec in specs.items()}
-        executable = tvm.compile(tvm.IRModule(gpu_funcs), target=target)
-        executable.export_library(str(out_dir / "kernels.so"))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return {"library": "kernels.so", "device_code": f"amdgcn {TARGETS[target_name]['mcpu']}", "count": len(specs)}
+        return {"TVM_CUDA_COMPILE_MODE": "nvcc",
+                "PATH": f"{Path(nvcc).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return rocm_environment()

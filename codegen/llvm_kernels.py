@@ -199,41 +199,41 @@ def column_tile(out_dim: int) -> int:
     return next(t for t in (64, 16, 8, 1) if out_dim % t == 0)
 
 
-def _schedule_matmul(func, block: str, out_dim: int, gemv: bool):
+def _schedule_matmul(func, block: str, out_dim: int, gemv: bool, grouped: bool):
     """CPU schedules over a weight stored transposed ([in, out], contiguous along out).
 
     GEMV (decode, a few rows): bandwidth-bound, so stream the weight once: parallel over
     64-wide output tiles, vectorised along the contiguous output axis. GEMM (prefill): 8-row x
     64-column register tiles (accumulated in a local cache) over 256-deep k blocks, so each
     weight tile is reused by 8 rows; the rows arrive padded to blocks of 8 because TVM cannot
-    cache-write a tile of a symbolic extent."""
+    cache-write a tile of a symbolic extent. Grouped weights parallelise over (group, tile)."""
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock(block)
     nb = column_tile(out_dim)
+    loops = list(sch.get_loops(blk))
+    g = loops.pop(-3) if grouped else None
     if gemv:
-        i, j, k = sch.get_loops(blk)
+        i, j, k = loops
         jo, ji = sch.split(j, [None, nb])
         ko, ki = sch.split(k, [None, 4])
-        sch.reorder(jo, i, ko, ki, ji)
-        sch.parallel(jo)
+        sch.reorder(*([g] if grouped else []), jo, i, ko, ki, ji)
+        outer = i
         sch.unroll(ki)
-        cw = sch.cache_write(blk, 0, "local")
-        sch.reverse_compute_at(cw, i)
-        reduction_root = ko
     else:
-        b, r, j, k = sch.get_loops(blk)
+        b, r, j, k = loops
         jo, ji = sch.split(j, [None, nb])
         ko, ki = sch.split(k, [None, 256])
-        sch.reorder(jo, b, ko, ki, r, ji)
-        cw = sch.cache_write(blk, 0, "local")
-        sch.reverse_compute_at(cw, b)
-        sch.parallel(jo)
+        sch.reorder(*([g] if grouped else []), jo, b, ko, ki, r, ji)
+        outer = b
+    cw = sch.cache_write(blk, 0, "local")
+    sch.reverse_compute_at(cw, outer)
+    sch.parallel(sch.fuse(g, jo) if grouped else jo)
+    if not gemv:
         sch.unroll(r)
-        reduction_root = ko
     if nb > 1:
         sch.vectorize(ji)
         sch.vectorize(sch.get_loops(cw)[-1])
-    sch.decompose_reduction(blk, reduction_root)
+    sch.decompose_reduction(blk, ko)
     return sch.mod["main"]
 
 
@@ -241,69 +241,82 @@ def _schedule_matmul(func, block: str, out_dim: int, gemv: bool):
 COMPUTE_DEFINITIONS = frozenset({"linear"})
 
 
-def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, schedule: bool = True):
+def weight_storage(out_dim: int, in_dim: int, quant: str) -> list[tuple[tuple, str]]:
+    """(shape, dtype) of each stored part of a matmul weight (see ``linear``): the codes or
+    values in column tiles [O / tile, I, tile], then their scales when quantized."""
+    tiles, tile = out_dim // column_tile(out_dim), column_tile(out_dim)
+    if quant in FP8_DECODERS:
+        return [((tiles, in_dim, tile), "uint8"), ((tiles, -(-in_dim // 128), tile), F32)]
+    if quant == "fp4_g32":
+        # Two e2m1 codes per byte along the input dim (element 2i in the low nibble), one E8M0
+        # scale per 32 inputs of a row: the checkpoint's own groups, tiled along the output.
+        return [((tiles, in_dim // 2, tile), "uint8"), ((tiles, in_dim // 32, tile), "uint8")]
+    if quant == "bf16":
+        return [((tiles, in_dim, tile), "uint16")]
+    return [((tiles, in_dim, tile), F32)]
+
+
+def weight_value(quant: str, parts, lead: tuple, a, kk, c):
+    """float32 value of a stored weight (``parts`` as ``weight_storage`` lists them, TE tensors or
+    TIR buffers, with leading indices ``lead``) at column tile a, input kk, tile column c."""
+    w = parts[0]
+    if quant in FP8_DECODERS:
+        return FP8_DECODERS[quant](w[lead + (a, kk, c)]) * parts[1][lead + (a, kk // 128, c)]
+    if quant == "fp4_g32":
+        return decode_e2m1((_u(w[lead + (a, kk // 2, c)]) >> ((kk % 2) * 4)) & 15) * \
+            decode_e8m0(parts[1][lead + (a, kk // 32, c)])
+    if quant == "bf16":
+        return decode_bf16(w[lead + (a, kk, c)])  # BF16 bits: the float32 with the same top half
+    return w[lead + (a, kk, c)]
+
+
+def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, schedule: bool = True):
     """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32; FP8 e4m3 (or
     e4m3fnuz) codes with their 128x128 block scales expanded per column and tiled the same way,
     [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); FP4; or
     BF16 (half the bytes of fp32 for the BF16 tensors of the checkpoint, such as the head).
-    GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8)."""
+    GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8).
+    ``groups`` > 0: G independent projections, x [..., G, I], weights [G, O / tile, I, tile]."""
     if gemv:
         n = te.var("N")
         rows = (n,)
     else:
         n = te.var("B")
         rows = (n, GEMM_ROWS)
-    x = te.placeholder(rows + (in_dim,), F32, name="x")
+    lead = (groups,) if groups else ()
+    x = te.placeholder(rows + lead + (in_dim,), F32, name="x")
     tile = column_tile(out_dim)
-    if quant in FP8_DECODERS:
-        decode = FP8_DECODERS[quant]
-        w = te.placeholder((out_dim // tile, in_dim, tile), "uint8", name="w")
-        s = te.placeholder((out_dim // tile, -(-in_dim // 128), tile), F32, name="s")
-        tiled = lambda a, kk, c: decode(w[a, kk, c]) * s[a, kk // 128, c]  # noqa: E731
-        args = [x, w, s]
-    elif quant == "fp4_g32":
-        # Two e2m1 codes per byte along the input dim (element 2i in the low nibble), one E8M0
-        # scale per 32 inputs of a row: the checkpoint's own groups, tiled along the output.
-        w = te.placeholder((out_dim // tile, in_dim // 2, tile), "uint8", name="w")
-        s = te.placeholder((out_dim // tile, in_dim // 32, tile), "uint8", name="s")
-        tiled = lambda a, kk, c: decode_e2m1((_u(w[a, kk // 2, c]) >> ((kk % 2) * 4)) & 15) * \
-            decode_e8m0(s[a, kk // 32, c])  # noqa: E731
-        args = [x, w, s]
-    elif quant == "bf16":
-        # BF16 bits in a uint16: the float32 with the same top half (exact).
-        w = te.placeholder((out_dim // tile, in_dim, tile), "uint16", name="w")
-        tiled = lambda a, kk, c: decode_bf16(w[a, kk, c])  # noqa: E731
-        args = [x, w]
-    else:
-        w = te.placeholder((out_dim // tile, in_dim, tile), F32, name="w")
-        tiled = lambda a, kk, c: w[a, kk, c]  # noqa: E731
-        args = [x, w]
+    args = [te.placeholder(lead + shape, dtype, name=name)
+            for (shape, dtype), name in zip(weight_storage(out_dim, in_dim, quant), ("w", "s"))]
+    tiled = lambda *i: weight_value(quant, args, i[:-3], *i[-3:])  # noqa: E731
     quantized = quant != "fp32"
     if quantized and not gemv:
         # Prefill decodes each weight tile once into a scratch tile that every row block reuses.
-        decoded = te.compute((out_dim // tile, in_dim, tile), tiled, name="w_decoded")
-        tiled = lambda a, kk, c: decoded[a, kk, c]  # noqa: E731
+        decoded = te.compute(lead + (out_dim // tile, in_dim, tile), tiled, name="w_decoded")
+        tiled = lambda *i: decoded[i]  # noqa: E731
     k = te.reduce_axis((0, in_dim), "k")
-    y = te.compute(rows + (out_dim,), lambda *idx: te.sum(
-        x[idx[:-1] + (k,)] * tiled(idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
-    func = te.create_prim_func(args + [y])
+    y = te.compute(rows + lead + (out_dim,), lambda *idx: te.sum(
+        x[idx[:-1] + (k,)] * tiled(*idx[len(rows):-1], idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
+    func = te.create_prim_func([x] + args + [y])
     if not schedule:
         return func
     if quantized and not gemv:
-        return _schedule_decoded_gemm(func, tile)
-    return _schedule_matmul(func, "y", out_dim, gemv)
+        return _schedule_decoded_gemm(func, tile, bool(groups))
+    return _schedule_matmul(func, "y", out_dim, gemv, bool(groups))
 
 
-def _schedule_decoded_gemm(func, tile: int):
+def _schedule_decoded_gemm(func, tile: int, grouped: bool):
     """GEMM over a low-bit weight: per (column tile, 128-deep k block) decode the weight block
     once, then run every 8-row block over it, accumulating straight into y."""
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock("y")
-    b, r, j, k = sch.get_loops(blk)
+    loops = list(sch.get_loops(blk))
+    g = loops.pop(-3) if grouped else None
+    b, r, j, k = loops
     jo, ji = sch.split(j, [None, tile])
     ko, ki = sch.split(k, [None, 128])
-    sch.reorder(jo, ko, b, ki, r, ji)
-    sch.parallel(jo)
+    sch.reorder(*([g] if grouped else []), jo, ko, b, ki, r, ji)
+    sch.parallel(sch.fuse(g, jo) if grouped else jo)
     sch.unroll(r)
     if tile > 1:
         sch.vectorize(ji)
@@ -315,20 +328,64 @@ def _schedule_decoded_gemm(func, tile: int):
     return sch.mod["main"]
 
 
-def scatter_add_rows(dim: int):
-    """out[rows[i]] += scale[i] * vals[i]: one routed expert's outputs into its tokens' rows.
-    Experts are added one after another, in expert order, like the reference."""
+EXPERT_K_BLOCK = 64  # input depth of the expert kernels' decoded weight block (16 KiB at tile 64)
+
+
+def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lanes: int = 64):
+    """y[p] = x[p] @ W[e].T for the rows p of each expert e's group, offsets[e] <= p <
+    offsets[e + 1] (rows sorted by expert, see step_kernels.moe_group); weights stacked
+    [E, O / tile, I, tile] in any ``linear`` format. One kernel for decode and prefill: per
+    (expert, column tile, k block) the weight block is decoded once into a local panel that
+    every row of the group reuses; an expert without rows costs nothing. Each output is summed
+    in input order from zero, like ``linear``, whatever the group's size."""
+    tile = column_tile(out_dim)
+    tiles = out_dim // tile
+    kb = next(b for b in (EXPERT_K_BLOCK, 32, 16, 8, 4, 2, 1) if in_dim % b == 0)
+    columns = T.vectorized if tile <= max_lanes else T.serial  # GPU threads: one column at a time
+    storage = [((n_experts,) + shape, dtype) for shape, dtype in weight_storage(out_dim, in_dim, quant)]
+    (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
+
+    @T.macro
+    def body(X, OFF, parts, Y, job):
+        panel = T.alloc_buffer((kb, tile), F32, scope="local")
+        e = job // tiles
+        a = job % tiles
+        for row in range(OFF[e + 1] - OFF[e]):
+            for c in columns(tile):
+                Y[OFF[e] + row, a * tile + c] = T.float32(0)
+        if OFF[e + 1] > OFF[e]:
+            for ko in range(in_dim // kb):
+                for ki in range(kb):
+                    for c in columns(tile):
+                        panel[ki, c] = weight_value(quant, parts, (e,), a, ko * kb + ki, c)
+                for row in range(OFF[e + 1] - OFF[e]):
+                    for ki in range(kb):
+                        for c in columns(tile):
+                            Y[OFF[e] + row, a * tile + c] = Y[OFF[e] + row, a * tile + c] + \
+                                X[OFF[e] + row, ko * kb + ki] * panel[ki, c]
+
+    if len(storage) == 2:
+        @T.prim_func
+        def f(x: T.handle, offsets: T.handle, w: T.handle, s: T.handle, y: T.handle):
+            p = T.int32()
+            X = T.match_buffer(x, (p, in_dim), F32)
+            OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
+            W = T.match_buffer(w, w_shape, w_dtype)
+            S = T.match_buffer(s, s_shape, s_dtype)
+            Y = T.match_buffer(y, (p, out_dim), F32)
+            for job in T.parallel(n_experts * tiles):
+                body(X, OFF, (W, S), Y, job)
+        return f
+
     @T.prim_func
-    def f(out: T.handle, rows: T.handle, scale: T.handle, vals: T.handle):
-        n = T.int32()
-        m = T.int32()
-        OUT = T.match_buffer(out, (n, dim), F32)
-        ROWS = T.match_buffer(rows, (m,), "int32")
-        SCALE = T.match_buffer(scale, (m,), F32)
-        VALS = T.match_buffer(vals, (m, dim), F32)
-        for i in T.parallel(m):  # rows are distinct within one expert
-            for j in range(dim):
-                OUT[ROWS[i], j] = OUT[ROWS[i], j] + VALS[i, j] * SCALE[i]
+    def f(x: T.handle, offsets: T.handle, w: T.handle, y: T.handle):
+        p = T.int32()
+        X = T.match_buffer(x, (p, in_dim), F32)
+        OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
+        W = T.match_buffer(w, w_shape, w_dtype)
+        Y = T.match_buffer(y, (p, out_dim), F32)
+        for job in T.parallel(n_experts * tiles):
+            body(X, OFF, (W,), Y, job)
     return f
 
 
@@ -796,7 +853,7 @@ def store_main_fp8(nope_dim: int, rope_dim: int):
     """Main fp8 pool rows: nope_plane[rows[i]], rope_plane[rows[i]] = vals[i], the bytes
     _MainCodec.write stores. Per 64 NoPE values s = pow2_ceil(max(amax, 1e-4) / 448), codes
     e4m3fn(v / s) (the codec's clip to +-448 is the encoder's saturation), the E8M0 scales after
-    the codes (padding bytes untouched); rope values as BF16 bits. Rows must be distinct."""
+    the codes (padding bytes untouched); rope values as BF16 bits. Rows must be distinct (-1: skipped)."""
     _check_main_fp8(nope_dim)
     groups = nope_dim // MAIN_FP8_GROUP
 
@@ -809,18 +866,19 @@ def store_main_fp8(nope_dim: int, rope_dim: int):
         ROWS = T.match_buffer(rows, (n,), "int32")
         VALS = T.match_buffer(vals, (n, nope_dim + rope_dim), F32)
         for i in T.parallel(n):
-            amax = T.alloc_buffer((1,), "int32", scope="local")
-            scale = T.alloc_buffer((1,), F32, scope="local")
-            for g in range(groups):
-                _amax_bits(VALS, i, g * MAIN_FP8_GROUP, MAIN_FP8_GROUP, amax)
-                scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR, E4M3_MAX)
-                for j in range(MAIN_FP8_GROUP):
-                    x = VALS[i, g * MAIN_FP8_GROUP + j] / scale[0]
-                    NOPE[ROWS[i], g * MAIN_FP8_GROUP + j] = T.Cast("uint8", encode_e4m3fn(x))
-                NOPE[ROWS[i], nope_dim + g] = T.Cast("uint8", encode_e8m0(scale[0]))
-            for j in range(rope_dim):
-                x = VALS[i, nope_dim + j]
-                ROPE[ROWS[i], j] = bf16_bits(x)
+            if ROWS[i] >= 0:  # -1: no row (a step slot without an entry to store)
+                amax = T.alloc_buffer((1,), "int32", scope="local")
+                scale = T.alloc_buffer((1,), F32, scope="local")
+                for g in range(groups):
+                    _amax_bits(VALS, i, g * MAIN_FP8_GROUP, MAIN_FP8_GROUP, amax)
+                    scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR, E4M3_MAX)
+                    for j in range(MAIN_FP8_GROUP):
+                        x = VALS[i, g * MAIN_FP8_GROUP + j] / scale[0]
+                        NOPE[ROWS[i], g * MAIN_FP8_GROUP + j] = T.Cast("uint8", encode_e4m3fn(x))
+                    NOPE[ROWS[i], nope_dim + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+                for j in range(rope_dim):
+                    x = VALS[i, nope_dim + j]
+                    ROPE[ROWS[i], j] = bf16_bits(x)
     return f
 
 
@@ -830,7 +888,7 @@ def store_rows(dim: int, storage: str):
     power of two), codes e4m3fn(v / s), unclipped in the codec: v / s may exceed 448 by rounding
     and then saturates in the encoder as in lowbit. fp4: per 32 values s = pow2_ceil(max(amax,
     6 * 2**-126) / 6), codes e2m1(v / s) packed in pairs, then the E8M0 scales. Rows must be
-    distinct."""
+    distinct (-1: skipped)."""
     width, dtype = index_plane_row(dim, storage)
     fp8 = storage == "fp8"
 
@@ -842,30 +900,31 @@ def store_rows(dim: int, storage: str):
         ROWS = T.match_buffer(rows, (n,), "int32")
         VALS = T.match_buffer(vals, (n, dim), F32)
         for i in T.parallel(n):
-            amax = T.alloc_buffer((1,), "int32", scope="local")
-            scale = T.alloc_buffer((1,), F32, scope="local")
-            if storage == "fp32":
-                for j in range(dim):
-                    PLANE[ROWS[i], j] = VALS[i, j]
-            elif fp8:
-                _amax_bits(VALS, i, 0, dim, amax)
-                scale[0] = amax_floor(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR) / T.float32(E4M3_MAX)
-                for j in range(dim):
-                    x = VALS[i, j] / scale[0]
-                    PLANE[ROWS[i], j] = T.Cast("uint8", encode_e4m3fn(x))
-                for b in range(4):  # the scale's float32 bytes, little-endian like the codec's .view(uint8)
-                    PLANE[ROWS[i], dim + b] = T.Cast("uint8", (T.reinterpret("int32", scale[0]) >> (8 * b)) & 255)
-            else:
-                for g in range(dim // INDEX_FP4_GROUP):
-                    _amax_bits(VALS, i, g * INDEX_FP4_GROUP, INDEX_FP4_GROUP, amax)
-                    scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP4_AMAX_FLOOR, E2M1_MAX)
-                    for j in range(INDEX_FP4_GROUP // 2):  # pack_fp4: element 2j in the low nibble
-                        x_low = VALS[i, g * INDEX_FP4_GROUP + 2 * j] / scale[0]
-                        x_high = VALS[i, g * INDEX_FP4_GROUP + 2 * j + 1] / scale[0]
-                        low = encode_e2m1(x_low)
-                        high = encode_e2m1(x_high)
-                        PLANE[ROWS[i], g * (INDEX_FP4_GROUP // 2) + j] = T.Cast("uint8", low | (high << 4))
-                    PLANE[ROWS[i], dim // 2 + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+            if ROWS[i] >= 0:  # -1: no row (a step slot without an entry to store)
+                amax = T.alloc_buffer((1,), "int32", scope="local")
+                scale = T.alloc_buffer((1,), F32, scope="local")
+                if storage == "fp32":
+                    for j in range(dim):
+                        PLANE[ROWS[i], j] = VALS[i, j]
+                elif fp8:
+                    _amax_bits(VALS, i, 0, dim, amax)
+                    scale[0] = amax_floor(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR) / T.float32(E4M3_MAX)
+                    for j in range(dim):
+                        x = VALS[i, j] / scale[0]
+                        PLANE[ROWS[i], j] = T.Cast("uint8", encode_e4m3fn(x))
+                    for b in range(4):  # the scale's float32 bytes, little-endian like the codec's .view(uint8)
+                        PLANE[ROWS[i], dim + b] = T.Cast("uint8", (T.reinterpret("int32", scale[0]) >> (8 * b)) & 255)
+                else:
+                    for g in range(dim // INDEX_FP4_GROUP):
+                        _amax_bits(VALS, i, g * INDEX_FP4_GROUP, INDEX_FP4_GROUP, amax)
+                        scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP4_AMAX_FLOOR, E2M1_MAX)
+                        for j in range(INDEX_FP4_GROUP // 2):  # pack_fp4: element 2j in the low nibble
+                            x_low = VALS[i, g * INDEX_FP4_GROUP + 2 * j] / scale[0]
+                            x_high = VALS[i, g * INDEX_FP4_GROUP + 2 * j + 1] / scale[0]
+                            low = encode_e2m1(x_low)
+                            high = encode_e2m1(x_high)
+                            PLANE[ROWS[i], g * (INDEX_FP4_GROUP // 2) + j] = T.Cast("uint8", low | (high << 4))
+                        PLANE[ROWS[i], dim // 2 + g] = T.Cast("uint8", encode_e8m0(scale[0]))
     return f
 
 
@@ -884,31 +943,70 @@ def _compressor_source(width: int, ratio: int):
     return read
 
 
-def ring_gather(width: int, ratio: int):
-    """ring[dst[i]] = compressor source row src[i] (kv and score)."""
+def ring_reset(width: int, ring_rows: int):
+    """Empties the ring of every request that starts at position 0 in this step (kv 0, score
+    -inf: zero weight in pooling), whatever an earlier request left in its slot; runs before
+    the step's pooling reads the ring (window -1 of overlapping windows reads it)."""
+    @T.prim_func
+    def f(ring_kv: T.handle, ring_sc: T.handle, req: T.handle):
+        r = T.int32()
+        nr = T.int32()
+        RKV = T.match_buffer(ring_kv, (r, width), F32)
+        RSC = T.match_buffer(ring_sc, (r, width), F32)
+        REQ = T.match_buffer(req, (nr, 4), "int32")  # slot, first token, count, first position
+        for q in T.parallel(nr):
+            if REQ[q, 3] == 0:
+                for i in range(ring_rows):
+                    for c in range(width):
+                        RKV[REQ[q, 0] * ring_rows + i, c] = T.float32(0)
+                        RSC[REQ[q, 0] * ring_rows + i, c] = T.float32(NEG_INF)
+    return f
+
+
+def ring_update(width: int, ratio: int, overlap: bool):
+    """The compressor ring after this step's closed windows were pooled from it, per request
+    (``req`` rows as in step_kernels): with overlap, the ring's previous half [0, ratio) takes
+    the last window the step closed; then the step's tokens of the window still open go to the
+    current half at their slots pos % ratio. A request's copies run in that order on one thread
+    (the previous half may be read from the current half it then overwrites)."""
     read = _compressor_source(width, ratio)
+    slots = 2 * ratio if overlap else ratio
+    cur = ratio if overlap else 0
 
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
-          src: T.handle, dst: T.handle):
+          req: T.handle):
         r = T.int32()
         n = T.int32()
-        m = T.int32()
+        nr = T.int32()
         RKV = T.match_buffer(ring_kv, (r, width), F32)
         RSC = T.match_buffer(ring_sc, (r, width), F32)
         KV = T.match_buffer(kv, (n, width), F32)
         GATE = T.match_buffer(gate, (n, width), F32)
         POS = T.match_buffer(pos, (n,), "int32")
         APE = T.match_buffer(ape, (ratio, width), F32)
-        SRC = T.match_buffer(src, (m,), "int32")
-        DST = T.match_buffer(dst, (m,), "int32")
-        for i in T.serial(m):  # in order: a ring row may be both read (as a source) and written
+        REQ = T.match_buffer(req, (nr, 4), "int32")  # slot, first token, count, first position
+        for q in T.parallel(nr):
             kv_val = T.alloc_buffer((1,), F32, scope="local")
             score_val = T.alloc_buffer((1,), F32, scope="local")
-            for j in range(width):
-                read(RKV, RSC, KV, GATE, POS, APE, SRC[i], j, kv_val, score_val, 0)
-                RKV[DST[i], j] = kv_val[0]
-                RSC[DST[i], j] = score_val[0]
+            base = REQ[q, 0] * slots
+            first_pos = REQ[q, 3]
+            open_window = T.floordiv(first_pos + REQ[q, 2], ratio)
+            if overlap and open_window > T.floordiv(first_pos, ratio):
+                for j in range(ratio):
+                    p = (open_window - 1) * ratio + j
+                    for c in range(width):
+                        read(RKV, RSC, KV, GATE, POS, APE,
+                             T.if_then_else(p >= first_pos, REQ[q, 1] + p - first_pos, -(base + cur + j) - 1),
+                             c, kv_val, score_val, 0)
+                        RKV[base + j, c] = kv_val[0]
+                        RSC[base + j, c] = score_val[0]
+            for i in range(REQ[q, 2]):
+                if first_pos + i >= open_window * ratio:
+                    for c in range(width):
+                        read(RKV, RSC, KV, GATE, POS, APE, REQ[q, 1] + i, c, kv_val, score_val, 0)
+                        RKV[base + cur + T.floormod(first_pos + i, ratio), c] = kv_val[0]
+                        RSC[base + cur + T.floormod(first_pos + i, ratio), c] = score_val[0]
     return f
 
 
@@ -986,21 +1084,22 @@ def index_score(heads: int, dim: int, storage: str = "fp32"):
 
 
 # Kernels with explicit vector loops, and the widest vector GPU code generators accept.
-VECTOR_KERNELS = frozenset({"sparse_attn"})
+VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear"})
 GPU_MAX_LANES = 4
 
 
 def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
                 max_lanes: int = 16):
-    """Softmax attention over each query's CSR row list; rows >= R are this step's fresh KV.
+    """Softmax attention over each query's row list (``rows [N, M]``, -1 = none, see
+    ``step_kernels.attention_rows``); rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only. Dot products and the weighted sum run on
     ``lanes``-wide vectors along the head dim (the row loop stays scalar: its length is data).
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
     planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the
     rope part), decoded value by value as _MainCodec.read does (see main_fp8_value). So the
-    arguments are (q, pool, step, sink, indptr, indices, out) or (q, nope_plane, rope_plane,
-    step, sink, indptr, indices, out)."""
+    arguments are (q, pool, step, sink, rows, out) or (q, nope_plane, rope_plane, step, sink,
+    rows, out)."""
     nope_dim = dim - rope_dim
     # A vector chunk never straddles the NoPE / rope boundary (nor, lanes dividing 64, a scale group).
     lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= max_lanes)
@@ -1027,31 +1126,33 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                 part[l] = part[l] + Q[t, h, c * lanes + l] * kv(pool, STEP, row, r, c, l)
 
     @T.macro
-    def attend(Q, pool, STEP, SINK, IP, IX, OUT, r, t, h):
+    def attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, t, h):
         acc = T.alloc_buffer((3,), F32, scope="local")
         part = T.alloc_buffer((lanes,), F32, scope="local")
         o = T.alloc_buffer((dim,), F32, scope="local")
         acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
-        for k in range(IP[t + 1] - IP[t]):
-            row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
-            acc[1] = T.float32(0)
-            for l in range(lanes):
-                acc[1] = acc[1] + part[l]
-            acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
+        for k in range(m):
+            if ROWS[t, k] >= 0:
+                row_dot(Q, pool, STEP, part, t, h, ROWS[t, k], r)
+                acc[1] = T.float32(0)
+                for l in range(lanes):
+                    acc[1] = acc[1] + part[l]
+                acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
         acc[2] = T.exp(SINK[h] - acc[0])
         for c in range(chunks):
             for l in T.vectorized(lanes):
                 o[c * lanes + l] = T.float32(0)
-        for k in range(IP[t + 1] - IP[t]):
-            row_dot(Q, pool, STEP, part, t, h, IX[IP[t] + k], r)
-            acc[1] = T.float32(0)
-            for l in range(lanes):
-                acc[1] = acc[1] + part[l]
-            acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
-            acc[2] = acc[2] + acc[1]
-            for c in range(chunks):
-                for l in T.vectorized(lanes):
-                    o[c * lanes + l] = o[c * lanes + l] + acc[1] * kv(pool, STEP, IX[IP[t] + k], r, c, l)
+        for k in range(m):
+            if ROWS[t, k] >= 0:
+                row_dot(Q, pool, STEP, part, t, h, ROWS[t, k], r)
+                acc[1] = T.float32(0)
+                for l in range(lanes):
+                    acc[1] = acc[1] + part[l]
+                acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
+                acc[2] = acc[2] + acc[1]
+                for c in range(chunks):
+                    for l in T.vectorized(lanes):
+                        o[c * lanes + l] = o[c * lanes + l] + acc[1] * kv(pool, STEP, ROWS[t, k], r, c, l)
         for c in range(chunks):
             for l in T.vectorized(lanes):
                 OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
@@ -1059,37 +1160,34 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     if main_storage == "fp8":
         @T.prim_func
         def f(q: T.handle, nope_plane: T.handle, rope_plane: T.handle, step: T.handle, sink: T.handle,
-              indptr: T.handle, indices: T.handle, out: T.handle):
+              rows: T.handle, out: T.handle):
             n = T.int32()
             r = T.int32()
+            s = T.int32()
             m = T.int32()
-            nnz = T.int32()
             Q = T.match_buffer(q, (n, heads, dim), F32)
             NOPE = T.match_buffer(nope_plane, (r, main_nope_width(nope_dim)), "uint8")
             ROPE = T.match_buffer(rope_plane, (r, rope_dim), "uint16")
-            STEP = T.match_buffer(step, (m, dim), F32)
+            STEP = T.match_buffer(step, (s, dim), F32)
             SINK = T.match_buffer(sink, (heads,), F32)
-            IP = T.match_buffer(indptr, (n + 1,), "int32")
-            IX = T.match_buffer(indices, (nnz,), "int32")
+            ROWS = T.match_buffer(rows, (n, m), "int32")
             OUT = T.match_buffer(out, (n, heads, dim), F32)
             for i in T.parallel(n * heads):  # one (query, head) pair each: a decode step has 64 of them
-                attend(Q, (NOPE, ROPE), STEP, SINK, IP, IX, OUT, r, i // heads, i % heads)
+                attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, r, m, i // heads, i % heads)
         return f
 
     @T.prim_func
-    def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, indptr: T.handle, indices: T.handle,
-          out: T.handle):
+    def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
         r = T.int32()
+        s = T.int32()
         m = T.int32()
-        nnz = T.int32()
         Q = T.match_buffer(q, (n, heads, dim), F32)
         POOL = T.match_buffer(pool, (r, dim), F32)
-        STEP = T.match_buffer(step, (m, dim), F32)
+        STEP = T.match_buffer(step, (s, dim), F32)
         SINK = T.match_buffer(sink, (heads,), F32)
-        IP = T.match_buffer(indptr, (n + 1,), "int32")
-        IX = T.match_buffer(indices, (nnz,), "int32")
+        ROWS = T.match_buffer(rows, (n, m), "int32")
         OUT = T.match_buffer(out, (n, heads, dim), F32)
         for i in T.parallel(n * heads):  # one (query, head) pair each: a decode step has 64 of them
-            attend(Q, (POOL,), STEP, SINK, IP, IX, OUT, r, i // heads, i % heads)
+            attend(Q, (POOL,), STEP, SINK, ROWS, OUT, r, m, i // heads, i % heads)
     return f

@@ -36,7 +36,9 @@ UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard"}
 
 
 def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
-    """The kernels of one node under a quantization plan (weight formats, pool row formats)."""
+    """The kernels of one node under a quantization plan (weight formats, pool row formats), by
+    role; ``relax_step`` calls them. Bookkeeping kernels (``step_kernels``) turn the step's
+    per-request tables into pool rows on the device."""
     a, op = node.attrs, node.op
     main_kv, index_kv = plan.main_kv.storage, plan.index_kv.storage
 
@@ -44,13 +46,14 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         return dense_kernel_quant(quant, plan.fp8_format)
 
     def _store(stream: str, width: int) -> KernelSpec:
-        """Writes pool rows in the plan's format (fp32 rows are a plain scatter)."""
+        """Writes pool rows in the plan's format."""
         if stream == "index":
             return _k("store_rows", width, index_kv)
         return _k("store_rows", width, "fp32") if main_kv == "fp32" else _k("store_main_fp8", width - cfg.rope_dim,
                                                                               cfg.rope_dim)
 
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
+    window, window_rows = cfg.sliding_window, cfg.num_layers * cfg.sliding_window
     if op in UNSUPPORTED:
         raise UsageError(f"the llvm target does not compile op {op!r} yet (qat numerics / fused passes); "
                          "use --target reference or --numerics exact")
@@ -82,25 +85,28 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         heads = shape[1] if len(shape) == 3 else 1
         return {"main": _k("rmsnorm_rope", heads, shape[-1], a["rope_dim"], a["eps"], len(ins) == 3)}
     if op == "kv_write":
-        return {"main": _store("main", ins[0][1])}
+        return {"rows": _k("window_rows", window, window_rows), "store": _store("main", ins[0][1])}
     if op == "compress":
-        width, d = ins[0][1], a["head_dim"]
-        return {"ring": _k("ring_gather", width, a["ratio"]), "pool": _k("compress_pool", width, d, a["ratio"],
-                                                                           a["overlap"]),
+        width, d, r = ins[0][1], a["head_dim"], a["ratio"]
+        return {"reset": _k("ring_reset", width, 2 * r if a["overlap"] else r),
+                "windows": _k("compress_windows", r, a["overlap"]),
+                "pool": _k("compress_pool", width, d, r, a["overlap"]),
                 "norm": _k("rmsnorm", d, a["eps"], True), "rope": _k("rope", 1, d, a["rope_dim"], False),
-                "store": _store(a["stream"], d)}
+                "store": _store(a["stream"], d), "ring": _k("ring_update", width, r, a["overlap"])}
     if op == "index_score":
         storage = () if index_kv == "fp32" else (index_kv,)
-        return {"main": _k("index_score", ins[0][1], ins[0][2], *storage)}
+        return {"rows": _k("entry_rows", a["ratio"]), "main": _k("index_score", ins[0][1], ins[0][2], *storage)}
     if op == "index_topk":
         return {"main": _k("topk_rows", a["k"])}
     if op == "sparse_attn":
         storage = () if main_kv == "fp32" else (main_kv, cfg.rope_dim)
-        return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *storage)}
+        compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
+        return {"rows": _k("attention_rows", window, window_rows, a["ratio"], compressed),
+                "main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *storage)}
     if op == "grouped_linear":
-        # One matmul per group (the groups are independent projections of the heads).
+        # The groups are independent projections of the heads: one kernel runs them all.
         g, rows_in = a["groups"], ins[1]
-        return _matmul("", rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]))
+        return _matmul("", rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]), g if g > 1 else 0)
     if op == "moe_route":
         e, d = ins[1]
         out = {**_matmul("gate_", e, d, "fp32"), "scores": _k("route_scores", e),
@@ -111,11 +117,14 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
             out.update(bias=_k("add_bias", e), select=_k("topk_rows", a["k"]))
         return out
     if op == "experts":
-        # Each routed expert runs as matmuls over the tokens routed to it, then is added in.
+        # Routed (token, slot) pairs grouped by expert on the device, then each expert's matmuls
+        # over its group, then every token's experts added in ascending id order.
         e, inter, d = ins[3]
         q = _expert_quant(a["quant"])
-        return {**_matmul("up_", inter, d, q), "act": _k("swiglu", inter, a["limit"]), **_matmul("down_", d, inter, q),
-                "combine": _k("scatter_add_rows", d)}
+        k = ins[2][1]
+        return {"group": _k("moe_group", k, e), "up": _k("expert_linear", inter, d, q, e),
+                "act": _k("swiglu", inter, a["limit"]), "down": _k("expert_linear", d, inter, q, e),
+                "combine": _k("moe_combine", d, k)}
     if op == "shared_expert":
         inter, d = ins[1]
         q = _dense_quant(a["quant"])
@@ -123,10 +132,10 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     raise UsageError(f"no llvm lowering for op {op!r}")
 
 
-def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str) -> dict[str, KernelSpec]:
+def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0) -> dict[str, KernelSpec]:
     """A weight's two matmul kernels: GEMV for decode-sized steps, GEMM (8-row blocks) for prefill."""
-    return {f"{prefix}gemv": _k("linear", out_dim, in_dim, quant, True),
-            f"{prefix}gemm": _k("linear", out_dim, in_dim, quant, False)}
+    return {f"{prefix}gemv": _k("linear", out_dim, in_dim, quant, True, groups),
+            f"{prefix}gemm": _k("linear", out_dim, in_dim, quant, False, groups)}
 
 
 def dense_kernel_quant(quant: str, fp8_format: str = "e4m3fn") -> str:
@@ -142,20 +151,20 @@ def _expert_quant(quant: str) -> str:
     return "fp4_g32" if quant == "fp4_g32" else "fp32"
 
 
-# Shape-generic data movement every executor uses (see movement_kernels), called by symbol.
-MOVEMENT_KERNELS = ("gather_rows", "copy_columns")
+# Shape-generic kernels every step calls (see step_kernels), by symbol.
+GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
 
 
 def kernel_factory(name: str):
     """The factory of a kernel named in a :class:`KernelSpec`."""
-    from dsv4c.codegen import llvm_kernels, movement_kernels
+    from dsv4c.codegen import llvm_kernels, step_kernels
 
-    return getattr(movement_kernels if name in MOVEMENT_KERNELS else llvm_kernels, name)
+    return getattr(llvm_kernels, name, None) or getattr(step_kernels, name)
 
 
 def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
     """Distinct kernels of the step function, and per node the symbol of each role."""
-    specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in MOVEMENT_KERNELS}
+    specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
     per_node = []
     for node in program.functions["step"].nodes:
         roles = node_kernels(node, program.config, plan)

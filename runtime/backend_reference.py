@@ -23,6 +23,8 @@ class ReferenceBackend:
         weights = load_ir_weights(artifact / "weights.safetensors")
         self.interpreter = Interpreter(program, weights, PagedStore(pool, DenseCache(program.config)))
 
-    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
+    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+             logit_rows: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
         logits, _ = self.interpreter.run("step", tokens=tokens, positions=positions, seq_ids=seq_ids)
-        return logits
+        return logits if logit_rows is None else logits[logit_rows]

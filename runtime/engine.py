@@ -18,11 +18,10 @@ import numpy as np
 
 from dsv4c.errors import UsageError
 from dsv4c.frontend.config import config_from_dict
-from dsv4c.ir.serialize import program_from_json
-from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.artifact import ArtifactError, read_manifest
 from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolGeometry
 from dsv4c.runtime.sampling import Sampler, SamplingParams
+from dsv4c.targets import target_info
 
 TokenCallback = Callable[[int, int], None]  # (request id, token id)
 
@@ -54,37 +53,21 @@ class Result:
     logits: np.ndarray | None  # [prompt_len + len(tokens), vocab] when recorded
 
 
-def gpu_device(target: str):
-    """The GPU this host has for a GPU target, or None (no such GPU, or another architecture)."""
-    import tvm
-
-    if target == "sm90":
-        device = tvm.cuda(0)
-        return device if device.exist and device.compute_version == "9.0" else None
-    device = tvm.rocm(0)
-    if not device.exist:
-        return None
-    # ROCm reports the ISA (gfx942) in the name or the compute version depending on the driver;
-    # refuse a named other ISA, accept when none is named.
-    arch = re.search(r"gfx\d+", f"{device.device_name} {device.compute_version}")
-    return device if arch is None or arch[0] == target else None
-
-
-def load_backend(artifact: Path, manifest: dict, program, pool: KVPool):
-    target = manifest["target"]
-    if target == "reference":
+def load_backend(artifact: Path, manifest: dict, config, pool: KVPool):
+    info = target_info(manifest["target"])
+    if not info.compiled:
+        from dsv4c.ir.serialize import program_from_json
         from dsv4c.runtime.backend_reference import ReferenceBackend
 
+        program = program_from_json(json.loads((artifact / "program.json").read_text()), config)
         return ReferenceBackend(artifact, manifest, program, pool)
     from dsv4c.runtime.backend_tvm import TvmBackend
 
-    if target == "llvm":
-        return TvmBackend(artifact, manifest, program, pool)
-    device = gpu_device(target)
+    device = info.device()
     if device is None:
-        raise ArtifactError(f"{artifact}: an artifact for {target} needs that GPU and this host has none; run it "
+        raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
                             "there, or compile with --target llvm for this CPU")
-    return TvmBackend(artifact, manifest, program, pool, device)
+    return TvmBackend(artifact, manifest, pool, device)
 
 
 class Engine:
@@ -94,16 +77,18 @@ class Engine:
         manifest = read_manifest(self.path)
         self.manifest = manifest
         self.config = config_from_dict(manifest["model"], manifest["model_name"])
-        self.program = program_from_json(json.loads((self.path / "program.json").read_text()), self.config)
-        plan = plan_for(self.config, manifest["target"], self.program.numerics, manifest.get("kv_cache_dtype", "auto"))
-        geometry = PoolGeometry.build(self.config, plan)
+        geometry = PoolGeometry.from_manifest(self.config, manifest)
         envelopes = max_requests * -(-max_context // ENVELOPE_TOKENS)
         self.pool = KVPool(geometry, envelopes * geometry.rows_per_envelope
                            + max_requests * geometry.window_rows_per_request)
         self.max_context = max_context
-        self.backend = load_backend(self.path, manifest, self.program, self.pool)
         if max_step_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise UsageError("max_step_tokens and prefill_chunk must be positive")
+        limit = manifest.get("vm", {}).get("max_step_tokens")
+        if limit is not None and max_step_tokens > limit:
+            raise UsageError(f"max_step_tokens {max_step_tokens} exceeds what {self.path} was compiled for ({limit}); "
+                             "lower it")
+        self.backend = load_backend(self.path, manifest, self.config, self.pool)
         self.max_step_tokens, self.prefill_chunk, self.max_requests = max_step_tokens, prefill_chunk, max_requests
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -153,18 +138,26 @@ class Engine:
         plan = self._schedule()
         if not plan:
             return False
-        tokens, positions, seqs = [], [], []
+        tokens, positions, seqs, logit_rows = [], [], [], []
         for r, n in plan:
             self.pool.ensure(r.rid, r.fed + n)
+            start = len(tokens)
             tokens += r.sequence[r.fed:r.fed + n]
             positions += range(r.fed, r.fed + n)
             seqs += [r.rid] * n
+            # Only the logits the engine uses come back: every row when recorded, else the last
+            # row of a request whose sequence this step completes (it samples from it).
+            if r.record_logits:
+                logit_rows += range(start, start + n)
+            elif r.fed + n == len(r.sequence):
+                logit_rows.append(start + n - 1)
         logits = self.backend.step(np.array(tokens, np.int32), np.array(positions, np.int32),
-                                   np.array(seqs, np.int32))
+                                   np.array(seqs, np.int32), np.array(logit_rows, np.int32))
         offset = 0
         for r, n in plan:
-            rows = logits[offset:offset + n]
-            offset += n
+            got = n if r.record_logits else int(r.fed + n == len(r.sequence))
+            rows = logits[offset:offset + got]
+            offset += got
             r.fed += n
             if r.record_logits:
                 r.logits.extend(rows)

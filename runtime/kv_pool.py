@@ -11,20 +11,21 @@
   same envelope numbers. Compressor rings are fp32, one set per slot.
 
 :class:`PoolGeometry` computes every number once; :class:`KVPool` allocates the arrays once
-and hands out rows; :class:`PagedStore` lets the reference kernels run on the pool;
-:func:`attention_indices` builds the CSR row lists the sparse-attention kernel consumes.
+and hands out rows; :class:`PagedStore` lets the reference kernels run on the pool. The
+compiled step turns a request's slot and block table into rows itself
+(``codegen.step_kernels``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend import lowbit
 from dsv4c.frontend.config import CSA, LayerSpec, ModelConfig
-from dsv4c.passes.quant_plan import QuantPlan
 
 ENVELOPE_TOKENS = 256
 F32 = np.float32
@@ -87,7 +88,8 @@ class PoolGeometry:
     index_row_bytes: int
 
     @classmethod
-    def build(cls, cfg: ModelConfig, plan: QuantPlan) -> "PoolGeometry":
+    def build(cls, cfg: ModelConfig, plan) -> "PoolGeometry":
+        """From the model and its quantization plan (``passes.quant_plan.QuantPlan``)."""
         compressed, states, offset, index_offset = [], [], 0, 0
         for layer in cfg.layers:
             if not layer.is_compressed:
@@ -113,6 +115,15 @@ class PoolGeometry:
             main_storage=plan.main_kv.storage, index_storage=plan.index_kv.storage,
             main_row_bytes=plan.main_kv.row_bytes, index_row_bytes=plan.index_kv.row_bytes,
         )
+
+    @classmethod
+    def from_manifest(cls, cfg: ModelConfig, manifest: dict) -> "PoolGeometry":
+        """The geometry an artifact was compiled for, from the quant plan its manifest records
+        (the runtime reads it there rather than re-planning)."""
+        plan = manifest["quant_plan"]
+        view = SimpleNamespace(**{k: SimpleNamespace(**v) if k in ("main_kv", "index_kv") else v
+                                  for k, v in plan.items()})
+        return cls.build(cfg, view)
 
     # ----- derived numbers (one place each)
     @property
@@ -461,62 +472,3 @@ class PagedStore:
         if stream == "index":
             return self.pool.read_index(self.pool.entry_rows(seq, layer, numbers, index=True))
         return self.pool.read_main(self.pool.entry_rows(seq, layer, numbers))
-
-
-# --------------------------------------------------------------------------- CSR indices
-
-
-def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """concat(arange(s, s + c) for s, c in zip(starts, counts)), without a Python loop."""
-    total = int(counts.sum())
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.repeat(starts, counts) + np.arange(total) - offsets
-
-
-def attention_indices(pool: KVPool, layer: LayerSpec, seq_ids: np.ndarray, positions: np.ndarray,
-                      step_start: np.ndarray, topk: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per query token, the rows the sparse-attention kernel reads, as CSR (int32).
-
-    Row numbers below ``pool.total_rows`` are pool rows; ``pool.total_rows + t`` is row ``t`` of
-    this step's fresh KV (window rows of positions inside the step, not yet in the ring).
-    ``step_start[t]`` is the first position of token ``t``'s request in this step. Window rows
-    come first (ascending positions), then compressed rows: every visible one (HCA) or the
-    index top-k translated to physical rows with ``-1`` skipped (CSA)."""
-    g = pool.geometry
-    positions = positions.astype(np.int64)
-    t = len(positions)
-    w_start = np.maximum(0, positions - g.window + 1)
-    w_count = positions - w_start + 1
-    w_pos = _ragged_arange(w_start, w_count)
-    w_tok = np.repeat(np.arange(t), w_count)
-    in_step = w_pos >= step_start[w_tok]
-    rows = np.empty(len(w_pos), np.int64)
-    # A token's step row: its index in the step, shifted by how far back the window position is.
-    rows[in_step] = pool.total_rows + w_tok[in_step] - (positions[w_tok[in_step]] - w_pos[in_step])
-    slot_base = np.array([pool.slot_rows(pool.requests[int(s)].slot)[0] for s in seq_ids], np.int64)
-    old = ~in_step
-    rows[old] = slot_base[w_tok[old]] + layer.index * g.window + w_pos[old] % g.window
-    per_token = [rows]
-    counts = w_count
-    if layer.is_compressed:
-        if layer.has_indexer:
-            valid = topk >= 0
-            c_count = valid.sum(axis=1)
-            c_entries = topk[valid].astype(np.int64)
-        else:
-            c_count = (positions + 1) // layer.compress_ratio
-            c_entries = _ragged_arange(np.zeros(t, np.int64), c_count)
-        c_tok = np.repeat(np.arange(t), c_count)
-        c_rows = np.empty(len(c_entries), np.int64)
-        for seq in np.unique(seq_ids):
-            mask = seq_ids[c_tok] == seq
-            c_rows[mask] = pool.entry_rows(int(seq), layer.index, c_entries[mask])
-        per_token.append(c_rows)
-        counts = w_count + c_count
-        # Interleave: each token's window rows, then its compressed rows.
-        order = np.argsort(np.concatenate([w_tok, c_tok]), kind="stable")
-        flat = np.concatenate(per_token)[order]
-    else:
-        flat = rows
-    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return indptr, flat.astype(np.int32)

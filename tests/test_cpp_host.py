@@ -146,20 +146,35 @@ def test_host_errors_are_the_python_cli_errors(cpp, tmp_path, capsys, breakage):
     assert expected.startswith(f"dsv4c: error: {tmp_path}/art") and expected.count("\n") == 1
 
 
-@pytest.mark.parametrize("edit, message", [
-    ({"pool_geometry": {"main_storage": "fp8"}}, "runs fp32 KV pools only; compile with --kv-cache-dtype fp32"),
-    ({"target": "sm90"}, "runs llvm artifacts only; an artifact for sm90 runs in the Python runtime"),
-], ids=["fp8-pool", "gpu-target"])
-def test_host_refuses_what_it_cannot_run(cpp, tmp_path, edit, message):
+def test_host_refuses_a_gpu_artifact_here_like_python(cpp, tmp_path, capsys):
+    """The C++ host runs GPU artifacts on a host with that GPU; here it has none and says so in
+    the Python CLI's words."""
     build, art = cpp
     target = tmp_path / "art"
     shutil.copytree(art, target)
     manifest = json.loads((target / "manifest.json").read_text())
-    for key, value in edit.items():
-        manifest[key] = {**manifest[key], **value} if isinstance(value, dict) else value
+    manifest["target"] = "sm90"
     (target / "manifest.json").write_text(json.dumps(manifest))
+    assert cli(["generate", str(target), "--token-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    expected = capsys.readouterr().err
+    assert "needs that GPU and this host has none" in expected
     done = _host(build, target, "--token-ids", "1,2", "--max-new-tokens", "2")
-    assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
+
+
+def test_host_runs_an_fp8_pool_artifact_like_dsv4c_generate(cpp, tmp_path, capsys):
+    """One executor: the FP8 / E8M0 / BF16 pool rows are the compiled step's, whoever calls it."""
+    build, art = cpp
+    fp8 = tmp_path / "fp8"
+    assert cli(["compile", "--model", str(art.parent / "model"), "--target", "llvm", "--kv-cache-dtype", "fp8",
+                "-o", str(fp8)]) == 0
+    capsys.readouterr()
+    prompt = ",".join(map(str, range(5, 45)))  # past the window and several compressed windows
+    assert cli(["generate", str(fp8), "--token-ids", prompt, "--max-new-tokens", "24", "--greedy"]) == 0
+    expected = capsys.readouterr().out
+    done = _host(build, fp8, "--token-ids", prompt, "--max-new-tokens", "24")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == expected and len(expected.split()) == 24
 
 
 @pytest.mark.parametrize("argv", [

@@ -103,7 +103,7 @@ def test_interrupted_compile_leaves_nothing(tiny, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("dsv4c.codegen.build.build_kernels", boom)
+    monkeypatch.setattr("dsv4c.codegen.build.build_step", boom)
     with pytest.raises(KeyboardInterrupt):
         compile_model(str(tiny / "model"), "llvm", tmp_path / "art", progress=False)
     assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,4 @@
-"""KV pool: geometry against SPEC §4, allocator properties, CSR indices, paged reference execution."""
+"""KV pool: geometry against SPEC §4, allocator properties, the device's attention rows, paged reference execution."""
 
 import json
 
@@ -14,7 +14,7 @@ from dsv4c.frontend.trace import trace
 from dsv4c.ir.interpreter import Interpreter
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.dense_cache import DenseCache
-from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PagedStore, PoolExhausted, PoolGeometry, attention_indices
+from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PagedStore, PoolExhausted, PoolGeometry
 
 from parity_configs import PARITY_CONFIGS
 from reference_harness import fp32_checkpoint
@@ -235,7 +235,39 @@ def test_steady_state_decode_allocates_no_pool_arrays(model):
     assert arrays == after
 
 
-def test_csr_indices_list_exactly_the_rows_attention_reads(model):
+def _attention_rows(pool, layer, seqs, pos, topk):
+    """What the compiled step's attention_rows kernel lists for this layer (step_kernels)."""
+    import tvm
+
+    from dsv4c.codegen import step_kernels
+    from dsv4c.runtime.backend_tvm import step_inputs
+
+    g = pool.geometry
+    kind = {"sliding": "none", "hca": "all", "csa": "topk"}[layer.attention]
+    kernel = step_kernels.attention_rows(g.window, g.window_rows_per_request, layer.compress_ratio, kind)
+    run = tvm.compile(tvm.IRModule({"k": kernel.with_attr("global_symbol", "k")}), target="llvm")["k"]
+    ratios = sorted({c.ratio for c in g.compressed})
+    token_request, requests, blocks, extents = step_inputs(pool, pos.astype(np.int32), seqs, ratios)
+    t = tvm.runtime.tensor
+    args = [t(pos.astype(np.int32)), t(token_request), t(requests)]
+    width = g.window
+    if kind != "none":
+        args.append(t(blocks))
+        if kind == "topk":
+            args.append(t(np.ascontiguousarray(topk, np.int32)))
+            width += topk.shape[1]
+        else:
+            width += extents[ratios.index(layer.compress_ratio)]
+    scalars = [layer.index, pool.total_rows]
+    if kind != "none":
+        rows_of = g.rows_of(layer.index)
+        scalars += [g.rows_per_envelope, rows_of.offset]
+    out = t(np.zeros((len(pos), width), np.int32))
+    run(*args, *scalars, out)
+    return out.numpy()
+
+
+def test_attention_rows_list_exactly_the_rows_attention_reads(model):
     cfg, weights = model
     pool = _pool_for(cfg)
     store = PagedStore(pool, DenseCache(cfg))
@@ -262,11 +294,11 @@ def test_csr_indices_list_exactly_the_rows_attention_reads(model):
     for attrs, args in captured:
         layer = layers[attrs["layer"]]
         topk = args[6] if len(args) > 6 else None
-        indptr, indices = attention_indices(pool, layer, seqs, pos, step_start, topk)
+        lists = _attention_rows(pool, layer, seqs, pos, topk)
         kv = args[1]
         table = np.concatenate([pool.read_main(np.arange(pool.total_rows)), kv])
         for t in range(len(seqs)):
-            rows = table[indices[indptr[t]:indptr[t + 1]]]
+            rows = table[lists[t][lists[t] >= 0]]
             # Rebuild what the kernel attends to for this query from the store.
             p, s0 = pos[t], step_start[t]
             lo = max(0, p - cfg.sliding_window + 1)

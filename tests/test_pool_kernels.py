@@ -10,7 +10,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.codegen import llvm_kernels as K
-from dsv4c.codegen.build import llvm_target
+from dsv4c.targets import target_info
 from dsv4c.frontend import lowbit
 from dsv4c.frontend.config import resolve_model
 from dsv4c.passes.quant_plan import plan_for
@@ -22,7 +22,7 @@ F32 = np.float32
 @functools.lru_cache(maxsize=None)
 def _kernel(factory: str, *params):
     func = getattr(K, factory)(*params)
-    return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=llvm_target())["k"]
+    return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target_info("llvm").tvm_target())["k"]
 
 
 def _run(kernel, *arrays):
@@ -79,7 +79,7 @@ def _encoder_inputs() -> np.ndarray:
 def test_encoders_match_lowbit_bit_for_bit():
     x = _encoder_inputs()
     module = tvm.IRModule({"k": _encoders.with_attr("global_symbol", "k")})
-    _, out = _run(tvm.compile(module, target=llvm_target())["k"], x, np.zeros((len(x), 6), np.int32))
+    _, out = _run(tvm.compile(module, target=target_info("llvm").tvm_target())["k"], x, np.zeros((len(x), 6), np.int32))
     assert np.array_equal(out[:, 0], lowbit.encode_e4m3fn(x))
     assert np.array_equal(out[:, 1], lowbit.encode_e2m1(x))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -183,12 +183,15 @@ def test_store_rows_writes_the_codec_bytes(model, target):
     assert np.array_equal(plane, pool.index_plane)
 
 
-def _csr(rng, n: int, pool_rows: np.ndarray, total_rows: int, step_rows: int, per_query: int):
-    """CSR row lists of n queries mixing written pool rows and this step's rows (R + i)."""
-    lists = [np.concatenate([rng.choice(pool_rows, c), total_rows + rng.integers(0, step_rows, c // 2)])
+def _row_lists(rng, n: int, pool_rows: np.ndarray, total_rows: int, step_rows: int, per_query: int):
+    """Row lists [n, m] of n queries mixing written pool rows and this step's rows (R + i), with
+    -1 (no row) between and after them, as step_kernels.attention_rows makes them."""
+    lists = [np.concatenate([rng.choice(pool_rows, c), total_rows + rng.integers(0, step_rows, c // 2), [-1] * 3])
              for c in rng.integers(1, per_query + 1, n)]
-    indptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
-    return indptr, np.concatenate(lists).astype(np.int32)
+    rows = np.full((n, max(len(x) for x in lists) + 2), -1, np.int32)
+    for i, x in enumerate(lists):
+        rows[i, 1:1 + len(x)] = rng.permutation(x)
+    return rows
 
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])  # one / four fp4 scale groups per row
@@ -229,14 +232,14 @@ def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model):
     q = (rng.standard_normal((n, heads, dim)) * 0.1).astype(F32)
     step = rng.standard_normal((m, dim)).astype(F32)
     sink = rng.standard_normal(heads).astype(F32)
-    indptr, indices = _csr(rng, n, written, pool.total_rows, m, 20)
+    rows = _row_lists(rng, n, written, pool.total_rows, m, 20)
     out = np.zeros((n, heads, dim), F32)
     scale = dim ** -0.5
     decoded = np.zeros((pool.total_rows, dim), F32)
     decoded[written] = pool.read_main(written)
     got = _run(_kernel("sparse_attn", heads, dim, scale, "fp8", g.rope_dim), q, pool.planes["nope"],
-               pool.planes["rope"], step, sink, indptr, indices, out)[-1]
-    want = _run(_kernel("sparse_attn", heads, dim, scale), q, decoded, step, sink, indptr, indices, out)[-1]
+               pool.planes["rope"], step, sink, rows, out)[-1]
+    want = _run(_kernel("sparse_attn", heads, dim, scale), q, decoded, step, sink, rows, out)[-1]
     assert np.array_equal(got, want)
 
 
@@ -254,7 +257,7 @@ def test_gpu_versions_build(target_name, monkeypatch):
                 monkeypatch.setenv(key, value)
         except gpu.ToolchainError as e:
             pytest.skip(f"toolchain missing for {target_name}: {e}")
-    target = tvm.target.Target(gpu.TARGETS[target_name])
+    target = tvm.target.Target(target_info(target_name).tvm)
     specs = {  # the flash / pro pool shapes
         "store_main_fp8": KernelSpec("store_main_fp8", (448, 64)),
         "store_rows_fp8": KernelSpec("store_rows", (128, "fp8")),

@@ -1,5 +1,5 @@
 // The engine: scheduling, greedy sampling and the request lifecycle of
-// dsv4c/runtime/engine.py, on the C++ executor.
+// dsv4c/runtime/engine.py, on the artifact's compiled step.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -7,9 +7,8 @@
 
 #include "artifact.h"
 #include "dsv4c/runtime.h"
-#include "executor.h"
 #include "model_config.h"
-#include "program.h"
+#include "step.h"
 
 namespace dsv4c {
 namespace {
@@ -46,7 +45,7 @@ struct Engine::Impl {
   EngineOptions options;
   ModelConfig config;
   std::unique_ptr<KVPool> pool;
-  std::unique_ptr<Executor> executor;
+  std::unique_ptr<CompiledStep> compiled_step;
   std::map<int64_t, Request> requests;  // by id: submission order
   int64_t next_id = 0;
 
@@ -112,26 +111,21 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
   m.path = python_path(artifact);
   m.options = options;
   m.config = model_config(manifest);
-  StepFunction program = read_step_function(join_path(m.path, "program.json"));
   PoolGeometry geometry = pool_geometry(manifest, m.config);
   m.pool = std::make_unique<KVPool>(geometry, geometry.rows_for(options.max_requests, options.max_context));
-  const std::string target = manifest.string("target");
-  if (target == "reference") {
+  if (manifest.string("target") == "reference") {
     throw ArtifactError(m.path + ": a reference artifact runs in the Python interpreter only; compile with "
                         "--target llvm for the C++ runtime");
   }
-  if (target != "llvm") {
-    throw ArtifactError(m.path + ": the C++ host runs llvm artifacts only; an artifact for " + target +
-                        " runs in the Python runtime on that GPU (or compile with --target llvm)");
-  }
-  json::Fields storage = manifest.object("pool_geometry");
-  if (storage.string("main_storage") != "fp32" || storage.string("index_storage") != "fp32") {
-    throw ArtifactError(m.path + ": the C++ host runs fp32 KV pools only; compile with --kv-cache-dtype fp32 (the llvm default)");
-  }
-  m.executor = std::make_unique<Executor>(m.path, manifest, m.config, std::move(program), *m.pool);
   if (options.max_step_tokens < 1 || (options.prefill_chunk && *options.prefill_chunk < 1)) {
     throw UsageError("max_step_tokens and prefill_chunk must be positive");
   }
+  int64_t limit = manifest.object("vm").integer("max_step_tokens");
+  if (options.max_step_tokens > limit) {
+    throw UsageError("max_step_tokens " + std::to_string(options.max_step_tokens) + " exceeds what " + m.path +
+                     " was compiled for (" + std::to_string(limit) + "); lower it");
+  }
+  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool);
 }
 
 Engine::~Engine() = default;
@@ -171,23 +165,32 @@ bool Engine::step() {
   Impl& m = *impl_;
   std::vector<std::pair<Request*, int64_t>> plan = m.schedule();
   if (plan.empty()) return false;
-  std::vector<int32_t> tokens, positions, seq_ids;
+  std::vector<int32_t> tokens, positions, seq_ids, logit_rows;
   for (auto [r, n] : plan) {
     m.pool->ensure(r->id, r->fed + n);
+    const int32_t start = static_cast<int32_t>(tokens.size());
     for (int64_t i = r->fed; i < r->fed + n; ++i) {
       tokens.push_back(r->sequence[i]);
       positions.push_back(static_cast<int32_t>(i));
       seq_ids.push_back(static_cast<int32_t>(r->id));
     }
+    // Only the logits the engine uses come back: every row when recorded, else the last row of a
+    // request whose sequence this step completes.
+    if (r->params.record_logits) {
+      for (int32_t i = 0; i < n; ++i) logit_rows.push_back(start + i);
+    } else if (r->pending() == n) {
+      logit_rows.push_back(start + static_cast<int32_t>(n) - 1);
+    }
   }
-  Tensor logits = m.executor->step(tokens, positions, seq_ids);
+  std::vector<float> logits = m.compiled_step->run(tokens, positions, seq_ids, logit_rows);
   const int64_t vocab = m.config.vocab_size;
-  const float* row = logits.ptr<float>();
+  const float* row = logits.data();
   for (auto [r, n] : plan) {
+    const int64_t rows = r->params.record_logits ? n : r->pending() == n ? 1 : 0;
     r->fed += n;
     if (r->params.record_logits) r->logits.insert(r->logits.end(), row, row + n * vocab);
-    if (r->pending() == 0) m.advance(*r, row + (n - 1) * vocab);
-    row += n * vocab;
+    if (r->pending() == 0) m.advance(*r, row + (rows - 1) * vocab);
+    row += rows * vocab;
   }
   return true;
 }

@@ -43,14 +43,6 @@ int64_t PoolGeometry::rows_for(int64_t requests, int64_t context_tokens) const {
   return requests * ceil_div(context_tokens, kEnvelopeTokens) * rows_per_envelope + requests * window_rows_per_request();
 }
 
-AlignedBuffer::AlignedBuffer(size_t bytes) {
-  // aligned_alloc wants a multiple of the alignment; an empty buffer still gets a valid pointer.
-  bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
-  data_.reset(std::aligned_alloc(64, bytes));
-  if (!data_) throw std::bad_alloc();
-  std::memset(data_.get(), 0, bytes);
-}
-
 // The constructor's first check, run before any plane is allocated.
 static int64_t checked_total_rows(const PoolGeometry& g, int64_t total_rows) {
   if (total_rows < g.window_rows_per_request()) {
@@ -65,15 +57,7 @@ KVPool::KVPool(PoolGeometry geometry, int64_t total_rows)
       total_rows_(checked_total_rows(geometry_, total_rows)),
       max_envelopes_(geometry_.rows_per_envelope ? total_rows / geometry_.rows_per_envelope : 0),
       max_slots_(total_rows / geometry_.window_rows_per_request()),
-      index_plane_rows_(std::max<int64_t>(max_envelopes_ * geometry_.index_rows_per_envelope, 1)),
-      kv_plane_(static_cast<size_t>(total_rows * geometry_.head_dim) * sizeof(float)),
-      index_plane_(static_cast<size_t>(index_plane_rows_ * geometry_.index_head_dim) * sizeof(float)) {
-  rings_.reserve(geometry_.states.size());
-  for (const StateShape& s : geometry_.states) {
-    size_t bytes = static_cast<size_t>(max_slots_ * s.rows * s.width) * sizeof(float);
-    rings_.push_back(Ring{s, AlignedBuffer(bytes), AlignedBuffer(bytes)});
-  }
-}
+      index_rows_(std::max<int64_t>(max_envelopes_ * geometry_.index_rows_per_envelope, 1)) {}
 
 bool KVPool::fits(int64_t env_high, int64_t slot_high) const {
   return env_high * geometry_.rows_per_envelope <= total_rows_ - slot_high * geometry_.window_rows_per_request();
@@ -111,14 +95,8 @@ const RequestRows& KVPool::admit(int64_t seq, int64_t reserve_tokens) {
   if (reserve_tokens < 0) throw UsageError("reserve_tokens must be >= 0, got " + std::to_string(reserve_tokens));
   int64_t n_env = geometry_.rows_per_envelope ? ceil_div(reserve_tokens, kEnvelopeTokens) : 0;
   auto [envs, slots] = take(n_env, 1);
-  int64_t slot = slots.front();
-  for (Ring& ring : rings_) {
-    size_t per_slot = static_cast<size_t>(ring.shape.rows * ring.shape.width);
-    std::fill_n(ring.kv.data() + slot * per_slot, per_slot, 0.0f);
-    // An empty ring gives zero softmax weight.
-    std::fill_n(ring.score.data() + slot * per_slot, per_slot, -std::numeric_limits<float>::infinity());
-  }
-  return requests_[seq] = RequestRows{slot, std::move(envs)};
+  // The slot's compressor rings are emptied on the device by the step that feeds position 0.
+  return requests_[seq] = RequestRows{slots.front(), std::move(envs)};
 }
 
 void KVPool::ensure(int64_t seq, int64_t tokens) {
@@ -148,43 +126,5 @@ const RequestRows& KVPool::request(int64_t seq) const {
 }
 
 RequestRows& KVPool::mutable_request(int64_t seq) { return const_cast<RequestRows&>(request(seq)); }
-
-std::pair<int64_t, int64_t> KVPool::slot_rows(int64_t slot) const {
-  int64_t stop = total_rows_ - slot * geometry_.window_rows_per_request();
-  return {stop - geometry_.window_rows_per_request(), stop};
-}
-
-int64_t KVPool::window_row(int64_t seq, int64_t layer, int64_t position) const {
-  int64_t base = slot_rows(request(seq).slot).first;
-  return base + layer * geometry_.window + position % geometry_.window;
-}
-
-std::vector<int64_t> KVPool::entry_rows(int64_t seq, int64_t layer, const std::vector<int64_t>& entries,
-                                        bool index) const {
-  const CompressedLayerRows& lr = geometry_.rows_of(layer);
-  const std::vector<int64_t>& blocks = request(seq).blocks;
-  if (!entries.empty()) {
-    int64_t last = *std::max_element(entries.begin(), entries.end());
-    if (last / lr.rows_per_envelope >= static_cast<int64_t>(blocks.size())) {
-      throw UsageError("request " + std::to_string(seq) + ": entry " + std::to_string(last) + " of layer " +
-                       std::to_string(layer) + " has no envelope yet");
-    }
-  }
-  std::vector<int64_t> rows;
-  rows.reserve(entries.size());
-  for (int64_t e : entries) {
-    int64_t block = blocks[e / lr.rows_per_envelope], within = e % lr.rows_per_envelope;
-    rows.push_back(index ? block * geometry_.index_rows_per_envelope + lr.index_offset + within
-                         : block * geometry_.rows_per_envelope + lr.offset + within);
-  }
-  return rows;
-}
-
-Ring& KVPool::ring(int64_t layer, const std::string& stream) {
-  for (Ring& r : rings_) {
-    if (r.shape.layer == layer && r.shape.stream == stream) return r;
-  }
-  throw std::out_of_range("layer " + std::to_string(layer) + " has no " + stream + " compressor ring");
-}
 
 }  // namespace dsv4c

@@ -1,63 +1,8 @@
 #include "model_config.h"
 
-#include <algorithm>
-#include <math.h>
-
-#include <cmath>
-
 #include "dsv4c/errors.h"
 
 namespace dsv4c {
-
-std::vector<float> Rope::inv_freq(int64_t rope_dim) const {
-  // Every step is a float32 operation, rounded as numpy rounds it (the build disables FMA
-  // contraction); the YaRN correction range is computed in double like Python's math module.
-  const float dim = static_cast<float>(rope_dim);
-  int64_t low = 0;
-  double span = 1;  // high - low of the ramp
-  if (yarn) {
-    auto correction_dim = [&](double rotations) {
-      return rope_dim * std::log(original_max_position_embeddings / (rotations * 2 * M_PI)) / (2 * std::log(theta));
-    };
-    low = std::max<int64_t>(static_cast<int64_t>(std::floor(correction_dim(beta_fast))), 0);
-    int64_t high = std::min<int64_t>(static_cast<int64_t>(std::ceil(correction_dim(beta_slow))), rope_dim - 1);
-    // The reference widens a zero-width ramp by 0.001 (in double, as Python adds it).
-    span = (low == high ? static_cast<double>(high) + 0.001 : static_cast<double>(high)) - static_cast<double>(low);
-  }
-  std::vector<float> out;
-  for (int64_t i = 0; 2 * i < rope_dim; ++i) {
-    // glibc powf: what numpy computes on hosts without AVX-512 (see docs/cpp_host.md, "Numerics").
-    float pos_freq = ::powf(static_cast<float>(theta), static_cast<float>(2 * i) / dim);
-    float extrapolation = 1.0f / pos_freq;
-    if (!yarn) {
-      out.push_back(extrapolation);
-      continue;
-    }
-    float interpolation = 1.0f / (static_cast<float>(factor) * pos_freq);
-    float ramp = std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(span), 0.0f, 1.0f);
-    float extrapolation_factor = 1.0f - ramp;
-    out.push_back(interpolation * (1.0f - extrapolation_factor) + extrapolation * extrapolation_factor);
-  }
-  return out;
-}
-
-namespace {
-
-Rope read_rope(const json::Fields& rope) {
-  Rope r;
-  r.theta = rope.number("rope_theta");
-  std::optional<json::Value> type = rope.get("rope_type");
-  if (type && json::as_string(*type) == "yarn" && rope.integer("original_max_position_embeddings") != 0) {
-    r.yarn = true;
-    r.factor = rope.number("factor");
-    r.original_max_position_embeddings = rope.integer("original_max_position_embeddings");
-    r.beta_fast = rope.number("beta_fast");
-    r.beta_slow = rope.number("beta_slow");
-  }
-  return r;
-}
-
-}  // namespace
 
 ModelConfig model_config(const json::Fields& manifest) {
   json::Fields model = manifest.object("model");
@@ -68,9 +13,6 @@ ModelConfig model_config(const json::Fields& manifest) {
   c.rope_dim = model.integer("qk_rope_head_dim");
   c.index_head_dim = model.integer("index_head_dim");
   c.sliding_window = model.integer("sliding_window");
-  json::Fields rope = model.object("rope_parameters");
-  c.main_rope = read_rope(rope.object("main"));
-  c.compress_rope = read_rope(rope.object("compress"));
   return c;
 }
 

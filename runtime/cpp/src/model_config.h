@@ -1,5 +1,6 @@
-// What the runtime needs of the model description in manifest.json: sizes, rope frequencies
-// and the KV pool geometry (Python: frontend/config.py, PoolGeometry.build).
+// What the runtime needs of the model description in manifest.json: sizes and the KV pool
+// geometry (Python: frontend/config.py, PoolGeometry.from_manifest). Rope tables and the rest
+// are the compiled step's own (constants in the artifact).
 #ifndef DSV4C_SRC_MODEL_CONFIG_H_
 #define DSV4C_SRC_MODEL_CONFIG_H_
 
@@ -12,18 +13,6 @@
 
 namespace dsv4c {
 
-struct Rope {
-  double theta = 0;
-  bool yarn = false;  // YaRN extension (compress rope only); the fields below apply when set
-  double factor = 1;
-  int64_t original_max_position_embeddings = 0;
-  double beta_fast = 32;
-  double beta_slow = 1;
-
-  /// Per-pair inverse frequencies in float32, as Python's Rope.inv_freq computes them.
-  std::vector<float> inv_freq(int64_t rope_dim) const;
-};
-
 struct ModelConfig {
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
@@ -31,8 +20,6 @@ struct ModelConfig {
   int64_t rope_dim = 0;
   int64_t index_head_dim = 0;
   int64_t sliding_window = 0;
-  Rope main_rope;
-  Rope compress_rope;
 };
 
 /// From manifest["model"] (the transformers spelling `dsv4c compile` writes).

@@ -5,16 +5,16 @@
 //   from row 0 upward.
 // * Slots hold a live request's sliding windows (`window` rows per layer, a ring indexed by
 //   position % window); they are allocated from the top of the row space downward.
-// * CSA index rows live in a separate index plane addressed by the same envelope numbers;
+// * CSA index rows live in a separate index pool addressed by the same envelope numbers;
 //   compressor rings are fp32, one set per slot.
 //
-// The allocator (admit / ensure / free and the free lists) makes exactly the decisions of the
-// Python KVPool; tests/test_cpp_host.py drives both through the same operation traces and
-// compares every state (see docs/cpp_host.md for why there are two implementations).
+// This class is the allocator only: which rows a request owns. The memory (planes and rings,
+// on the artifact's device) belongs to the compiled step, whose kernels turn slots and block
+// tables into rows. The allocator (admit / ensure / free and the free lists) makes exactly the
+// decisions of the Python KVPool; tests/test_cpp_host.py drives both through the same
+// operation traces and compares every state (see docs/cpp_host.md for why there are two).
 //
-// Ownership: a KVPool owns its planes (allocated once, zero-initialised, 64-byte aligned);
-// the pointers it hands out stay valid for its lifetime. Thread-safety: none; a pool belongs
-// to one Engine, which belongs to one thread at a time.
+// Thread-safety: none; a pool belongs to one Engine, which belongs to one thread at a time.
 #ifndef DSV4C_KV_POOL_H_
 #define DSV4C_KV_POOL_H_
 
@@ -68,33 +68,10 @@ struct PoolGeometry {
   const CompressedLayerRows& rows_of(int64_t layer) const;
 };
 
-/// Zero-initialised memory on a 64-byte boundary, so TVM kernels can use it in place.
-class AlignedBuffer {
- public:
-  explicit AlignedBuffer(size_t bytes);
-  template <class T = float>
-  T* data() const {
-    return static_cast<T*>(data_.get());
-  }
-
- private:
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<void, Free> data_;
-};
-
 /// A live request's rows: its window slot and its block table (envelope numbers, token order).
 struct RequestRows {
   int64_t slot = 0;
   std::vector<int64_t> blocks;
-};
-
-/// The compressor ring of one (layer, stream), `max_slots * rows` rows of `width` floats each.
-struct Ring {
-  StateShape shape;
-  AlignedBuffer kv;
-  AlignedBuffer score;
 };
 
 class KVPool {
@@ -127,22 +104,8 @@ class KVPool {
   const std::vector<int64_t>& env_free() const { return env_free_; }
   const std::vector<int64_t>& slot_free() const { return slot_free_; }
 
-  // ----- physical rows
-  /// [first, last) main rows of slot `slot` (slots grow down from the top of the row space).
-  std::pair<int64_t, int64_t> slot_rows(int64_t slot) const;
-  /// The main row holding window position `position` of `layer` for request `seq`.
-  int64_t window_row(int64_t seq, int64_t layer, int64_t position) const;
-  /// Physical rows (main, or index plane if `index`) of compressed entries of one layer.
-  /// Throws UsageError when an entry has no envelope yet.
-  std::vector<int64_t> entry_rows(int64_t seq, int64_t layer, const std::vector<int64_t>& entries,
-                                  bool index = false) const;
-
-  // ----- planes (fp32, row-major)
-  float* kv_plane() const { return kv_plane_.data(); }  // [total_rows, head_dim]
-  int64_t index_plane_rows() const { return index_plane_rows_; }
-  float* index_plane() const { return index_plane_.data(); }  // [index_plane_rows, index_head_dim]
-  /// The ring of (layer, stream); throws std::out_of_range when that layer has none.
-  Ring& ring(int64_t layer, const std::string& stream);
+  /// Rows of the index pool (index envelopes; at least one).
+  int64_t index_rows() const { return index_rows_; }
 
  private:
   std::pair<std::vector<int64_t>, std::vector<int64_t>> take(int64_t n_env, int64_t n_slots);
@@ -153,10 +116,7 @@ class KVPool {
   int64_t total_rows_;
   int64_t max_envelopes_;
   int64_t max_slots_;
-  int64_t index_plane_rows_;
-  AlignedBuffer kv_plane_;
-  AlignedBuffer index_plane_;
-  std::vector<Ring> rings_;
+  int64_t index_rows_;
   std::map<int64_t, RequestRows> requests_;
   int64_t env_high_ = 0;
   int64_t slot_high_ = 0;

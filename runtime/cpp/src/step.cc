@@ -1,0 +1,164 @@
+#include "step.h"
+
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/string.h>
+
+#include <algorithm>
+#include <map>
+
+#include "artifact.h"
+#include "dsv4c/errors.h"
+#include "safetensors.h"
+
+namespace dsv4c {
+namespace ffi = tvm::ffi;
+namespace {
+
+constexpr int kPooledAllocator = 2;  // the VM's memory::AllocatorType::kPooled
+
+ffi::Function global(const char* name) {
+  auto f = ffi::Function::GetGlobal(name);
+  if (!f) throw std::logic_error(std::string("the TVM runtime lacks ") + name);
+  return *f;
+}
+
+DLDataType dtype_of(const std::string& name) {
+  static const std::map<std::string, DLDataType> kTypes = {
+      {"float32", {kDLFloat, 32, 1}}, {"int32", {kDLInt, 32, 1}}, {"uint8", {kDLUInt, 8, 1}},
+      {"uint16", {kDLUInt, 16, 1}}};
+  auto it = kTypes.find(name);
+  if (it == kTypes.end()) throw std::logic_error("no pool tensor type " + name);
+  return it->second;
+}
+
+// The device an artifact's target runs on (Python: TargetInfo.device), or an ArtifactError.
+DLDevice device_for(const std::string& path, const std::string& target) {
+  if (target == "llvm") return DLDevice{kDLCPU, 0};
+  DLDevice device{target == "sm90" ? kDLCUDA : kDLROCM, 0};
+  bool exists = false;
+  if (auto attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr")) {
+    try {
+      exists = (*attr)(static_cast<int>(device.device_type), 0, 0).cast<int64_t>() != 0;  // kExist
+    } catch (const ffi::Error&) {  // a TVM runtime built without that device's API
+      exists = false;
+    }
+  }
+  if (!exists) {
+    throw ArtifactError(path + ": an artifact for " + target + " needs that GPU and this host has none; run it "
+                        "there, or compile with --target llvm for this CPU");
+  }
+  return device;
+}
+
+// The VM of the artifact's library: the executable it holds, on `device` (host memory on the CPU).
+ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevice device) {
+  ffi::Module library = ffi::Module::LoadFromFile(join_path(artifact, vm.string("library")));
+  ffi::Module machine = library->GetFunction("vm_load_executable").value()().cast<ffi::Module>();
+  machine->GetFunction("vm_initialization").value()(static_cast<int>(device.device_type), device.device_id,
+                                                    kPooledAllocator, static_cast<int>(kDLCPU), 0, kPooledAllocator);
+  return machine;
+}
+
+}  // namespace
+
+CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool)
+    : pool_(pool),
+      device_(device_for(artifact, manifest.string("target"))),
+      vm_(load_vm(artifact, manifest.object("vm"), device_)) {
+  json::Fields vm = manifest.object("vm");
+  decode_ = vm_->GetFunction("decode").value();
+  prefill_ = vm_->GetFunction("prefill").value();
+  decode_max_tokens_ = vm.integer("decode_max_tokens");
+  max_step_tokens_ = vm.integer("max_step_tokens");
+  entry_ratios_ = vm.integers("entry_ratios");
+
+  ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
+  ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
+  auto empty = [&](const std::vector<int64_t>& shape, DLDataType dtype) {
+    return alloc(ffi::Shape(shape), dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
+  };
+  std::string weights_file = join_path(artifact, "weights.safetensors");
+  std::map<std::string, Tensor> weights = read_safetensors(weights_file);
+  for (const json::Value& name_value : vm.array("params")) {
+    std::string name = json::as_string(name_value).value_or("");
+    auto it = weights.find(name);
+    if (it == weights.end()) {
+      throw CheckpointError(weights_file + ": tensor " + json::py_repr(name_value) +
+                            " that the step reads is missing; recompile with weights");
+    }
+    ffi::Tensor t = empty(it->second.shape, it->second.dtype);
+    copy_in(t, it->second.ptr<void>(), static_cast<int64_t>(it->second.nbytes()));
+    params_.push_back(t);
+    weights.erase(it);  // host copies go as soon as they are on the device
+  }
+  // The pool's tensors, zeroed (rings are emptied by the step feeding a request's position 0).
+  for (const json::Value& entry : vm.array("pool")) {
+    json::Fields desc(json::as_object(entry).value(), manifest.file(), "vm.pool[]");
+    std::string rows = desc.string("rows");
+    std::vector<int64_t> shape = desc.integers("shape");
+    shape.insert(shape.begin(), rows == "main" ? pool.total_rows() : rows == "index" ? pool.index_rows()
+                                                                                     : pool.max_slots());
+    Tensor zeros = Tensor::zeros(shape, dtype_of(desc.string("dtype")));
+    ffi::Tensor t = empty(shape, zeros.dtype);
+    copy_in(t, zeros.ptr<void>(), static_cast<int64_t>(zeros.nbytes()));
+    pool_tensors_.push_back(t);
+  }
+}
+
+ffi::Tensor CompiledStep::upload(const std::vector<int32_t>& values, std::vector<int64_t> shape) const {
+  static const ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
+  static const ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
+  ffi::Tensor t = alloc(ffi::Shape(shape), kI32, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
+  copy_in(t, static_cast<void*>(const_cast<int32_t*>(values.data())), static_cast<int64_t>(values.size() * sizeof(int32_t)));
+  return t;
+}
+
+std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
+                                     const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n > max_step_tokens_) {
+    throw UsageError("a step of " + std::to_string(n) + " tokens exceeds the artifact's max_step_tokens (" +
+                     std::to_string(max_step_tokens_) + ")");
+  }
+  // The step's compact inputs (Python: backend_tvm.step_inputs): requests in order of first
+  // appearance, per request (slot, first token, token count, first position) and its blocks.
+  std::vector<int32_t> token_request(n), requests;
+  std::vector<const std::vector<int64_t>*> tables;
+  std::map<int32_t, int32_t> index_of;
+  for (int64_t t = 0; t < n; ++t) {
+    auto [it, fresh] = index_of.emplace(seq_ids[t], static_cast<int32_t>(tables.size()));
+    if (fresh) {
+      const RequestRows& rows = pool_.request(seq_ids[t]);
+      requests.insert(requests.end(), {static_cast<int32_t>(rows.slot), static_cast<int32_t>(t), 0, positions[t]});
+      tables.push_back(&rows.blocks);
+    } else if (seq_ids[t - 1] != seq_ids[t]) {
+      throw UsageError("request " + std::to_string(seq_ids[t]) + ": its tokens must be contiguous in the step");
+    }
+    token_request[t] = it->second;
+    requests[4 * it->second + 2] += 1;
+  }
+  size_t width = 1;
+  for (const auto* table : tables) width = std::max(width, table->size());
+  std::vector<int32_t> block_table(tables.size() * width, 0);
+  for (size_t i = 0; i < tables.size(); ++i) std::copy(tables[i]->begin(), tables[i]->end(), block_table.begin() + i * width);
+  int64_t last = n ? *std::max_element(positions.begin(), positions.end()) + 1 : 1;
+  std::vector<int64_t> extents;
+  for (int64_t ratio : entry_ratios_) extents.push_back(std::max<int64_t>(1, last / ratio));
+
+  const int64_t r = static_cast<int64_t>(tables.size());
+  // A step that needs no logits (a prefill chunk) still computes one row: no empty tensors.
+  const std::vector<int32_t> rows = logit_rows.empty() ? std::vector<int32_t>{static_cast<int32_t>(n - 1)} : logit_rows;
+  ffi::Function& fn = n <= decode_max_tokens_ ? decode_ : prefill_;
+  ffi::Tensor logits =
+      fn(upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
+         upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
+         ffi::Shape(extents), params_, pool_tensors_)
+          .cast<ffi::Tensor>();
+  std::vector<float> out(static_cast<size_t>(logits.numel()));
+  static const ffi::Function copy_out = global("runtime.TVMTensorCopyToBytes");
+  copy_out(logits, static_cast<void*>(out.data()), static_cast<int64_t>(out.size() * sizeof(float)));
+  out.resize(logit_rows.size() * (out.size() / rows.size()));
+  return out;
+}
+
+}  // namespace dsv4c

@@ -1,0 +1,123 @@
+"""The compiled step: the artifact's library is a Relax VM module whose entry functions run a
+whole step; the host uploads O(tokens + requests) integers per step and reads back only the
+logits it asked for; GPU builds get the same functions (CUDA graphs on sm90)."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from dsv4c.cli import main as cli
+from dsv4c.codegen import gpu
+from dsv4c.codegen.build import lower_step
+from dsv4c.frontend.config import preset
+from dsv4c.frontend.trace import trace
+from dsv4c.passes.pipeline import run_pipeline
+from dsv4c.passes.quant_plan import plan_for
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.kv_pool import PoolGeometry
+from dsv4c.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    assert cli(["make-tiny", "--out", str(root / "model")]) == 0
+    assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "art")]) == 0
+    return root / "art"
+
+
+def test_manifest_names_a_vm_library_with_its_functions(tiny):
+    vm_info = json.loads((tiny / "manifest.json").read_text())["vm"]
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(tiny / vm_info["library"])), tvm.cpu())
+    assert vm_info["functions"] == ["decode", "prefill"]
+    for name in vm_info["functions"]:
+        assert vm.module.implements_function(name)
+    assert not (tiny / "kernels.so").exists()
+
+
+def test_a_step_uploads_compact_inputs_and_reads_back_only_logits(tiny):
+    """Per step the host uploads tokens, positions and the request of each token (3 T), four
+    numbers and a block-table row per request, the logit rows and one extent per compress
+    ratio: O(tokens + requests), whatever the depth or expert count. It reads back vocab floats
+    per requested row: the last token of each request that completes its sequence."""
+    engine = Engine(tiny, prefill_chunk=16, max_step_tokens=64)
+    vocab, ratios = engine.config.vocab_size, len(engine.backend.entry_ratios)
+    prompts = [list(range(1, 40)), [5, 6], list(range(100, 170))]
+    rids = [engine.submit(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    steps = 0
+    while engine.step():
+        s = engine.backend.last_step
+        steps += 1
+        assert engine.backend.uploaded_ints == 3 * s["tokens"] + s["requests"] * (4 + s["blocks"]) + \
+            max(s["logit_rows"], 1) + ratios  # a step needing no logits computes one row
+        assert s["blocks"] <= -(-engine.max_context // 256)
+        assert engine.backend.read_back == s["logit_rows"] * vocab and s["logit_rows"] <= s["requests"]
+    assert steps > 10 and all(len(engine.result(i).tokens) == 12 for i in rids)
+
+
+def test_decode_and_prefill_agree_with_the_host_reference_rows(tiny):
+    """Only the requested rows come back, and they are the rows a full readback would hold."""
+    engine = Engine(tiny)
+    backend = engine.backend
+    engine.pool.admit(0, reserve_tokens=20)
+    engine.pool.ensure(0, 20)
+    tokens = np.arange(3, 23, dtype=np.int32)
+    every = backend.step(tokens, np.arange(20, dtype=np.int32), np.zeros(20, np.int32))
+    assert every.shape == (20, engine.config.vocab_size) and backend.read_back == every.size
+    engine.pool.free(0)
+    engine.pool.admit(0, reserve_tokens=20)
+    engine.pool.ensure(0, 20)
+    some = backend.step(tokens, np.arange(20, dtype=np.int32), np.zeros(20, np.int32), np.array([4, 19], np.int32))
+    assert backend.read_back == 2 * engine.config.vocab_size
+    assert np.array_equal(some, every[[4, 19]])
+
+
+def _lowered(target):
+    cfg = preset("tiny")
+    program = run_pipeline(trace(cfg))
+    plan = plan_for(cfg, target)
+    lowered, step, _ = lower_step(program, plan, PoolGeometry.build(cfg, plan), target, 256)
+    return lowered.script(), step
+
+
+def test_sm90_decode_runs_as_cuda_graphs():
+    """sm90's decode function replays captured CUDA graphs (TVM's RewriteCUDAGraph); it cannot
+    run here, so the lowered module is checked for the capture regions and their runtime
+    builtins. Prefill, whose shapes change every step, launches kernels directly."""
+    text, step = _lowered("sm90")
+    assert "vm.builtin.cuda_graph.run_or_capture" in text
+    captures = set(re.findall(r"decode_cuda_graph_capture\d*", text))
+    assert len(captures) >= 3
+    assert not re.search(r"prefill_cuda_graph_capture", text)
+    assert step.functions == ["decode", "prefill"]
+
+
+@pytest.mark.parametrize("target", ["gfx942", "gfx950"])
+def test_rocm_builds_get_the_same_functions_without_graphs(target):
+    """ROCm builds run the same entry functions with plain kernel launches (TVM has no HIP
+    graph rewrite), so their lowered module holds no capture regions."""
+    text, step = _lowered(target)
+    assert "cuda_graph" not in text and "call_tir" not in text and "decode" in text
+    assert step.functions == ["decode", "prefill"]
+
+
+def test_the_runtime_imports_nothing_of_the_compiler():
+    """The runtime reads the plan, the geometry and the rope tables from the artifact."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dsv4c.runtime.engine, dsv4c.runtime.backend_tvm; "
+            "print(sorted(m for m in sys.modules if m.startswith(('dsv4c.passes', 'dsv4c.codegen'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_gpu_toolchain_errors_name_what_to_install(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    with pytest.raises(gpu.ToolchainError, match="nvcc"):
+        gpu.find_nvcc()
