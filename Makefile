@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 resolves to the CPU build on the build machines' local index; see pyproject.toml.
-	$(BIN)/pip install -q -e '.[test,tvm,tokenizer]'
+	# setuptools ends every editable install with an informational "Editable installation."
+	# warning (pypa/packaging-problems#558) that pip shows for local projects; only that one is muted.
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test,tvm,tokenizer]'
 	touch $@
 
 demo: $(STAMP)

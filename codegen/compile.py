@@ -70,7 +70,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     weights = _weights_for(cfg, model, program, no_weights, progress)
     if weights is not None:
         weights = materialize_weights(program, weights)
-    with staging(out) as tmp:
+    with staging(out, log) as tmp:
         if weights is not None:
             if not info.compiled:
                 stored = {k: ("F32", np.ascontiguousarray(v, np.float32)) if v.dtype.kind == "f"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -511,6 +512,43 @@ def _compress_rates(raw: dict[str, Any]) -> dict[str, int]:
     return ratio_of
 
 
+def _official_kinds(ratios: list[int]) -> list[tuple[str, int]]:
+    """(kind, ratio) per ``compress_ratios`` entry as the official reference reads them: 4 is
+    CSA (overlapping windows and an indexer), any other non-zero ratio is HCA at that ratio."""
+    schedule = []
+    for i, r in enumerate(ratios):
+        if r < 0:
+            raise ConfigError(f"config field compress_ratios[{i}] = {r} must be 0 (sliding) or a positive ratio")
+        schedule.append((SLIDING if r == 0 else CSA if r == 4 else HCA, r))
+    hca = [(i, r) for i, (kind, r) in enumerate(schedule) if kind == HCA]
+    other = next(((i, r) for i, r in hca if r != hca[0][1]), None)
+    if other is not None:
+        # An artifact describes its model in the transformers spelling (the C++ host reads it),
+        # which holds one ratio per attention kind.
+        raise UnsupportedModelError(
+            f"config field compress_ratios[{other[0]}] = {other[1]}: HCA layers at a second ratio "
+            f"(compress_ratios[{hca[0][0]}] = {hca[0][1]}); dsv4c compiles one HCA ratio per model"
+        )
+    return schedule
+
+
+def _kinds_by_rates(ratios: list[int], ratio_of: dict[str, int]) -> list[tuple[str, int]]:
+    """(kind, ratio) per ``compress_ratios`` entry where the config also sets the rate of each kind."""
+    if ratio_of[CSA] == ratio_of[HCA]:
+        raise ConfigError(
+            f"config field 'compress_ratios': CSA and HCA both compress by {ratio_of[CSA]}, so a ratio cannot say "
+            "which a layer is; use layer_types + compress_rates"
+        )
+    kind_of = {ratio: kind for kind, ratio in ratio_of.items()}
+    for i, r in enumerate(ratios):
+        if r not in kind_of:
+            raise UnsupportedModelError(
+                f"config field compress_ratios[{i}] = {r} is neither 0, the CSA rate ({ratio_of[CSA]}) nor the HCA "
+                f"rate ({ratio_of[HCA]}) that compress_rates / compress_rate_csa / compress_rate_hca set"
+            )
+    return [(kind_of[r], r) for r in ratios]
+
+
 def _attention_schedule(raw: dict[str, Any], n: int, n_mtp: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(kind, ratio) for every backbone layer, then for every MTP layer."""
     ratio_of = _compress_rates(raw)
@@ -538,25 +576,21 @@ def _attention_schedule(raw: dict[str, Any], n: int, n_mtp: int) -> tuple[list[t
 
     if not isinstance(ratios, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ratios):
         raise ConfigError(f"config field 'compress_ratios' must be a list of integers, got {ratios!r}")
-    if len(ratios) not in (n, n + n_mtp):
+    if len(ratios) < n:
         raise ConfigError(
             f"config field 'compress_ratios' has {len(ratios)} entries; expected num_hidden_layers ({n})"
             f" or num_hidden_layers + MTP layers ({n + n_mtp})"
         )
-    if ratio_of[CSA] == ratio_of[HCA]:
-        raise ConfigError(
-            f"config field 'compress_ratios': CSA and HCA both compress by {ratio_of[CSA]}, so a ratio cannot say "
-            "which a layer is; use layer_types + compress_rates"
-        )
-    kind_of = {ratio: kind for kind, ratio in ratio_of.items()}
-    schedule = []
-    for i, r in enumerate(ratios):
-        if r not in kind_of:
-            raise UnsupportedModelError(
-                f"config field compress_ratios[{i}] = {r} is neither 0, the CSA rate ({ratio_of[CSA]}) nor the HCA "
-                f"rate ({ratio_of[HCA]}); set compress_rate_csa / compress_rate_hca or use layer_types + compress_rates"
-            )
-        schedule.append((kind_of[r], r))
+    if len(ratios) > n + n_mtp:
+        # A checkpoint whose MTP layer was dropped without trimming the list; the official
+        # reference reads one entry per layer it builds and ignores the rest.
+        print(f"dsv4c: warning: config field 'compress_ratios' has {len(ratios)} entries for {n} layers and {n_mtp} "
+              f"MTP layers; ignoring the last {len(ratios) - n - n_mtp}", file=sys.stderr)
+        ratios = ratios[:n + n_mtp]
+    if all(raw.get(k) is None for k in ("compress_rates", "compress_rate_csa", "compress_rate_hca")):
+        schedule = _official_kinds(ratios)
+    else:
+        schedule = _kinds_by_rates(ratios, ratio_of)
     mtp = schedule[n:] if len(ratios) == n + n_mtp else [(SLIDING, 0)] * n_mtp
     if from_types is not None and from_types[0] != schedule[:n]:
         i = next(i for i, (a, b) in enumerate(zip(from_types[0], schedule)) if a != b)

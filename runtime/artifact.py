@@ -11,12 +11,16 @@
       tokenizer.json         copied from the model directory when it has one
 
 Written into a temporary sibling directory and renamed at the end, so an interrupted
-compile leaves no artifact. Loading checks the format version, every file's hash and that
-this host can run the target; any mismatch is an :class:`ArtifactError`.
+compile leaves no artifact. A killed compile cannot remove its temporary directory; the next
+compile to the same output removes it (a live compile holds a lock on its own). Loading
+checks the format version, every file's hash and that this host can run the target; any
+mismatch is an :class:`ArtifactError`.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -24,7 +28,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dsv4c.errors import DsvError
 
@@ -44,14 +48,69 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the directory open as ``fd`` (not removed or renamed since)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _sweep_stale_partials(out: Path, log: Callable[[str], Any]) -> None:
+    """Remove the partial directories of earlier compiles to ``out`` that no live compile holds:
+    a compile holds an exclusive flock on its own for its lifetime, and a killed one's lock is
+    released by the kernel."""
+    removed = []
+    for partial in sorted(out.parent.glob(glob.escape(_partial_prefix(out)) + "*")):
+        try:
+            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _still_at(fd, partial):  # not finished and renamed to ``out`` since we opened it
+                shutil.rmtree(partial)
+                removed.append(partial.name)
+        except OSError:
+            continue  # held by a live compile, or a filesystem without flock: cannot tell, keep it
+        finally:
+            os.close(fd)
+    if removed:
+        log(f"removed {len(removed)} partial output(s) of interrupted compiles to {out}: {', '.join(removed)}")
+
+
+def _held_partial(out: Path) -> tuple[Path, int | None]:
+    """A new partial directory for ``out`` and the descriptor whose flock marks it live."""
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(out), dir=out.parent))
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            # Blocks only while another compile's sweep, which found the directory before this
+            # lock, removes it; then the loop makes a new one.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            # A filesystem without flock: no sweep can lock the directory either, so none removes it.
+            os.close(fd)
+            return tmp, None
+        if _still_at(fd, tmp):
+            return tmp, fd
+        os.close(fd)
+
+
 @contextmanager
-def staging(out: str | os.PathLike) -> Iterator[Path]:
-    """A temporary directory that becomes ``out`` only if the block completes."""
+def staging(out: str | os.PathLike, log: Callable[[str], Any] = print) -> Iterator[Path]:
+    """A temporary directory that becomes ``out`` only if the block completes; first removes
+    what killed compiles to ``out`` left behind (and says so through ``log``)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArtifactError(f"{out}: already exists; remove it or choose another output path")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    _sweep_stale_partials(out, log)
+    tmp, lock = _held_partial(out)
     try:
         yield tmp
         if out.exists():
@@ -63,6 +122,9 @@ def staging(out: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)  # after the rename: a sweep never sees this directory unlocked under its partial name
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:

@@ -1,14 +1,14 @@
 """The compiled CPU artifact against the reference backend and transformers, through the engine."""
 
+import json
+
 import numpy as np
 import pytest
-
-import json
 
 from dsv4c.codegen.compile import compile_model
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
-from dsv4c.frontend.config import config_from_dict, preset
+from dsv4c.frontend.config import CSA, HCA, SLIDING, config_from_dict, preset
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
@@ -106,3 +106,22 @@ def test_kernels_are_shared_across_layers(artifacts):
     pro = preset("pro")
     specs, per_node = kernel_table(_program(pro), plan_for(pro, "llvm"))
     assert len(specs) < 100 < 20 * pro.num_layers <= sum(len(roles) for roles in per_node)
+
+
+def test_official_spelling_with_hca_ratio_8_and_a_dropped_mtp_layer(tmp_path, capsys):
+    # The official reference reads compress_ratios by value (4 is CSA, any other non-zero ratio
+    # HCA), and ignores the trailing entry of an MTP layer the checkpoint no longer has.
+    raw = {**PARITY_CONFIGS["official_hc2"], "compress_ratios": [8, 4, 0, 8], "num_nextn_predict_layers": 0}
+    cfg = fp32_checkpoint(config_from_dict(raw), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(raw))  # as published, in the official spelling
+    ref, cpu = _compile_pair(tmp_path, tmp_path / "ckpt")
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 3 and all("ignoring the last 1" in w for w in warnings)  # one per config load
+    engine = Engine(cpu)
+    assert [(l.attention, l.compress_ratio) for l in engine.config.layers] == [(HCA, 8), (CSA, 4), (SLIDING, 0)]
+    assert engine.config.mtp_layers == ()
+    # 70 + 16 positions: HCA rows every 8 tokens, and CSA entries past index_topk (16).
+    prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, 70)
+    (a,), (b,) = _run(ref, [prompt], 16), _run(cpu, [prompt], 16)
+    assert a.tokens == b.tokens and len(b.tokens) == 16
+    assert np.abs(a.logits - b.logits).max() <= TOL

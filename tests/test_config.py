@@ -176,6 +176,8 @@ def _research_configs() -> dict[str, dict]:
                                                           "compress_rate_hca": 64}),
         "odd_window_hc2": mutate(BASE, {"sliding_window": 7, "hc_mult": 2}),
         "compressed_mtp": mutate(BASE, {"compress_ratios": [0, 4, 128, 4, 4]}),
+        # The official spelling decides by the ratio itself: 4 is CSA, any other non-zero ratio HCA.
+        "official_hca_8": mutate(BASE, {"compress_ratios": [8, 4, 0, 8, 0]}),
         "hash_not_a_prefix": mutate(HF_BASE, {"mlp_layer_types": ["moe", "hash_moe", "moe", "hash_moe"]}),
         "no_yarn_no_mtp": mutate(BASE, {"rope_scaling": DROP, "num_nextn_predict_layers": 0,
                                         "compress_ratios": [0, 4, 128, 4]}),
@@ -232,6 +234,23 @@ def test_research_schedules():
     legacy = config_from_dict(research["legacy_rates_with_layer_types"])
     assert (legacy.compress_ratios(CSA), legacy.compress_ratios(HCA)) == ((16,), (64,))
     assert config_from_dict(research["odd_window_hc2"]).hc_mix_size == 8
+    official = config_from_dict(research["official_hca_8"])
+    assert [(l.attention, l.compress_ratio) for l in official.layers] == [(HCA, 8), (CSA, 4), (SLIDING, 0), (HCA, 8)]
+    assert official.mtp_layers[0].attention == SLIDING
+
+
+def test_trailing_compress_ratios_past_the_mtp_layers_are_ignored_with_a_warning(capsys):
+    # A checkpoint whose MTP layer was dropped without trimming compress_ratios.
+    dropped = config_from_dict(mutate(BASE, {"num_nextn_predict_layers": 0}))
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "ignoring the last 1" in warning and "'compress_ratios'" in warning
+    trimmed = config_from_dict(mutate(BASE, {"num_nextn_predict_layers": 0, "compress_ratios": [0, 4, 128, 4]}))
+    assert dropped == trimmed and dropped.mtp_layers == ()
+    assert capsys.readouterr().err == ""
+    # Past an MTP layer too: its own entry still counts.
+    extra = config_from_dict(mutate(BASE, {"compress_ratios": [0, 4, 128, 4, 128, 4]}))
+    assert "ignoring the last 1" in capsys.readouterr().err
+    assert extra.mtp_layers[0].attention == HCA
 
 
 def test_transformers_reads_our_rope_dims_for_odd_sizes():
@@ -283,8 +302,11 @@ REFUSALS = {
     "compress_ratios_length": (mutate(BASE, {"compress_ratios": [0, 4, 128]}), "compress_ratios", ConfigError),
     "compress_ratios_not_a_list": (mutate(BASE, {"compress_ratios": 4}), "compress_ratios", ConfigError),
     "compress_ratios_not_ints": (mutate(BASE, {"compress_ratios": ["0", 4, 128, 4]}), "compress_ratios", ConfigError),
-    "ratio_not_a_rate": (mutate(BASE, {"compress_ratios": [0, 8, 128, 4, 0]}), "compress_ratios[1]",
-                         UnsupportedModelError),
+    "ratio_not_a_rate": (mutate(BASE, {"compress_ratios": [0, 8, 128, 4, 0], "compress_rate_hca": 128}),
+                         "compress_ratios[1]", UnsupportedModelError),
+    "two_hca_ratios": (mutate(BASE, {"compress_ratios": [0, 8, 128, 4, 0]}), "compress_ratios[2] = 128",
+                       UnsupportedModelError),
+    "negative_ratio": (mutate(BASE, {"compress_ratios": [0, -4, 128, 4, 0]}), "compress_ratios[1]", ConfigError),
     "csa_and_hca_rates_equal": (mutate(BASE, {"compress_rate_csa": 128}), "compress_ratios", ConfigError),
     "no_schedule": (mutate(BASE, {"compress_ratios": DROP}), "compress_ratios", ConfigError),
     "layer_types_length": (mutate(HF_BASE, {"layer_types": HF_BASE["layer_types"][:3]}), "layer_types", ConfigError),
