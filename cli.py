@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from dsv4c.errors import DsvError
+from dsv4c.targets import COMPILED_TARGETS, TARGETS
 
 
 def _cmd_make_tiny(args) -> int:
@@ -120,12 +121,10 @@ def _cmd_export(args) -> int:
     cfg = resolve_model(args.model)
     program, stage = trace(cfg, args.numerics), "traced"
     if args.after_passes:
-        from dsv4c.codegen.compile import TARGETS
         from dsv4c.passes.pipeline import run_pipeline
+        from dsv4c.targets import target_info
 
-        target = args.target or "llvm"
-        if target not in TARGETS:
-            raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+        target = target_info(args.target or "llvm").name
         # The pipeline is the same for every target today; the target is recorded with the stage.
         program, stage = run_pipeline(program), f"after passes for {target}"
     weights = None
@@ -215,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile a model into an artifact for a target")
     p.add_argument("--model", required=True, help="model directory, or preset (pro, flash, tiny)")
-    p.add_argument("--target", required=True, choices=("llvm", "sm90", "gfx942", "gfx950", "reference"))
+    p.add_argument("--target", required=True, choices=TARGETS)
     p.add_argument("-o", "--output", required=True, help="artifact directory to create")
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
@@ -254,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="KV pool geometry, memory budget and quantization plan of a model")
     p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")
-    p.add_argument("--target", default="llvm", choices=("llvm", "sm90", "gfx942", "gfx950"))
+    p.add_argument("--target", default="llvm", choices=COMPILED_TARGETS)
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     p.add_argument("--memory", type=_parse_bytes, help="device memory for the pool, e.g. 80GiB")

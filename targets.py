@@ -83,7 +83,7 @@ class TargetInfo:
         if self.kind == "cpu":
             return {"mcpu": str(target.attrs["mcpu"])}
         if self.kind == "cuda":
-            return {"device_code": f"cubin {self.tvm['arch']}"}
+            return {"device_code": f"cuda {self.tvm['arch']}"}
         return {"device_code": f"amdgcn {self.tvm['mcpu']}"}
 
 

@@ -79,14 +79,15 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
     if system == "dsv4c":
         from dsv4c.runtime.engine import Engine
 
-        engine = Engine(workdir / "artifact", max_step_tokens=max(contexts + [prefill]) + steps,
+        engine = Engine(workdir / "artifact", max_step_tokens=2048,
                         max_context=max(contexts + [prefill]) + steps + 256, max_requests=1)
         backend = engine.backend
 
         def forward(tokens, start, seq):
+            # The last position's logits only, as transformers below (logits_to_keep=1).
             engine.pool.ensure(seq, start + len(tokens))
             return backend.step(np.asarray(tokens, np.int32), np.arange(start, start + len(tokens), dtype=np.int32),
-                                np.full(len(tokens), seq, np.int32))
+                                np.full(len(tokens), seq, np.int32), np.array([len(tokens) - 1], np.int32))
 
         def new_request(seq):
             engine.pool.admit(seq)

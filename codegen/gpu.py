@@ -4,9 +4,10 @@ Every kernel of ``llvm_kernels`` is either a compute definition (matmuls, expert
 TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
 independent rows (tokens, windows, pool rows). For the latter, that loop is mapped onto
 blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
-uses. Artifacts carry compiled device code: a cubin for sm_90a linked by ``nvcc`` (a C++ host
-has no Python callback to compile CUDA source at load), AMDGPU code objects for gfx942 /
-gfx950 from TVM's LLVM backend, linked by ``ld.lld`` >= 19 against the ROCm device bitcode.
+uses. The kernels and the Relax entry functions that call them are one library: for sm90 it
+holds the kernels as CUDA C++ that TVM's CUDA runtime compiles for the GPU at load; for gfx942 /
+gfx950 AMDGPU code objects from TVM's LLVM backend, linked by ``ld.lld`` >= 19 against the ROCm
+device bitcode.
 """
 
 from __future__ import annotations
@@ -93,18 +94,6 @@ def _version(cmd: list[str]) -> str:
         return ""
 
 
-def find_nvcc() -> str:
-    nvcc = shutil.which("nvcc") or (os.environ.get("CUDA_HOME") and str(Path(os.environ["CUDA_HOME"]) / "bin/nvcc"))
-    if not nvcc or not Path(nvcc).exists():
-        raise ToolchainError("sm90 needs nvcc (CUDA >= 12 for sm_90a) on PATH or in $CUDA_HOME/bin; install the "
-                             "CUDA toolkit")
-    m = re.search(r"release (\d+)\.(\d+)", _version([nvcc, "--version"]))
-    if not m or int(m[1]) < 12:
-        raise ToolchainError(f"sm90 needs nvcc from CUDA >= 12 (sm_90a); {nvcc} reports "
-                             f"{m[0] if m else 'no version'}")
-    return nvcc
-
-
 def rocm_environment() -> dict[str, str]:
     """PATH with an ``ld.lld`` >= 19 and ROCM_PATH with amdgcn/bitcode, or a ToolchainError
     saying what to install (Debian: lld-19, rocm-device-libs)."""
@@ -133,13 +122,7 @@ def rocm_environment() -> dict[str, str]:
 
 def toolchain_environment(info) -> dict[str, str]:
     """Environment variables a build for GPU target ``info`` needs, or a ToolchainError saying what
-    to install. sm90: device code is compiled by nvcc at build time (TVM's CUDA compile callback
-    in nvcc mode) into a fatbin inside the library, so loading needs no compiler; ROCm: TVM's
-    LLVM backend links AMDGPU code objects with ld.lld against the ROCm device bitcode."""
-    if info.kind == "cuda":
-        nvcc = find_nvcc()
-        import tvm.support.nvcc  # noqa: F401  (registers tvm_callback_cuda_compile)
-
-        return {"TVM_CUDA_COMPILE_MODE": "nvcc",
-                "PATH": f"{Path(nvcc).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return rocm_environment()
+    to install. sm90 needs none: the library keeps the kernels as CUDA C++ that TVM's CUDA
+    runtime compiles for the GPU at load. ROCm: TVM's LLVM backend links AMDGPU code objects
+    with ld.lld against the ROCm device bitcode."""
+    return {} if info.kind == "cuda" else rocm_environment()

@@ -328,7 +328,9 @@ def _schedule_decoded_gemm(func, tile: int, grouped: bool):
     return sch.mod["main"]
 
 
-EXPERT_K_BLOCK = 64  # input depth of the expert kernels' decoded weight block (16 KiB at tile 64)
+# The expert kernels' decoded weight panel holds at most this many floats: 1 KiB, what TVM's CPU
+# code keeps on the stack (a larger local buffer is a workspace allocation per (expert, tile)).
+EXPERT_PANEL = 256
 
 
 def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lanes: int = 64):
@@ -340,20 +342,20 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lan
     in input order from zero, like ``linear``, whatever the group's size."""
     tile = column_tile(out_dim)
     tiles = out_dim // tile
-    kb = next(b for b in (EXPERT_K_BLOCK, 32, 16, 8, 4, 2, 1) if in_dim % b == 0)
+    kb = next(b for b in (64, 32, 16, 8, 4, 2, 1) if in_dim % b == 0 and b * tile <= max(EXPERT_PANEL, tile))
     columns = T.vectorized if tile <= max_lanes else T.serial  # GPU threads: one column at a time
     storage = [((n_experts,) + shape, dtype) for shape, dtype in weight_storage(out_dim, in_dim, quant)]
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 
     @T.macro
     def body(X, OFF, parts, Y, job):
-        panel = T.alloc_buffer((kb, tile), F32, scope="local")
         e = job // tiles
         a = job % tiles
-        for row in range(OFF[e + 1] - OFF[e]):
-            for c in columns(tile):
-                Y[OFF[e] + row, a * tile + c] = T.float32(0)
-        if OFF[e + 1] > OFF[e]:
+        if OFF[e + 1] > OFF[e]:  # most experts have no rows in a decode step: no work, no panel
+            panel = T.alloc_buffer((kb, tile), F32, scope="local")
+            for row in range(OFF[e + 1] - OFF[e]):
+                for c in columns(tile):
+                    Y[OFF[e] + row, a * tile + c] = T.float32(0)
             for ko in range(in_dim // kb):
                 for ki in range(kb):
                     for c in columns(tile):
@@ -714,7 +716,9 @@ def add_bias(n_experts: int):
 
 def topk_rows(k: int):
     """Per row, the column numbers of the k largest values, best first; a strictly-greater
-    insertion keeps the lower column first on ties, and -inf columns are never picked (-1)."""
+    insertion keeps the lower column first on ties, and -inf columns are never picked (-1).
+    A new entry starts right below the entries kept so far, so a row of E columns costs
+    O(E min(E, k)) rather than O(E k)."""
     @T.prim_func
     def f(x: T.handle, ids: T.handle):
         n = T.int32()
@@ -726,21 +730,24 @@ def topk_rows(k: int):
             idx = T.alloc_buffer((k + 1,), "int32", scope="local")
             tv = T.alloc_buffer((1,), F32, scope="local")
             ti = T.alloc_buffer((1,), "int32", scope="local")
+            kept = T.alloc_buffer((1,), "int32", scope="local")
             for j in range(k + 1):
                 val[j] = T.float32(NEG_INF)
                 idx[j] = -1
+            kept[0] = 0
             for col in range(c):
                 if X[t, col] > val[k - 1]:
-                    val[k] = X[t, col]
-                    idx[k] = col
-                    for jj in range(k):  # bubble the new entry up while strictly larger
-                        if val[k - jj] > val[k - 1 - jj]:
-                            tv[0] = val[k - 1 - jj]
-                            ti[0] = idx[k - 1 - jj]
-                            val[k - 1 - jj] = val[k - jj]
-                            idx[k - 1 - jj] = idx[k - jj]
-                            val[k - jj] = tv[0]
-                            idx[k - jj] = ti[0]
+                    val[kept[0]] = X[t, col]
+                    idx[kept[0]] = col
+                    for jj in range(kept[0]):  # bubble the new entry up while strictly larger
+                        if val[kept[0] - jj] > val[kept[0] - 1 - jj]:
+                            tv[0] = val[kept[0] - 1 - jj]
+                            ti[0] = idx[kept[0] - 1 - jj]
+                            val[kept[0] - 1 - jj] = val[kept[0] - jj]
+                            idx[kept[0] - 1 - jj] = idx[kept[0] - jj]
+                            val[kept[0] - jj] = tv[0]
+                            idx[kept[0] - jj] = ti[0]
+                    kept[0] = T.min(kept[0] + 1, k)
             for j in range(k):
                 IDS[t, j] = idx[j]
     return f
@@ -1012,14 +1019,15 @@ def ring_update(width: int, ratio: int, overlap: bool):
 
 def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     """Gated pooling of closed windows: out[w, c] = sum_s softmax_s(score)[c] * kv[c] over the
-    window's slots src[w, s] (step row if >= 0, ring row -src-1 otherwise). With overlap the
-    first ``ratio`` slots read the first half of the columns, the rest the second half."""
+    window's slots src[w, s] (step row if >= 0, ring row -src-1 otherwise), for the windows
+    whose entry has a pool row (``rows[w] >= 0``; the others are zero and cost nothing). With
+    overlap the first ``ratio`` slots read the first half of the columns, the rest the second half."""
     slots = 2 * ratio if overlap else ratio
     read = _compressor_source(width, ratio)
 
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
-          src: T.handle, out: T.handle):
+          src: T.handle, rows: T.handle, out: T.handle):
         r = T.int32()
         n = T.int32()
         nw = T.int32()
@@ -1030,24 +1038,29 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
         POS = T.match_buffer(pos, (n,), "int32")
         APE = T.match_buffer(ape, (ratio, width), F32)
         SRC = T.match_buffer(src, (nw, slots), "int32")
+        ROWS = T.match_buffer(rows, (nw,), "int32")
         OUT = T.match_buffer(out, (nw, head_dim), F32)
         for w in T.parallel(nw):
             sc = T.alloc_buffer((slots,), F32, scope="local")
             val = T.alloc_buffer((slots,), F32, scope="local")
             acc = T.alloc_buffer((3,), F32, scope="local")
-            for c in range(head_dim):
-                for s in range(slots):
-                    read(RKV, RSC, KV, GATE, POS, APE, SRC[w, s],
-                         T.if_then_else(overlap and s >= ratio, c + head_dim, c), val, sc, s)
-                acc[0] = T.float32(NEG_INF)
-                for s in range(slots):
-                    acc[0] = T.max(acc[0], sc[s])
-                acc[1] = T.float32(0)
-                acc[2] = T.float32(0)
-                for s in range(slots):
-                    acc[1] = acc[1] + T.exp(sc[s] - acc[0])
-                    acc[2] = acc[2] + T.exp(sc[s] - acc[0]) * val[s]
-                OUT[w, c] = acc[2] / acc[1]
+            if ROWS[w] < 0:  # a window slot this step does not close: nothing to pool
+                for c in range(head_dim):
+                    OUT[w, c] = T.float32(0)
+            else:
+                for c in range(head_dim):
+                    for s in range(slots):
+                        read(RKV, RSC, KV, GATE, POS, APE, SRC[w, s],
+                             T.if_then_else(overlap and s >= ratio, c + head_dim, c), val, sc, s)
+                    acc[0] = T.float32(NEG_INF)
+                    for s in range(slots):
+                        acc[0] = T.max(acc[0], sc[s])
+                    acc[1] = T.float32(0)
+                    acc[2] = T.float32(0)
+                    for s in range(slots):
+                        acc[1] = acc[1] + T.exp(sc[s] - acc[0])
+                        acc[2] = acc[2] + T.exp(sc[s] - acc[0]) * val[s]
+                    OUT[w, c] = acc[2] / acc[1]
     return f
 
 

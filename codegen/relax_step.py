@@ -373,8 +373,8 @@ class _Emitter:
         self.pool[ring[0]], self.pool[ring[1]] = self.call_inplace(
             roles["reset"], [self.pool[ring[0]], self.pool[ring[1]], i["requests"]], [0, 1])
         ape = self.param(node.inputs[2].name)
-        pooled = self.call(roles["pool"], [self.pool[ring[0]], self.pool[ring[1]], kv, gate, i["positions"], ape, src],
-                           ([windows, d], F32))
+        pooled = self.call(roles["pool"], [self.pool[ring[0]], self.pool[ring[1]], kv, gate, i["positions"], ape, src,
+                                           entry_rows], ([windows, d], F32))
         normed = self.call(roles["norm"], [pooled, self.param(node.inputs[3].name)], ([windows, d], F32))
         roped = self._rope_call(roles["rope"], normed, entry_pos, self.param("const.rope.compress"))
         self._store(roles["store"], ["index"] if stream == "index" else self._main_planes(), entry_rows, roped)

@@ -231,7 +231,7 @@ def moe_group(k: int, n_experts: int):
         OFFSETS = T.match_buffer(offsets, (n_experts + 1,), "int32")
         PAIR_TOKEN = T.match_buffer(pair_token, (n * k,), "int32")
         TOKEN_PAIR = T.match_buffer(token_pair, (n, k), "int32")
-        filled = T.alloc_buffer((n_experts,), "int32")
+        filled = T.alloc_buffer((n_experts,), "int32", scope="local")
         for e in range(n_experts + 1):
             OFFSETS[e] = 0
         for t in range(n):

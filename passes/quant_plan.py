@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass
 
 from dsv4c.errors import UsageError
 from dsv4c.frontend.config import ModelConfig
-
-TARGETS = ("llvm", "sm90", "gfx942", "gfx950")
+from dsv4c.targets import target_info
 
 
 @dataclass(frozen=True)
@@ -66,20 +65,20 @@ KV_CACHE_DTYPES = ("auto", "fp32", "fp8")
 
 
 def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dtype: str = "auto") -> QuantPlan:
-    if target not in TARGETS and target != "reference":
-        raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)} (or reference)")
+    info = target_info(target)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise UsageError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-    fnuz = target == "gfx942"
+    fnuz = info.fp8_format == "e4m3fnuz"
+    cpu = not info.gpu
     fp8 = "fp8_fnuz" if fnuz else "fp8"
     # gfx942 keeps the e4m3fn bits and doubles the (still power-of-two) scale.
-    blocks = WeightLayout(fp8, (128, 128), "e8m0", "bf16" if target != "llvm" else "fp32")
-    if target == "gfx950":
+    blocks = WeightLayout(fp8, (128, 128), "e8m0", "fp32" if cpu else "bf16")
+    if info.fp4_math:
         expert = WeightLayout("fp4", (1, 32), "e8m0", "fp4")  # native MX FP4 math
     else:
         # No FP4 math on sm90 / gfx942: the kernels dequantize FP4 to BF16 (CPU: fp32).
-        expert = WeightLayout("fp4", (1, 32), "e8m0", "fp32" if target == "llvm" else "bf16")
-    compute = "fp32" if target in ("llvm", "reference") else "bf16"
+        expert = WeightLayout("fp4", (1, 32), "e8m0", "fp32" if cpu else "bf16")
+    compute = "fp32" if cpu else "bf16"
     weights = {
         "dense": blocks,
         "expert": expert,
@@ -87,7 +86,6 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         "fp32": WeightLayout("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
         "index": WeightLayout("int", None, None, "int32"),
     }
-    cpu = target in ("llvm", "reference")
     if kv_cache_dtype == "auto":
         # The CPU pool follows the numerics: fp32 rows reproduce transformers exactly, the
         # official FP8 / FP4 rows reproduce the QAT reference exactly. GPUs keep low-bit rows.
@@ -98,8 +96,8 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         # Index rows: FP4 where the hardware has FP4 math (gfx950) and in the QAT reference,
         # FP8 with a per-row scale elsewhere.
         main = "fp8"
-        index = "fp4" if target == "gfx950" or (cpu and numerics == "qat") else "fp8"
-    index_layout = "gfx950_fp4_preshuffled" if target == "gfx950" and index == "fp4" else "rowmajor"
+        index = "fp4" if info.fp4_math or (cpu and numerics == "qat") else "fp8"
+    index_layout = "gfx950_fp4_preshuffled" if info.fp4_math and index == "fp4" else "rowmajor"
     nope = cfg.head_dim - cfg.rope_dim
     if main == "fp8" and nope % 64:
         raise UsageError(f"an fp8 KV cache scales NoPE channels in groups of 64, and this model has {nope} "
@@ -110,7 +108,7 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
     return QuantPlan(
         target=target,
         numerics=numerics,
-        fp8_format="e4m3fnuz" if fnuz else "e4m3fn",
+        fp8_format=info.fp8_format,
         weights=weights,
         main_kv=PoolLayout(main, main_row_bytes(cfg, main), "nope_scales_rope" if main == "fp8" else "rowmajor"),
         index_kv=PoolLayout(index, index_row_bytes(cfg, index), index_layout, hadamard=index == "fp4"),

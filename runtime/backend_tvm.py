@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from dsv4c.errors import UsageError
@@ -44,8 +45,9 @@ class TvmBackend:
             if missing:
                 raise ArtifactError(f"{artifact}: weights.safetensors lacks {missing[0]!r} "
                                     f"({len(missing)} tensors the step reads); recompile with weights")
-            self.params = [self._upload(st.read_raw(name)) for name in vm["params"]]
-        self.pool_tensors = [self._pool_tensor(self._pool_array(p)) for p in vm["pool"]]
+            # ffi Arrays made once: a Python list would be converted on every call.
+            self.params = tvm_ffi.convert([self._upload(st.read_raw(name)) for name in vm["params"]])
+        self.pool_tensors = tvm_ffi.convert([self._pool_tensor(self._pool_array(p)) for p in vm["pool"]])
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}

@@ -55,7 +55,8 @@ def build(work: Path, target: str, models: list[str]) -> None:
         seconds = _compile(work / label, target, work / f"{label}-{target}")
         note = ""
         if target == "sm90":
-            note = f"; holds sm_90a code: {b'sm_90a' in (work / f'{label}-sm90' / 'kernels.so').read_bytes()}"
+            library = json.loads((work / f"{label}-sm90" / "manifest.json").read_text())["vm"]["library"]
+            note = f"; holds sm_90a code: {b'sm_90a' in (work / f'{label}-sm90' / library).read_bytes()}"
         print(f"{label}: checkpoint in {time.perf_counter() - start - seconds:.1f} s, {target} artifact in "
               f"{seconds:.1f} s{note}")
 
@@ -91,12 +92,14 @@ def timings(work: Path, target: str, label: str, prompt_tokens: int, steps: int)
 
     engine = Engine(work / f"{label}-{target}", max_step_tokens=prompt_tokens, max_requests=1,
                     max_context=prompt_tokens + steps + 1)
+    last_row = np.array([0], np.int32)  # decode reads back one row of logits, as the engine does
     backend, pool = engine.backend, engine.pool
     tokens = np.random.default_rng(2).integers(0, engine.config.vocab_size, prompt_tokens).astype(np.int32)
 
     def forward(seq: int, start: int, toks: np.ndarray) -> None:
         pool.ensure(seq, start + len(toks))
-        backend.step(toks, np.arange(start, start + len(toks), dtype=np.int32), np.full(len(toks), seq, np.int32))
+        backend.step(toks, np.arange(start, start + len(toks), dtype=np.int32), np.full(len(toks), seq, np.int32),
+                     last_row + len(toks) - 1)
 
     pool.admit(0)
     forward(0, 0, tokens[:16])  # warm-up: loads every kernel once
@@ -126,9 +129,9 @@ def main(argv=None) -> int:
     try:
         build(work, args.target, args.models)
         if args.target == "sm90":
-            from dsv4c.runtime.engine import gpu_device
+            from dsv4c.targets import target_info
 
-            device = gpu_device("sm90")
+            device = target_info("sm90").device()
             if device is None:
                 print("no sm_90 CUDA GPU on this machine: built and checked the artifacts only")
                 return 0

@@ -116,8 +116,7 @@ def test_the_runtime_imports_nothing_of_the_compiler():
     assert done.stdout.strip() == "[]"
 
 
-def test_gpu_toolchain_errors_name_what_to_install(monkeypatch):
+def test_rocm_toolchain_errors_name_what_to_install(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    with pytest.raises(gpu.ToolchainError, match="nvcc"):
-        gpu.find_nvcc()
+    with pytest.raises(gpu.ToolchainError, match="lld-19"):
+        gpu.rocm_environment()
