@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, STEP_INPUTS, build_step_module
@@ -39,6 +39,19 @@ def relax_pipeline(target: tvm.target.Target, cuda_graph: bool) -> tvm.transform
     return pipeline
 
 
+def serial_when_single(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """A kernel whose outer loop is parallel runs that loop inline when it has one iteration
+    (one token or request: most kernels of a batch-1 decode step). Waking the CPU thread pool
+    for a single task costs more than the task, and far more on a loaded machine."""
+    body = func.body
+    if not (isinstance(body, tirx.For) and body.kind == tirx.ForKind.PARALLEL):
+        return func
+    inline = tirx.For(body.loop_var, body.min, body.extent, tirx.ForKind.SERIAL, body.body)
+    # The two copies define the same variables; ConvertSSA renames the second.
+    return tirx.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(
+        tirx.IfThenElse(body.extent > 1, body, inline))}))["main"]
+
+
 def lower_step(program: Program, plan, geometry, target_name: str, max_step_tokens: int, progress: bool = False):
     """(the Relax module after our pipeline, the step description, the TVM target): what
     ``build_step`` compiles. Tests inspect the lowered module (e.g. for CUDA graphs)."""
@@ -51,7 +64,7 @@ def lower_step(program: Program, plan, geometry, target_name: str, max_step_toke
 
         items = tqdm(items, desc="generating kernels", unit="kernel", leave=False)
     if info.kind == "cpu":
-        kernels = {symbol: kernel_factory(spec.factory)(*spec.params) for symbol, spec in items}
+        kernels = {symbol: serial_when_single(kernel_factory(spec.factory)(*spec.params)) for symbol, spec in items}
     else:
         from dsv4c.codegen.gpu import gpu_kernel
 

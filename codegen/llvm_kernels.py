@@ -190,7 +190,7 @@ def bf16_bits(x):
 # --------------------------------------------------------------------------- GEMM / GEMV
 
 
-GEMM_ROWS = 8  # prefill GEMMs run on row blocks of 8 (the runtime pads the rows)
+GEMM_ROWS = 8  # prefill GEMMs run on row blocks of 8 (the compiled step pads the rows)
 
 
 def column_tile(out_dim: int) -> int:

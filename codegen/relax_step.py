@@ -26,7 +26,7 @@ from tvm import relax, tirx
 
 from dsv4c.codegen.llvm_kernels import FP8_DECODERS, GEMM_ROWS
 from dsv4c.codegen.lowering import KernelSpec, node_kernels
-from dsv4c.ir.core import Node, Program
+from dsv4c.ir.core import Program
 
 GEMV_MAX_ROWS = 4  # steps with at most this many tokens run the decode function
 I32, F32 = "int32", "float32"
@@ -81,13 +81,12 @@ def _scaled(quant: str) -> bool:
 class _Emitter:
     """Emits one entry function: IR nodes in order, each as its kernel calls."""
 
-    def __init__(self, bb: relax.BlockBuilder, program: Program, plan, geometry, gvars: dict, per_node: list,
+    def __init__(self, bb: relax.BlockBuilder, program: Program, geometry, gvars: dict, per_node: list,
                  params: list[tuple[str, tuple, str]], gemv: bool, cuda_graph: bool):
         self.bb, self.program, self.cfg, self.geometry = bb, program, program.config, geometry
         self.gvars, self.per_node, self.gemv, self.cuda_graph = gvars, per_node, gemv, cuda_graph
         self.param_index = {name: i for i, (name, _, _) in enumerate(params)}
         self.param_types = [(shape, dtype) for _, shape, dtype in params]
-        self.plan = plan
         self._params: dict[str, relax.Var] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -487,7 +486,7 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
     functions = {"decode": (True, GEMV_MAX_ROWS), "prefill": (False, max_step_tokens)}
     pool, ratios = None, None
     for name, (gemv, bound) in functions.items():
-        emitter = _Emitter(bb, program, plan, geometry, gvars, per_node, params, gemv, cuda_graph)
+        emitter = _Emitter(bb, program, geometry, gvars, per_node, params, gemv, cuda_graph)
         emitter.function(name, bound)
         pool, ratios = emitter.pool_layout, emitter.ratios
     return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens)

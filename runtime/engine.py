@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend import lowbit
-from dsv4c.frontend.config import CSA, LayerSpec, ModelConfig
+from dsv4c.frontend.config import CSA, ModelConfig
 
 ENVELOPE_TOKENS = 256
 F32 = np.float32

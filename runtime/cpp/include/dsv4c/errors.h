@@ -31,12 +31,6 @@ class CheckpointError : public Error {
   using Error::Error;
 };
 
-/// program.json is not a valid program.
-class IRError : public Error {
- public:
-  using Error::Error;
-};
-
 /// An API call was made with invalid arguments.
 class UsageError : public Error {
  public:

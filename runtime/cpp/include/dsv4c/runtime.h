@@ -5,11 +5,10 @@
 //   engine.run();                                           // or: while (engine.step()) {...}
 //   dsv4c::Result r = engine.result(id);                    // r.tokens
 //
-// The engine is the C++ twin of dsv4c.runtime.engine.Engine with the llvm backend
-// (runtime/backend_tvm.py): it calls the same kernels of kernels.so with the same arguments in
-// the same order, so tokens are identical and logits equal to the Python runtime's (bit for bit
-// when both hosts compute the same rope frequencies; see docs/cpp_host.md). Sampling is greedy
-// (argmax, the lowest id wins ties).
+// The engine is the C++ twin of dsv4c.runtime.engine.Engine: it calls the artifact's compiled
+// step (the decode / prefill functions of model.so, through TVM's Relax VM) with the same
+// inputs as runtime/backend_tvm.py, so tokens and logits equal the Python runtime's (see
+// docs/cpp_host.md). Sampling is greedy (argmax, the lowest id wins ties).
 //
 // Errors: every user error is a dsv4c::Error subclass (errors.h) whose what() is the message the
 // Python runtime gives for the same mistake. A tvm::ffi::Error from inside a kernel means a bug.
@@ -64,9 +63,9 @@ struct Result {
 
 class Engine {
  public:
-  /// Loads the artifact directory written by `dsv4c compile --target llvm`: checks the format
-  /// version and the sha256 of every file, loads kernels.so through the TVM runtime and the
-  /// weights, and allocates the KV pool for `options`. Throws ArtifactError / CheckpointError /
+  /// Loads the artifact directory written by `dsv4c compile`: checks the format version and
+  /// the sha256 of every file, opens model.so through the TVM runtime (a GPU artifact on a host
+  /// with that GPU), uploads the weights, and allocates the KV pool for `options`. Throws ArtifactError / CheckpointError /
   /// UsageError with the Python runtime's messages.
   explicit Engine(const std::string& artifact, const EngineOptions& options = {});
   ~Engine();
