@@ -206,9 +206,7 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray],
             out[name] = ("I32", value.astype(np.int32))
         elif name in fp8:
             codes, scales = lowbit.quantize_fp8_blocks(value, 128, "e8m0")
-            scale = lowbit.decode_e8m0(scales).astype(np.float32)
-            if fp8_format == "e4m3fnuz":  # gfx942: keep the bits, double the scale
-                codes, scale = lowbit.e4m3fn_to_fnuz(codes), 2 * scale
+            codes, scale = lowbit.fp8_in_format(codes, lowbit.decode_e8m0(scales), fp8_format)
             per_column = np.repeat(scale, 128, axis=0)[:value.shape[0]]
             out[name] = ("U8", tiles(grouped(name, codes)))
             out[name + ".scale"] = ("F32", tiles(grouped(name, per_column)))
