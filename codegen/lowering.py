@@ -39,6 +39,10 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     """The kernels of one node under a quantization plan (weight formats, pool row formats)."""
     a, op = node.attrs, node.op
     main_kv, index_kv = plan.main_kv.storage, plan.index_kv.storage
+    # The pool rows' byte format, the same for the store kernels that write them and the kernels
+    # that read them: storage, and for low-bit rows the FP8 encoding.
+    index_format = (index_kv,) if index_kv == "fp32" else (index_kv, plan.fp8_format)
+    main_format = (main_kv,) if main_kv == "fp32" else (main_kv, cfg.rope_dim, plan.fp8_format)
 
     def _dense_quant(quant: str) -> str:
         return dense_kernel_quant(quant, plan.fp8_format)
@@ -46,9 +50,10 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     def _store(stream: str, width: int) -> KernelSpec:
         """Writes pool rows in the plan's format (fp32 rows are a plain scatter)."""
         if stream == "index":
-            return _k("store_rows", width, index_kv)
-        return _k("store_rows", width, "fp32") if main_kv == "fp32" else _k("store_main_fp8", width - cfg.rope_dim,
-                                                                              cfg.rope_dim)
+            return _k("store_rows", width, *index_format)
+        if main_kv == "fp32":
+            return _k("store_rows", width, "fp32")
+        return _k("store_main_fp8", width - cfg.rope_dim, cfg.rope_dim, plan.fp8_format)
 
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
     if op in UNSUPPORTED:
@@ -90,13 +95,11 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
                 "norm": _k("rmsnorm", d, a["eps"], True), "rope": _k("rope", 1, d, a["rope_dim"], False),
                 "store": _store(a["stream"], d)}
     if op == "index_score":
-        storage = () if index_kv == "fp32" else (index_kv,)
-        return {"main": _k("index_score", ins[0][1], ins[0][2], *storage)}
+        return {"main": _k("index_score", ins[0][1], ins[0][2], *index_format)}
     if op == "index_topk":
         return {"main": _k("topk_rows", a["k"])}
     if op == "sparse_attn":
-        storage = () if main_kv == "fp32" else (main_kv, cfg.rope_dim)
-        return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *storage)}
+        return {"main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *main_format)}
     if op == "grouped_linear":
         # One matmul per group (the groups are independent projections of the heads).
         g, rows_in = a["groups"], ins[1]

@@ -34,7 +34,7 @@ class PoolLayout:
 class QuantPlan:
     target: str
     numerics: str
-    fp8_format: str  # e4m3fn / e4m3fnuz
+    fp8_format: str  # e4m3fn / e4m3fnuz: dense FP8 weights, the main pool's NoPE codes, FP8 index rows
     weights: dict[str, WeightLayout]  # by checkpoint storage kind (see frontend.checkpoint)
     main_kv: PoolLayout
     index_kv: PoolLayout

@@ -85,6 +85,7 @@ class PoolGeometry:
     index_storage: str
     main_row_bytes: int
     index_row_bytes: int
+    fp8_format: str  # e4m3fn / e4m3fnuz: the main NoPE codes and the FP8 index rows (QuantPlan.fp8_format)
 
     @classmethod
     def build(cls, cfg: ModelConfig, plan: QuantPlan) -> "PoolGeometry":
@@ -112,6 +113,7 @@ class PoolGeometry:
             states=tuple(states), rows_per_envelope=offset, index_rows_per_envelope=index_offset,
             main_storage=plan.main_kv.storage, index_storage=plan.index_kv.storage,
             main_row_bytes=plan.main_kv.row_bytes, index_row_bytes=plan.index_kv.row_bytes,
+            fp8_format=plan.fp8_format,
         )
 
     # ----- derived numbers (one place each)
@@ -168,6 +170,7 @@ class PoolGeometry:
             "index_storage": self.index_storage,
             "main_row_bytes": self.main_row_bytes,
             "index_row_bytes": self.index_row_bytes,
+            "pool_fp8_format": self.fp8_format,
             "bytes_per_token": round(sum(self.bytes_per_token().values()), 3),
             "bytes_per_token_by_plane": {k: round(v, 3) for k, v in self.bytes_per_token().items()},
             "window_rows_per_request": self.window_rows_per_request,
@@ -187,7 +190,7 @@ def _pow2_blocks(x: np.ndarray, block: int, amax_floor: float, qmax: float) -> n
 
 
 class _MainCodec:
-    """Encodes fp32 KV rows into the main planes and back."""
+    """Encodes fp32 KV rows into the main planes and back (FP8 NoPE codes in the plan's fp8 format)."""
 
     def __init__(self, g: PoolGeometry):
         self.g = g
@@ -212,6 +215,7 @@ class _MainCodec:
             nope = values[:, :self.nope]
             scale = _pow2_blocks(nope, 64, lowbit.FP8_AMAX_FLOOR, lowbit.E4M3_MAX)
             codes = lowbit.encode_e4m3fn(np.clip(nope / np.repeat(scale, 64, axis=1), -448, 448))
+            codes, scale = lowbit.fp8_in_format(codes, scale, self.g.fp8_format)
             planes["nope"][rows, :self.nope] = codes
             planes["nope"][rows, self.nope:self.nope + self.n_scales] = lowbit.encode_e8m0(scale)
             planes["rope"][rows] = lowbit.bf16_bits_from_f32(values[:, self.nope:])
@@ -224,7 +228,7 @@ class _MainCodec:
             return lowbit.f32_from_bf16_bits(planes["kv"][rows])
         raw = planes["nope"][rows]
         scale = lowbit.decode_e8m0(raw[:, self.nope:self.nope + self.n_scales])
-        nope = lowbit.decode_e4m3fn(raw[:, :self.nope]) * np.repeat(scale, 64, axis=1)
+        nope = lowbit.decode_fp8(raw[:, :self.nope], self.g.fp8_format) * np.repeat(scale, 64, axis=1)
         return np.concatenate([nope, lowbit.f32_from_bf16_bits(planes["rope"][rows])], axis=1).astype(F32)
 
 
@@ -248,7 +252,9 @@ class _IndexCodec:
             plane[rows, d // 2:] = lowbit.encode_e8m0(scale)
         else:  # fp8 with one fp32 scale per row
             scale = (np.maximum(np.abs(values).max(axis=1), lowbit.FP8_AMAX_FLOOR) / lowbit.E4M3_MAX).astype(F32)
-            plane[rows, :d] = lowbit.encode_e4m3fn(values / scale[:, None])
+            codes, scale = lowbit.fp8_in_format(lowbit.encode_e4m3fn(values / scale[:, None]), scale,
+                                                self.g.fp8_format)
+            plane[rows, :d] = codes
             plane[rows, d:] = scale.view(np.uint8).reshape(-1, 4)
 
     def read(self, plane, rows: np.ndarray) -> np.ndarray:
@@ -260,7 +266,7 @@ class _IndexCodec:
             scale = lowbit.decode_e8m0(raw[:, d // 2:])
             return (lowbit.decode_e2m1(lowbit.unpack_fp4(raw[:, :d // 2])) * np.repeat(scale, 32, axis=1)).astype(F32)
         scale = np.ascontiguousarray(raw[:, d:]).view(F32)[:, 0]
-        return (lowbit.decode_e4m3fn(raw[:, :d]) * scale[:, None]).astype(F32)
+        return (lowbit.decode_fp8(raw[:, :d], self.g.fp8_format) * scale[:, None]).astype(F32)
 
 
 # --------------------------------------------------------------------------- allocator
