@@ -69,7 +69,7 @@ def _cmd_inspect(args) -> int:
 
     print(f"{cfg.name} on {args.target} ({args.numerics}): {cfg.num_layers} layers, "
           f"main KV {encoding(geometry.main_storage)} ({geometry.main_row_bytes} B/row), "
-          f"index KV {encoding(geometry.index_storage)} ({geometry.index_row_bytes} B/row)")
+          f"index KV {encoding(geometry.index_storage)} {geometry.index_layout} ({geometry.index_row_bytes} B/row)")
     rows = [("rows per 256-token envelope", f"{geometry.rows_per_envelope} main + "
              f"{geometry.index_rows_per_envelope} index")]
     for plane, b in geometry.bytes_per_token().items():

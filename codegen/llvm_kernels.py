@@ -20,6 +20,7 @@ from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
 from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, FP8_FORMATS, FP8_SCALE_FACTOR
+from dsv4c.passes.quant_plan import FP4_PRESHUFFLED, ROW_MAJOR, fp4_code_offset, fp4_scale_offset, index_row_bytes_of
 
 
 F32 = "float32"
@@ -745,13 +746,14 @@ def route_weights(n_experts: int, k: int, scale: float):
 
 # --------------------------------------------------------------------------- low-bit pool rows
 #
-# The byte layouts of runtime.kv_pool's codecs (sizes: passes.quant_plan), one pool
+# The byte layouts of runtime.kv_pool's codecs (sizes and layouts: passes.quant_plan), one pool
 # row each, with FP8 codes in the plan's fp8 format (e4m3fn; gfx942: e4m3fnuz, the same bits
 # with doubled scales, see lowbit.fp8_in_format):
 #   main fp8   nope plane u8 [NoPE codes | one E8M0 scale per 64 | padding to 8 bytes]
 #              rope plane u16 [BF16 bits]
 #   index fp8  u8 [codes | one fp32 scale, 4 bytes little-endian]
-#   index fp4  u8 [e2m1 pairs, element 2i in the low nibble | one E8M0 scale per 32]
+#   index fp4  u8 [e2m1 pairs, element 2i in the low nibble | one E8M0 scale per 32], row-major,
+#              or (gfx950) the same bytes in tiles of 64 rows (quant_plan.FP4_PRESHUFFLED)
 # The store kernels write the same bytes as the codecs' numpy writers, the readers below decode
 # to the same float32 values as their numpy readers.
 
@@ -769,18 +771,26 @@ def index_plane_row(dim: int, storage: str) -> tuple[int, str]:
     """(elements per row, dtype) of the index plane for ``storage``."""
     if storage == "fp32":
         return dim, F32
-    if storage == "fp8":
-        return dim + 4, "uint8"
-    if storage == "fp4":
-        if dim % INDEX_FP4_GROUP:
-            raise ValueError(f"fp4 index rows need a multiple of {INDEX_FP4_GROUP} values, got {dim}")
-        return dim // 2 + dim // INDEX_FP4_GROUP, "uint8"
-    raise ValueError(f"unknown index storage {storage!r}: fp32, fp8 or fp4")
+    if storage == "fp4" and dim % INDEX_FP4_GROUP:
+        raise ValueError(f"fp4 index rows need a multiple of {INDEX_FP4_GROUP} values, got {dim}")
+    if storage not in ("fp8", "fp4"):
+        raise ValueError(f"unknown index storage {storage!r}: fp32, fp8 or fp4")
+    return index_row_bytes_of(dim, storage), "uint8"
 
 
 def _check_fp8_format(fp8_format) -> None:
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"low-bit pool rows need the pool's fp8 format, one of {FP8_FORMATS}; got {fp8_format!r}")
+
+
+def _check_index_format(storage: str, fp8_format, layout) -> None:
+    """Low-bit index rows need the pool's fp8 format and index layout; only fp4 rows are shuffled."""
+    if storage == "fp32":
+        return
+    _check_fp8_format(fp8_format)
+    if layout != ROW_MAJOR and (storage, layout) != ("fp4", FP4_PRESHUFFLED):
+        raise ValueError(f"{storage} index rows cannot be laid out {layout!r} (fp8: {ROW_MAJOR}; "
+                         f"fp4: {ROW_MAJOR} or {FP4_PRESHUFFLED})")
 
 
 def _check_main_fp8(nope_dim: int, fp8_format) -> None:
@@ -790,15 +800,27 @@ def _check_main_fp8(nope_dim: int, fp8_format) -> None:
     _check_fp8_format(fp8_format)
 
 
-def index_key(plane, row, d, dim: int, storage: str, fp8_format=None):
+def _fp4_byte(plane, row, byte, dim: int, layout: str, scale: bool):
+    """(plane row, column) of an fp4 index row's code byte ``byte`` (or, ``scale``, its scale
+    ``byte``): the row's own bytes when row-major, else the offset quant_plan's layout gives."""
+    width = index_row_bytes_of(dim, "fp4")
+    if layout == ROW_MAJOR:
+        return row, (dim // 2 + byte if scale else byte)
+    offset = (fp4_scale_offset if scale else fp4_code_offset)(layout, row, byte, plane.shape[0], dim)
+    return offset // width, offset % width
+
+
+def index_key(plane, row, d, dim: int, storage: str, fp8_format=None, layout=None):
     """Value d of index row ``row`` as float32, as _IndexCodec.read decodes it (code times
     scale, one float32 product); fp32 rows are read as they are."""
     if storage == "fp32":
         return plane[row, d]
     if storage == "fp8":
         return DECODE_FP8[fp8_format](plane[row, d]) * decode_f32_le(plane, row, dim)
-    nibble = tirx.shift_right(_u(plane[row, d // 2]), (d % 2) * 4) & 15
-    return decode_e2m1(nibble) * decode_e8m0(plane[row, dim // 2 + d // INDEX_FP4_GROUP])
+    code_at = _fp4_byte(plane, row, d // 2, dim, layout, scale=False)
+    scale_at = _fp4_byte(plane, row, d // INDEX_FP4_GROUP, dim, layout, scale=True)
+    nibble = tirx.shift_right(_u(plane[code_at]), (d % 2) * 4) & 15
+    return decode_e2m1(nibble) * decode_e8m0(plane[scale_at])
 
 
 def main_fp8_value(nope_plane, rope_plane, row, first, lane, nope_dim: int, fp8_format: str):
@@ -853,17 +875,17 @@ def store_main_fp8(nope_dim: int, rope_dim: int, fp8_format: str):
     return f
 
 
-def store_rows(dim: int, storage: str, fp8_format=None):
+def store_rows(dim: int, storage: str, fp8_format=None, layout=None):
     """Pool rows of one plane: plane[rows[i]] = vals[i] in ``storage``: fp32 as they are (main or
     index rows), fp8 / fp4 index rows as the bytes _IndexCodec.write stores in the pool's
-    ``fp8_format``. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not
+    ``fp8_format`` and ``layout``. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not
     a power of two), codes e4m3fn(v / s) in ``fp8_format``, unclipped in the codec: v / s may
     exceed 448 by rounding and then saturates in the encoder as in lowbit; the stored scale is
     s (fnuz: 2 s). fp4: per 32 values s = pow2_ceil(max(amax, 6 * 2**-126) / 6), codes e2m1(v / s)
-    packed in pairs, then the E8M0 scales. Rows must be distinct."""
+    packed in pairs, then the E8M0 scales, at the places ``layout`` gives them. Rows must be
+    distinct."""
     width, dtype = index_plane_row(dim, storage)
-    if storage != "fp32":
-        _check_fp8_format(fp8_format)
+    _check_index_format(storage, fp8_format, layout)
     fp8 = storage == "fp8"
 
     @T.prim_func
@@ -897,8 +919,10 @@ def store_rows(dim: int, storage: str, fp8_format=None):
                         x_high = VALS[i, g * INDEX_FP4_GROUP + 2 * j + 1] / scale[0]
                         low = encode_e2m1(x_low)
                         high = encode_e2m1(x_high)
-                        PLANE[ROWS[i], g * (INDEX_FP4_GROUP // 2) + j] = T.Cast("uint8", low | (high << 4))
-                    PLANE[ROWS[i], dim // 2 + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+                        code_at = _fp4_byte(PLANE, ROWS[i], g * (INDEX_FP4_GROUP // 2) + j, dim, layout, scale=False)
+                        PLANE[code_at[0], code_at[1]] = T.Cast("uint8", low | (high << 4))
+                    scale_at = _fp4_byte(PLANE, ROWS[i], g, dim, layout, scale=True)
+                    PLANE[scale_at[0], scale_at[1]] = T.Cast("uint8", encode_e8m0(scale[0]))
     return f
 
 
@@ -986,14 +1010,14 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     return f
 
 
-def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None):
+def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, layout=None):
     """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0.
     The key rows are index pool rows in ``storage`` (fp32, or fp8 / fp4 bytes in the pool's
-    ``fp8_format``, decoded value by value exactly as _IndexCodec.read does, see index_key)."""
+    ``fp8_format`` and ``layout``, decoded value by value exactly as _IndexCodec.read does, see
+    index_key)."""
     scale = (heads ** -0.5) * (dim ** -0.5)
     width, dtype = index_plane_row(dim, storage)
-    if storage != "fp32":
-        _check_fp8_format(fp8_format)
+    _check_index_format(storage, fp8_format, layout)
 
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
@@ -1015,7 +1039,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None):
                     acc[1] = T.float32(0)
                     for d in range(dim):
                         acc[1] = acc[1] + Q[i // e, h, d] * index_key(PLANE, ROWS[i // e, i % e], d, dim, storage,
-                                                                                 fp8_format)
+                                                                                 fp8_format, layout)
                     acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[i // e, h] * T.float32(scale))
                 OUT[i // e, i % e] = acc[0]
     return f

@@ -40,8 +40,8 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     a, op = node.attrs, node.op
     main_kv, index_kv = plan.main_kv.storage, plan.index_kv.storage
     # The pool rows' byte format, the same for the store kernels that write them and the kernels
-    # that read them: storage, and for low-bit rows the FP8 encoding.
-    index_format = (index_kv,) if index_kv == "fp32" else (index_kv, plan.fp8_format)
+    # that read them: storage, and for low-bit rows the FP8 encoding and the index layout.
+    index_format = (index_kv,) if index_kv == "fp32" else (index_kv, plan.fp8_format, plan.index_kv.layout)
     main_format = (main_kv,) if main_kv == "fp32" else (main_kv, cfg.rope_dim, plan.fp8_format)
 
     def _dense_quant(quant: str) -> str:

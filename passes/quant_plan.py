@@ -57,9 +57,48 @@ def main_row_bytes(cfg: ModelConfig, storage: str) -> int:
 
 
 def index_row_bytes(cfg: ModelConfig, storage: str) -> int:
-    d = cfg.index_head_dim
+    return index_row_bytes_of(cfg.index_head_dim, storage)
+
+
+def index_row_bytes_of(d: int, storage: str) -> int:
     # FP4: packed e2m1 + one E8M0 per 32 (68 B for d=128); FP8: e4m3 + one fp32 scale (132 B).
-    return {"fp4": d // 2 + d // 32, "fp8": d + 4, "fp32": 4 * d}[storage]
+    return {"fp4": d // 2 + d // FP4_GROUP, "fp8": d + 4, "fp32": 4 * d}[storage]
+
+
+# Byte layouts of pool rows (PoolLayout.layout). Every plane is row-major (a row's bytes are
+# contiguous, in the order the codecs describe) except gfx950's FP4 index plane.
+ROW_MAJOR = "row-major"
+MAIN_FP8_LAYOUT = "nope_scales_rope"  # the NoPE plane (codes, E8M0 scales, padding) + the BF16 rope plane
+# gfx950's FP4 index plane is laid out for AITER's paged FP4 MQA-logits kernel
+# (aiter/ops/flydsl/kernels/mqa_logits/pa_mqa_logits_fp4*.py, which ATOM runs for V4's indexer
+# on MI355X): rows in tiles of 64 (one envelope's rows of a ratio-4 CSA layer, that kernel's
+# kv_block_size), all tiles' codes first, then all tiles' scales:
+#   codes  [rows / 64, dim / 32, 64, 16]  16 bytes: the 32 e2m1 codes of one scale group, row-major
+#   scales [rows / 64, dim / 32, 64]      E8M0; the 64 rows interleaved as (row % 16) * 4 + row // 16
+# that is AITER's kv_cache [NB, dim / 128, 4, 64, 16] and kv_scale [NB, dim / 128, 4, 64], back
+# to back in one plane (68 B per row for dim 128, as row-major).
+FP4_PRESHUFFLED = "gfx950_fp4_preshuffled"
+PRESHUFFLE_TILE_ROWS = 64
+FP4_GROUP = 32
+
+
+def fp4_code_offset(layout: str, row, byte, rows, dim: int):
+    """Byte offset, in an FP4 index plane of ``rows`` rows, of packed code byte ``byte`` (of
+    ``dim / 2``) of row ``row``. Integer arithmetic only, so the numpy codec (arrays) and the TIR
+    kernels (expressions) share it."""
+    if layout == ROW_MAJOR:
+        return row * index_row_bytes_of(dim, "fp4") + byte
+    t = PRESHUFFLE_TILE_ROWS
+    return (row // t) * (t * dim // 2) + (byte // 16) * (t * 16) + (row % t) * 16 + byte % 16
+
+
+def fp4_scale_offset(layout: str, row, group, rows, dim: int):
+    """Byte offset, in an FP4 index plane of ``rows`` rows, of E8M0 scale ``group`` (of
+    ``dim / 32``) of row ``row`` (see fp4_code_offset)."""
+    if layout == ROW_MAJOR:
+        return row * index_row_bytes_of(dim, "fp4") + dim // 2 + group
+    t = PRESHUFFLE_TILE_ROWS
+    return rows * (dim // 2) + (row // t) * (t * dim // FP4_GROUP) + group * t + (row % 16) * 4 + (row % t) // 16
 
 
 KV_CACHE_DTYPES = ("auto", "fp32", "fp8")
@@ -99,7 +138,9 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         # FP8 with a per-row scale elsewhere.
         main = "fp8"
         index = "fp4" if target == "gfx950" or (cpu and numerics == "qat") else "fp8"
-    index_layout = "gfx950_fp4_preshuffled" if target == "gfx950" and index == "fp4" else "rowmajor"
+    # gfx950 has an FP4 logits kernel to feed (see FP4_PRESHUFFLED); the CPU's FP4 rows (qat) are
+    # read by our own kernels only.
+    index_layout = FP4_PRESHUFFLED if target == "gfx950" and index == "fp4" else ROW_MAJOR
     nope = cfg.head_dim - cfg.rope_dim
     if main == "fp8" and nope % 64:
         raise UsageError(f"an fp8 KV cache scales NoPE channels in groups of 64, and this model has {nope} "
@@ -112,6 +153,6 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         numerics=numerics,
         fp8_format="e4m3fnuz" if fnuz else "e4m3fn",
         weights=weights,
-        main_kv=PoolLayout(main, main_row_bytes(cfg, main), "nope_scales_rope" if main == "fp8" else "rowmajor"),
+        main_kv=PoolLayout(main, main_row_bytes(cfg, main), MAIN_FP8_LAYOUT if main == "fp8" else ROW_MAJOR),
         index_kv=PoolLayout(index, index_row_bytes(cfg, index), index_layout, hadamard=index == "fp4"),
     )

@@ -87,6 +87,7 @@ def test_pool_geometry_per_target(artifact):
     geometry = manifest["pool_geometry"]
     # The pool format the manifest declares is the one the artifact's pool kernels were built for.
     assert geometry["pool_fp8_format"] == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
+    assert geometry["index_layout"] == ("gfx950_fp4_preshuffled" if target == "gfx950" else "row-major")
     pool_kernels = {symbol for roles in manifest["kernels"]["per_node"] for symbol in roles.values()
                     if symbol.startswith(("store_main_fp8", "store_rows", "index_score", "sparse_attn"))}
     assert len(pool_kernels) == 4

@@ -180,7 +180,7 @@ def test_store_main_fp8_writes_the_codec_bytes(model, target):
 
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])
-@pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])  # index fp8 e4m3fn / e4m3fnuz / fp4
+@pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])  # index fp8 e4m3fn / e4m3fnuz / fp4 preshuffled
 def test_store_rows_writes_the_codec_bytes(model, target):
     pool, mirror = _pool(model, target), _pool(model, target)
     g = pool.geometry
@@ -190,7 +190,7 @@ def test_store_rows_writes_the_codec_bytes(model, target):
     if g.index_storage == "fp8":  # the quotient at row 7's amax is really above 448, and saturates to 0x7E
         assert F32(1.9127556) / (F32(1.9127556) / F32(448)) > 448
     pool.write_index(rows, values)
-    kernel = _kernel("store_rows", g.index_head_dim, g.index_storage, g.fp8_format)
+    kernel = _kernel("store_rows", g.index_head_dim, g.index_storage, g.fp8_format, g.index_layout)
     plane, _, _ = _run(kernel, mirror.index_plane, rows, values)
     assert np.array_equal(plane, pool.index_plane)
 
@@ -221,7 +221,7 @@ def test_index_score_on_lowbit_rows_equals_fp32_on_decoded_rows(model, target):
     decoded = np.zeros((len(pool.index_plane), dim), F32)  # unwritten rows hold random bytes: leave them out
     with np.errstate(over="ignore"):  # fp4 rows of +-3e38 decode to inf: 6 * 2**126 is out of float32 range
         decoded[written] = pool.read_index(written)
-    got = _run(_kernel("index_score", heads, dim, g.index_storage, g.fp8_format), q, w,
+    got = _run(_kernel("index_score", heads, dim, g.index_storage, g.fp8_format, g.index_layout), q, w,
                pool.index_plane, entries, out)[-1]
     want = _run(_kernel("index_score", heads, dim), q, w, decoded, entries, out)[-1]
     assert np.array_equal(got, want, equal_nan=True)  # rows of huge values overflow alike
@@ -309,6 +309,22 @@ def _e8m0_values(codes) -> np.ndarray:
     return np.ascontiguousarray(codes).view(ml_dtypes.float8_e8m0fnu).astype(F32)
 
 
+def _fp4_rows(plane: np.ndarray, layout: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(packed codes [R, dim / 2], E8M0 scales [R, dim / 32]) of every row of an FP4 index plane.
+    gfx950's layout is undone as AITER's op test builds it for pa_mqa_logits_fp4
+    (create_paged_preshuffle_kv_fp4): kv_cache [NB, k_tiles, 4, 64, 16] and kv_scale
+    [NB, k_tiles, 4, 64] with the 64 rows interleaved as 4 x 16 -> 16 x 4, back to back."""
+    if layout == "row-major":
+        return plane[:, :dim // 2], plane[:, dim // 2:]
+    assert layout == "gfx950_fp4_preshuffled"
+    blocks, k_tiles = len(plane) // 64, dim // 128
+    flat = plane.reshape(-1)
+    kv_cache = flat[:len(plane) * dim // 2].reshape(blocks, k_tiles, 4, 64, 16)
+    kv_scale = flat[len(plane) * dim // 2:].reshape(blocks, k_tiles, 4, 16, 4).swapaxes(-1, -2)
+    codes = kv_cache.transpose(0, 3, 1, 2, 4).reshape(len(plane), dim // 2)
+    return codes, kv_scale.reshape(blocks, k_tiles, 4, 64).transpose(0, 3, 1, 2).reshape(len(plane), dim // 32)
+
+
 def _declared_format(target: str, numerics: str, kv_cache_dtype: str, capsys) -> dict:
     assert cli(["inspect", "flash", "--target", target, "--numerics", numerics, "--kv-cache-dtype",
                 kv_cache_dtype, "--json"]) == 0
@@ -328,11 +344,13 @@ def _store_kernels(target: str, numerics: str, kv_cache_dtype: str) -> dict:
     ("sm90", "exact", "auto"), ("gfx942", "exact", "auto"), ("gfx950", "exact", "auto"),
     ("llvm", "exact", "fp8"), ("llvm", "qat", "auto")])  # llvm: FP8 index rows, or (qat) FP4 row-major
 def test_store_kernels_write_what_inspect_declares(target, numerics, kv_cache_dtype, capsys):
-    """The target's store kernels, run on the CPU, write bytes that decode with the FP8 format
-    `inspect --json` names (ml_dtypes as the decoder) to the values the official round trips give."""
+    """The target's store kernels, run on the CPU, write bytes that decode with the FP8 format and
+    index layout `inspect --json` names (ml_dtypes and AITER's layout as the decoders) to the
+    values the official round trips give."""
     declared = _declared_format(target, numerics, kv_cache_dtype, capsys)
-    fp8_format = declared["pool_fp8_format"]
+    fp8_format, layout = declared["pool_fp8_format"], declared["index_layout"]
     assert fp8_format == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
+    assert layout == ("gfx950_fp4_preshuffled" if target == "gfx950" else "row-major")
     stores = _store_kernels(target, numerics, kv_cache_dtype)
     cfg = resolve_model("flash")
     g = PoolGeometry.build(cfg, plan_for(cfg, target, numerics, kv_cache_dtype))
@@ -354,7 +372,7 @@ def test_store_kernels_write_what_inspect_declares(target, numerics, kv_cache_dt
 
     spec = stores["store_rows"]
     assert spec.params[1] == g.index_storage
-    rows = _written_rows(rng, len(pool.index_plane), 70)
+    rows = _written_rows(rng, len(pool.index_plane), 70)  # more than one 64-row tile
     values = _signed_zero_rows(rng, len(rows), d)
     plane = _run(_kernel(spec.factory, *spec.params), pool.index_plane, rows, values)[0]
     if g.index_storage == "fp8":
@@ -363,10 +381,14 @@ def test_store_kernels_write_what_inspect_declares(target, numerics, kv_cache_dt
         fn_scale = np.maximum(np.abs(values).max(axis=1, keepdims=True), F32(1e-4)) / F32(448)
         want = lowbit.decode_e4m3fn(lowbit.encode_e4m3fn(values / fn_scale)) * fn_scale
     else:
-        nibbles = lowbit.unpack_fp4(plane[rows, :d // 2]).view(ml_dtypes.float4_e2m1fn).astype(F32)
-        got = nibbles * np.repeat(_e8m0_values(plane[rows, d // 2:]), 32, axis=1)
+        codes, scales = _fp4_rows(plane, layout, d)
+        nibbles = lowbit.unpack_fp4(codes[rows]).view(ml_dtypes.float4_e2m1fn).astype(F32)
+        got = nibbles * np.repeat(_e8m0_values(scales[rows]), 32, axis=1)
         want = lowbit.fp4_roundtrip(values, 32)
     assert np.array_equal(got, want)
+    unwritten = np.setdiff1d(np.arange(len(pool.index_plane)), rows)
+    if g.index_storage == "fp4":  # the layout put every byte of the written rows where the decoder looked
+        assert not np.any(np.concatenate(_fp4_rows(plane, layout, d), axis=1)[unwritten])
 
 
 # --------------------------------------------------------------------------- GPU builds
