@@ -82,12 +82,18 @@ PRESHUFFLE_TILE_ROWS = 64
 FP4_GROUP = 32
 
 
+def _check_fp4_layout(layout: str) -> None:
+    if layout != FP4_PRESHUFFLED:  # e.g. an artifact's plan from before the layouts were named row-major
+        raise UsageError(f"unknown FP4 index layout {layout!r} ({ROW_MAJOR} or {FP4_PRESHUFFLED}); recompile")
+
+
 def fp4_code_offset(layout: str, row, byte, rows, dim: int):
     """Byte offset, in an FP4 index plane of ``rows`` rows, of packed code byte ``byte`` (of
     ``dim / 2``) of row ``row``. Integer arithmetic only, so the numpy codec (arrays) and the TIR
     kernels (expressions) share it."""
     if layout == ROW_MAJOR:
         return row * index_row_bytes_of(dim, "fp4") + byte
+    _check_fp4_layout(layout)
     t = PRESHUFFLE_TILE_ROWS
     return (row // t) * (t * dim // 2) + (byte // 16) * (t * 16) + (row % t) * 16 + byte % 16
 
@@ -97,6 +103,7 @@ def fp4_scale_offset(layout: str, row, group, rows, dim: int):
     ``dim / 32``) of row ``row`` (see fp4_code_offset)."""
     if layout == ROW_MAJOR:
         return row * index_row_bytes_of(dim, "fp4") + dim // 2 + group
+    _check_fp4_layout(layout)
     t = PRESHUFFLE_TILE_ROWS
     return rows * (dim // 2) + (row // t) * (t * dim // FP4_GROUP) + group * t + (row % 16) * 4 + (row % t) // 16
 

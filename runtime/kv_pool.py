@@ -24,8 +24,7 @@ import numpy as np
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend import lowbit
 from dsv4c.frontend.config import CSA, LayerSpec, ModelConfig
-from dsv4c.passes.quant_plan import (FP4_PRESHUFFLED, PRESHUFFLE_TILE_ROWS, QuantPlan, fp4_code_offset,
-                                     fp4_scale_offset)
+from dsv4c.passes.quant_plan import FP4_PRESHUFFLED, PRESHUFFLE_TILE_ROWS, QuantPlan, fp4_code_offset, fp4_scale_offset
 
 ENVELOPE_TOKENS = 256
 F32 = np.float32
@@ -107,6 +106,11 @@ class PoolGeometry:
             c = 2 if layer.attention == CSA else 1
             states.append(StateShape(layer.index, "main", c * r, c * cfg.head_dim))
             if layer.has_indexer:
+                if plan.index_kv.layout == FP4_PRESHUFFLED and rows % PRESHUFFLE_TILE_ROWS:
+                    # A tile is one layer's rows of one envelope: AITER's block, and whole tiles in every plane.
+                    raise UsageError(f"layer {layer.index}: gfx950's FP4 index tiles hold {PRESHUFFLE_TILE_ROWS} "
+                                     f"rows of one envelope, and compress ratio {r} gives {rows}; "
+                                     "use --kv-cache-dtype fp32")
                 index_offset += rows
                 states.append(StateShape(layer.index, "index", c * r, c * cfg.index_head_dim))
         return cls(
@@ -237,7 +241,8 @@ class _MainCodec:
 
 class _IndexCodec:
     """Encodes fp32 index rows into the index plane and back: FP8 rows row-major, FP4 rows in
-    the plan's layout (row-major, or gfx950's tiles of 64 rows, see quant_plan.FP4_PRESHUFFLED)."""
+    the plan's layout (row-major, or gfx950's tiles of 64 rows, see quant_plan.FP4_PRESHUFFLED;
+    PoolGeometry.build makes every envelope whole tiles)."""
 
     def __init__(self, g: PoolGeometry):
         self.g = g
@@ -245,8 +250,6 @@ class _IndexCodec:
     def allocate(self, rows: int) -> np.ndarray:
         if self.g.index_storage == "fp32":
             return aligned_zeros((rows, self.g.index_head_dim), F32)
-        if self.g.index_layout == FP4_PRESHUFFLED:  # whole tiles only
-            rows = -(-rows // PRESHUFFLE_TILE_ROWS) * PRESHUFFLE_TILE_ROWS
         return aligned_zeros((rows, self.g.index_row_bytes), np.uint8)
 
     def _fp4_offsets(self, plane, rows: np.ndarray) -> np.ndarray:

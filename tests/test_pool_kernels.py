@@ -3,6 +3,7 @@ frontend.lowbit bit for bit, the store kernels write the codecs' bytes, the read
 the codecs' values, the bytes are in the format and layout the plan (and `inspect`) declares,
 and the GPU versions still build."""
 
+import dataclasses
 import functools
 import json
 
@@ -17,11 +18,14 @@ from dsv4c.codegen import llvm_kernels as K
 from dsv4c.codegen.build import llvm_target
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.frontend import lowbit
-from dsv4c.frontend.config import resolve_model
+from dsv4c.errors import UsageError
+from dsv4c.frontend.config import config_from_dict, preset, resolve_model
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.kv_pool import KVPool, PoolGeometry
+
+from parity_configs import PARITY_CONFIGS
 
 F32 = np.float32
 
@@ -389,6 +393,22 @@ def test_store_kernels_write_what_inspect_declares(target, numerics, kv_cache_dt
     unwritten = np.setdiff1d(np.arange(len(pool.index_plane)), rows)
     if g.index_storage == "fp4":  # the layout put every byte of the written rows where the decoder looked
         assert not np.any(np.concatenate(_fp4_rows(plane, layout, d), axis=1)[unwritten])
+
+
+def test_fp4_tiles_are_one_layers_envelope_rows():
+    """gfx950's tiles hold 64 rows of one layer's envelope (AITER's block): a CSA ratio that gives
+    another count is refused with the way out, and a layout the codec does not know is an error
+    rather than another layout's bytes."""
+    cfg = config_from_dict({**PARITY_CONFIGS["mixed_hc4"],
+                            "compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 16}},
+                           "csa8")
+    with pytest.raises(UsageError, match="ratio 8 gives 32; use --kv-cache-dtype fp32"):
+        PoolGeometry.build(cfg, plan_for(cfg, "gfx950"))
+    g = PoolGeometry.build(preset("tiny"), plan_for(preset("tiny"), "gfx950"))
+    assert g.index_layout == "gfx950_fp4_preshuffled" and g.index_rows_per_envelope % 64 == 0
+    stale = KVPool(dataclasses.replace(g, index_layout="rowmajor"), g.window_rows_per_request + g.rows_per_envelope)
+    with pytest.raises(UsageError, match="unknown FP4 index layout 'rowmajor'.*recompile"):
+        stale.write_index(np.arange(3), np.ones((3, g.index_head_dim), F32))
 
 
 # --------------------------------------------------------------------------- GPU builds
