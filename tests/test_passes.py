@@ -145,7 +145,9 @@ def test_golden_quant_plans(model_name, target):
     assert plan["index_kv"]["row_bytes"] == {"gfx950": 68, "gfx942": 132, "sm90": 132}.get(target, 512)
     if target == "gfx950":
         assert plan["weights"]["expert"]["storage"] == "fp4" and plan["index_kv"]["hadamard"]
-        assert plan["index_kv"]["layout"] != "rowmajor"  # layout tag separate from the quant mode
+        assert plan["index_kv"]["layout"] == "gfx950_fp4_preshuffled"  # layout tag separate from the quant mode
+    else:  # the FP4 logits kernel's tiles are gfx950's; every other index plane is row-major
+        assert plan["index_kv"]["layout"] == "row-major"
     if target == "gfx942":
         assert plan["weights"]["expert"] == {"storage": "fp4", "block": (1, 32), "scale": "e8m0", "compute": "bf16"}
     if target != "llvm":
