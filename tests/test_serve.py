@@ -30,6 +30,7 @@ from dsv4c.runtime.serve.text import TextAssembler
 KEY = "test-key"
 EOS = 1  # the tiny preset's eos_token_id
 CONTEXT = 512
+LONG = [12, 13, 14]  # a prompt whose greedy continuation has no EOS in its first 600 tokens (seed-0 tiny model)
 SPECIALS = ["<bos>", "<eos>", "<unk>", "<user>", "<assistant>", "<system>"]  # ids 0..5; <bos> = 0 and <eos> = 1
 CHAT_TEMPLATE = (
     "{% if messages[0].role == 'assistant' %}{{ raise_exception('a conversation starts with a user') }}{% endif %}"
@@ -269,7 +270,7 @@ def test_models_health_and_metrics(server, client):
 
 def _stream(http: httpx.Client, server: Served, max_tokens: int):
     return http.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"prompt": [9, 10, 11], "max_tokens": max_tokens, "temperature": 0, "stream": True})
+                       json={"prompt": LONG, "max_tokens": max_tokens, "temperature": 0, "stream": True})
 
 
 def test_a_client_that_disconnects_is_cancelled(server):
@@ -281,7 +282,7 @@ def test_a_client_that_disconnects_is_cancelled(server):
     server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 0 and m["dsv4c_kv_pool_usage_ratio"] == 0, 5)
     with pytest.raises(httpx.ReadTimeout):  # the same for a client that stops waiting for a whole answer
         httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
-                   json={"prompt": [9, 10, 11], "max_tokens": CONTEXT - 3, "temperature": 0})
+                   json={"prompt": LONG, "max_tokens": CONTEXT - 3, "temperature": 0})
     m = server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 0 and m["dsv4c_kv_pool_usage_ratio"] == 0, 5)
     time.sleep(0.3)
     after = server.metrics()["dsv4c_generation_tokens_total"]
@@ -319,18 +320,26 @@ def test_a_model_without_tokenizer_serves_token_ids_and_stops_on_sigterm(artifac
             with pytest.raises(openai.BadRequestError, match="has no tokenizer.json"):
                 call()
 
-        # SIGTERM while a request streams: it runs to its end, then the server exits 0.
+        # SIGTERM while a request streams: no new connections, the stream runs to its end, exit 0.
         events = []
-        stream = plain.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=200, temperature=0,
-                                          stream=True)
+        stream = plain.completions.create(model="tiny", prompt=LONG, max_tokens=500, temperature=0, stream=True)
         reader = threading.Thread(target=lambda: events.extend(stream))
         reader.start()
         served.wait_metrics(lambda m: m["dsv4c_generation_tokens_total"] > 8)
         served.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                httpx.get(f"{served.url}/health", timeout=1)
+            except httpx.ConnectError:
+                break
+            assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+            time.sleep(0.05)
+        assert reader.is_alive()
         assert served.proc.wait(60) == 0
         reader.join(10)
         ids = [t for e in events for t in e.choices[0].token_ids]
-        assert events[-1].choices[0].finish_reason in ("stop", "length") and (len(ids) == 200 or ids[-1] == EOS)
+        assert events[-1].choices[0].finish_reason == "length" and len(ids) == 500
         assert "stopped" in served.stderr.read_text()
 
 
