@@ -29,8 +29,7 @@ from dsv4c.runtime.serve.text import TextAssembler
 
 KEY = "test-key"
 EOS = 1  # the tiny preset's eos_token_id
-CONTEXT = 512
-LONG = [12, 13, 14]  # a prompt whose greedy continuation has no EOS in its first 600 tokens (seed-0 tiny model)
+CONTEXT = 2048
 SPECIALS = ["<bos>", "<eos>", "<unk>", "<user>", "<assistant>", "<system>"]  # ids 0..5; <bos> = 0 and <eos> = 1
 CHAT_TEMPLATE = (
     "{% if messages[0].role == 'assistant' %}{{ raise_exception('a conversation starts with a user') }}{% endif %}"
@@ -234,6 +233,7 @@ GOOD = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
     ("POST", "/v1/completions", {**GOOD, "frobnicate": True}, None, 400, "unknown option 'frobnicate'"),
     ("POST", "/v1/completions", {**GOOD, "prompt": ["w6", "w7"]}, None, 400, "batched prompts"),
     ("POST", "/v1/completions", {**GOOD, "stop": [""]}, None, 400, "'stop'"),
+    ("POST", "/v1/completions", {**GOOD, "ignore_eos": "yes"}, None, 400, "'ignore_eos' must be true or false"),
     ("POST", "/v1/completions", {"max_tokens": 2}, None, 400, "'prompt' is required"),
     ("POST", "/v1/chat/completions", {"model": "tiny"}, None, 400, "'messages'"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None,
@@ -270,7 +270,8 @@ def test_models_health_and_metrics(server, client):
 
 def _stream(http: httpx.Client, server: Served, max_tokens: int):
     return http.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"prompt": LONG, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+                       json={"prompt": [12, 13, 14], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                             "ignore_eos": True})
 
 
 def test_a_client_that_disconnects_is_cancelled(server):
@@ -281,8 +282,8 @@ def test_a_client_that_disconnects_is_cancelled(server):
         assert server.metrics()["dsv4c_requests_running"] == 1
     server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 0 and m["dsv4c_kv_pool_usage_ratio"] == 0, 5)
     with pytest.raises(httpx.ReadTimeout):  # the same for a client that stops waiting for a whole answer
-        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5,
-                   json={"prompt": LONG, "max_tokens": CONTEXT - 3, "temperature": 0})
+        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                   json={"prompt": [12, 13, 14], "max_tokens": CONTEXT - 3, "temperature": 0, "ignore_eos": True})
     m = server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 0 and m["dsv4c_kv_pool_usage_ratio"] == 0, 5)
     time.sleep(0.3)
     after = server.metrics()["dsv4c_generation_tokens_total"]
@@ -322,7 +323,8 @@ def test_a_model_without_tokenizer_serves_token_ids_and_stops_on_sigterm(artifac
 
         # SIGTERM while a request streams: no new connections, the stream runs to its end, exit 0.
         events = []
-        stream = plain.completions.create(model="tiny", prompt=LONG, max_tokens=500, temperature=0, stream=True)
+        stream = plain.completions.create(model="tiny", prompt=[12, 13, 14], max_tokens=500, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True})
         reader = threading.Thread(target=lambda: events.extend(stream))
         reader.start()
         served.wait_metrics(lambda m: m["dsv4c_generation_tokens_total"] > 8)

@@ -98,7 +98,7 @@ class Server:
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=opts.temperature, top_p=opts.top_p,
                                     seed=opts.seed if opts.seed is not None else secrets.randbits(63),
-                                    stop_token_ids=self.eos)
+                                    stop_token_ids=() if opts.ignore_eos else self.eos)
         except UsageError as e:
             raise bad_request(str(e)) from None
         try:
@@ -150,7 +150,8 @@ class Server:
                         yield delta, ids, "stop"
                         return
             if update.done:
-                yield delta + (text.flush() if text is not None else ""), ids, "stop" if last in self.eos else "length"
+                finish = "stop" if last in gen.params.stop_token_ids else "length"
+                yield delta + (text.flush() if text is not None else ""), ids, finish
                 return
             yield delta, ids, None
 

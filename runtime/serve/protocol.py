@@ -38,7 +38,7 @@ NEUTRAL = {
 }
 # Options that only describe a request; accepted and ignored.
 LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class GenerationOptions:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool  # vLLM's extension: generate past EOS, up to max_tokens (benchmarks, tests)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -113,7 +114,9 @@ def _generation_options(body: dict, max_tokens: int | None) -> GenerationOptions
     stream_options = _field(body, "stream_options", lambda v: isinstance(v, dict) and set(v) <= {"include_usage"},
                             'an object like {"include_usage": true}', {})
     include_usage = _field(stream_options, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
-    return GenerationOptions(max_tokens, float(temperature), float(top_p), seed, stop, stream, include_usage)
+    ignore_eos = _field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
+    return GenerationOptions(max_tokens, float(temperature), float(top_p), seed, stop, stream, include_usage,
+                             ignore_eos)
 
 
 def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
