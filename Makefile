@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# torch==2.13.0 resolves to the CPU build on the build machines' local index; see pyproject.toml.
 	# setuptools ends every editable install with an informational "Editable installation."
 	# warning (pypa/packaging-problems#558) that pip shows for local projects; only that one is muted.
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test,tvm,tokenizer]'
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test,tvm,tokenizer,serve]'
 	touch $@
 
 demo: $(STAMP)

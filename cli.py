@@ -194,6 +194,14 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from dsv4c.runtime.serve.app import serve
+
+    return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
+                 max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
+                 shutdown_timeout=args.shutdown_timeout)
+
+
 KV_HELP = ("KV pool row format: fp8 (FP8 NoPE + BF16 rope rows, FP8 or FP4 index rows), fp32, or auto (the "
            "target's default: fp32 for exact numerics on llvm, fp8 on GPUs)")
 
@@ -254,6 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, help="feed the prompt in chunks of at most this many tokens")
     p.add_argument("--logits-out", help="save float32 logits [prompt_len + N, vocab] to this .npy file")
     p.set_defaults(run=_cmd_generate)
+
+    p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
+    p.add_argument("artifact", help="artifact directory written by `dsv4c compile`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument("--max-requests", type=int, default=8, help="requests run at once, in one batch (default 8)")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="most tokens (prompt + generated) of one request; sizes the KV pool (default 4096)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that wait for a place beyond --max-requests; more get 503 (default 64)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT / SIGTERM, seconds running requests get to finish before they are "
+                        "cancelled (default 30)")
+    p.set_defaults(run=_cmd_serve)
 
     p = sub.add_parser("inspect", help="KV pool geometry, memory budget and quantization plan of a model")
     p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")

@@ -81,8 +81,10 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 stored = {**weight_layout(program, weights, plan.fp8_format), **step_constants(program)}
             write_safetensors(tmp / "weights.safetensors", stored)
         (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
-        if Path(model).is_dir() and (Path(model) / "tokenizer.json").is_file():
-            shutil.copyfile(Path(model) / "tokenizer.json", tmp / "tokenizer.json")
+        # tokenizer_config.json carries the chat template `dsv4c serve` renders chat requests with.
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if Path(model).is_dir() and (Path(model) / name).is_file():
+                shutil.copyfile(Path(model) / name, tmp / name)
         entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
                                  "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
         kernels, vm = {}, None

@@ -9,6 +9,7 @@
       kernels.so             compiled kernels (TVM targets only)
       program.json           the IR program the runtime executes
       tokenizer.json         copied from the model directory when it has one
+      tokenizer_config.json  copied likewise (its chat_template serves chat requests)
 
 Written into a temporary sibling directory and renamed at the end, so an interrupted
 compile leaves no artifact. A killed compile cannot remove its temporary directory; the next

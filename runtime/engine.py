@@ -185,11 +185,27 @@ class Engine:
         while self.step():
             pass
 
-    def result(self, rid: int) -> Result:
+    def _request(self, rid: int) -> Request:
         if rid not in self.requests:
             raise UsageError(f"no request {rid} in this engine (already collected, or never submitted)")
-        r = self.requests.pop(rid)
+        return self.requests[rid]
+
+    def result(self, rid: int) -> Result:
+        r = self._request(rid)
+        del self.requests[rid]
         return Result(r.generated, np.stack(r.logits).astype(np.float32) if r.record_logits else None)
+
+    def is_finished(self, rid: int) -> bool:
+        """Whether the request is complete, so that ``result(rid)`` returns all of it."""
+        return self._request(rid).finished
+
+    def cancel(self, rid: int) -> None:
+        """Stop a request wherever it is (waiting, prefilling, decoding) and forget it: its pool rows are
+        freed at once, and the steps that follow no longer include it."""
+        self._request(rid)
+        del self.requests[rid]
+        if rid in self.pool.requests:
+            self.pool.free(rid)
 
     def generate(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
                  record_logits: bool = False) -> Result:

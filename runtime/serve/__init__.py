@@ -1,0 +1,18 @@
+"""``dsv4c serve``: an OpenAI-compatible HTTP server on the engine.
+
+* :mod:`.protocol` checks OpenAI request bodies and shapes the responses;
+* :mod:`.text` renders chat templates and turns generated tokens into text, cut at stop strings;
+* :mod:`.engine_loop` owns the :class:`~dsv4c.runtime.engine.Engine` in one thread that runs
+  continuous batching, and keeps the Prometheus metrics;
+* :mod:`.app` is the FastAPI application and the uvicorn server around it.
+"""
+
+from dsv4c.errors import UsageError
+
+try:
+    import fastapi  # noqa: F401
+    import jinja2  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import uvicorn  # noqa: F401
+except ModuleNotFoundError as e:
+    raise UsageError(f"`dsv4c serve` needs the {e.name} package: pip install 'dsv4c[serve]'") from None

@@ -1,0 +1,230 @@
+"""One thread owns the engine and runs continuous batching for every HTTP request.
+
+HTTP handlers run on the asyncio event loop and never touch the engine: they post submissions
+and cancellations to the engine thread's inbox, which it takes between steps (so requests join
+and leave the batch between steps), and it hands back each step's new tokens in one callback on
+the event loop. When the pool already holds ``max_requests`` requests, submitted ones wait inside
+the engine, in arrival order; beyond ``max_waiting`` of them the server answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dsv4c.errors import UsageError
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.kv_pool import KVPool
+from dsv4c.runtime.sampling import SamplingParams
+
+
+def pool_usage_ratio(pool: KVPool) -> float:
+    """Rows held by requests (their envelopes and window slots) over the pool's rows."""
+    g = pool.geometry
+    held = sum(len(r.blocks) * g.rows_per_envelope + g.window_rows_per_request for r in pool.requests.values())
+    return held / pool.total_rows
+
+
+class ServerMetrics:
+    """The Prometheus metrics of one server (names are a contract with dashboards), in their own registry."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("dsv4c_requests_running", "Requests holding pool rows (prefilling or decoding)",
+                             registry=r)
+        self.waiting = Gauge("dsv4c_requests_waiting", "Requests accepted and waiting for room in the pool",
+                             registry=r)
+        self.pool_usage = Gauge("dsv4c_kv_pool_usage_ratio", "KV pool rows held by requests / all pool rows",
+                                registry=r)
+        self.prompt_tokens = Counter("dsv4c_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("dsv4c_generation_tokens", "Generated tokens", registry=r)
+        self.time_to_first_token = Histogram(
+            "dsv4c_time_to_first_token_seconds", "From a request's arrival to its first generated token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.inter_token_latency = Histogram(
+            "dsv4c_inter_token_latency_seconds", "Between consecutive generated tokens of a request",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+
+
+class QueueFull(Exception):
+    """Every running and waiting place is taken."""
+
+
+class EngineStopped(Exception):
+    """The engine thread is not running (stopped, or failed: see its ``failure``)."""
+
+
+@dataclass
+class Update:
+    tokens: list[int]  # new since the last update
+    done: bool  # no more tokens will come
+    failure: BaseException | None = None  # the engine thread failed; the request is over
+
+
+class Generation:
+    """One request, shared by its HTTP handler (event loop) and the engine thread."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+        self.prompt, self.params = prompt, params
+        self.arrival = time.perf_counter()
+        self.submitted = loop.create_future()  # None once in the engine, or the UsageError that refused it
+        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.done = False  # the last update was delivered (event loop)
+        self.closed = False  # the handler let go of it (event loop)
+        self.rid: int | None = None  # engine thread
+        self.last_token_at: float | None = None  # engine thread
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_waiting: int):
+        self.engine, self.metrics = engine, metrics
+        self.capacity = engine.max_requests + max_waiting
+        self.open_count = 0  # generations opened and not closed (event loop)
+        self.failure: BaseException | None = None
+        self._inbox: collections.deque[tuple[str, Generation]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._live: dict[int, Generation] = {}  # by engine request id (engine thread)
+        self._fresh: dict[Generation, list[int]] = {}  # tokens of the current step (engine thread)
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="dsv4c-engine", daemon=True)
+
+    # ------------------------------------------------------------------ event loop side
+    def start(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        self._event_loop = event_loop
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel what is left and end the thread (blocks until it has)."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._fail_all(EngineStopped("the server shut down before this request finished"))  # posted since
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def open(self, prompt: list[int], params: SamplingParams) -> Generation:
+        if not self.alive:
+            raise EngineStopped(f"the engine is not running ({self.failure!r})" if self.failure
+                                else "the server is shutting down")
+        if self.open_count >= self.capacity:
+            raise QueueFull(f"{self.open_count} requests are running or waiting, the most this server queues")
+        gen = Generation(prompt, params, self._event_loop)
+        self.open_count += 1
+        self._post("submit", gen)
+        return gen
+
+    def close(self, gen: Generation) -> None:
+        """The handler is done with ``gen`` (finished, failed or its client left); cancels it if it still runs."""
+        if gen.closed:
+            return
+        gen.closed = True
+        self.open_count -= 1
+        if not gen.done:
+            self._post("cancel", gen)
+
+    def _post(self, what: str, gen: Generation) -> None:
+        self._inbox.append((what, gen))
+        self._wake.set()
+
+    def _deliver(self, batch: list[tuple[Generation, Update]]) -> None:
+        for gen, update in batch:
+            gen.done = update.done
+            gen.updates.put_nowait(update)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, error: Exception | None) -> None:
+        if future.done():  # its handler was cancelled while waiting
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                # Cleared before the inbox is read: a post after this line sets it again, so none is missed.
+                self._wake.clear()
+                self._take_inbox()
+                if self._stopping:
+                    break
+                stepped = self.engine.step() if self._live else False
+                self._publish()
+                if not stepped:
+                    self._wake.wait()
+        except BaseException as e:  # a bug, not a bad request: those are refused before they reach a step
+            self.failure = e
+            traceback.print_exc(file=sys.stderr)
+            self._fail_all(e)
+            return
+        for rid in self._live:
+            self.engine.cancel(rid)
+        self._fail_all(EngineStopped("the server shut down before this request finished"))
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            what, gen = self._inbox.popleft()
+            if what == "cancel":
+                if gen.rid in self._live:
+                    self.engine.cancel(gen.rid)
+                    del self._live[gen.rid]
+                    self._fresh.pop(gen, None)
+            elif not gen.closed:
+                try:
+                    gen.rid = self.engine.submit(gen.prompt, gen.params, on_token=self._on_token)
+                except UsageError as e:
+                    self._event_loop.call_soon_threadsafe(self._resolve, gen.submitted, e)
+                    continue
+                self._live[gen.rid] = gen
+                self.metrics.prompt_tokens.inc(len(gen.prompt))
+                self._event_loop.call_soon_threadsafe(self._resolve, gen.submitted, None)
+
+    def _on_token(self, rid: int, token: int) -> None:
+        gen, now = self._live[rid], time.perf_counter()
+        if gen.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - gen.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - gen.last_token_at)
+        gen.last_token_at = now
+        self.metrics.generation_tokens.inc()
+        self._fresh.setdefault(gen, []).append(token)
+
+    def _publish(self) -> None:
+        """Hand this step's tokens and finished requests to the event loop, in one callback."""
+        updates = {gen: Update(tokens, done=False) for gen, tokens in self._fresh.items()}
+        self._fresh = {}
+        for rid in [rid for rid in self._live if self.engine.is_finished(rid)]:
+            gen = self._live.pop(rid)
+            self.engine.result(rid)  # the tokens went out through on_token; this forgets the request
+            updates.setdefault(gen, Update([], done=True)).done = True
+        if updates:
+            self._event_loop.call_soon_threadsafe(self._deliver, list(updates.items()))
+        pool = self.engine.pool
+        self.metrics.running.set(len(pool.requests))
+        self.metrics.waiting.set(len(self._live) - len(pool.requests))
+        self.metrics.pool_usage.set(pool_usage_ratio(pool))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every request still here with ``error``: running ones through their updates, those not
+        yet submitted through their ``submitted`` future."""
+        for gen in self._live.values():
+            self._event_loop.call_soon_threadsafe(self._deliver, [(gen, Update([], done=True, failure=error))])
+        self._live.clear()
+        while self._inbox:
+            what, gen = self._inbox.popleft()
+            if what == "submit":
+                self._event_loop.call_soon_threadsafe(self._resolve, gen.submitted, EngineStopped(str(error)))
+        self.metrics.running.set(0)
+        self.metrics.waiting.set(0)
