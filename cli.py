@@ -13,11 +13,11 @@ from dsv4c.errors import DsvError
 
 
 def _cmd_make_tiny(args) -> int:
-    from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+    from dsv4c.frontend.checkpoint import iter_random_weights, write_checkpoint
     from dsv4c.frontend.config import load_config, preset
 
     cfg = load_config(args.config) if args.config else preset("tiny")
-    out = write_checkpoint(cfg, random_weights(cfg, args.seed), args.out, progress=sys.stderr.isatty())
+    out = write_checkpoint(cfg, iter_random_weights(cfg, args.seed), args.out, progress=sys.stderr.isatty())
     print(f"wrote a random {cfg.name} model (seed {args.seed}, {cfg.num_layers} layers) to {out}")
     return 0
 
