@@ -500,20 +500,6 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | No
         return {name: source.read_all() for name, source in items}
 
 
-def ir_weights(official: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Official-name tensors by their IR names: per-expert projections stacked in expert order."""
-    out: dict[str, np.ndarray] = {}
-    stacks: dict[str, list[np.ndarray]] = {}
-    for name, value in official.items():  # the inventory lists experts in order
-        ir = _ir_name(name)
-        if ir != name:
-            stacks.setdefault(ir, []).append(value)
-        else:
-            out[name] = value
-    out.update({ir: np.stack(parts) for ir, parts in stacks.items()})
-    return out
-
-
 def _ir_name(official: str) -> str:
     """``layers.3.ffn.experts.5.w1.weight`` -> ``layers.3.ffn.experts.w1``; others unchanged."""
     m = re.match(r"^(.*\.ffn\.experts)\.\d+\.(w[123])\.weight$", official)

@@ -112,6 +112,18 @@ def _tamper_weights(art: Path) -> None:
         f.write(b"\x01\x02\x03")
 
 
+def _truncate_weights(art: Path) -> None:
+    weights = art / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def _corrupt_weights_header(art: Path) -> None:
+    weights = art / "weights.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[8:10] = b"[}"  # same size: the header is no longer JSON
+    weights.write_bytes(bytes(blob))
+
+
 def _set_version(version):
     def edit(art: Path) -> None:
         manifest = json.loads((art / "manifest.json").read_text())
@@ -120,14 +132,18 @@ def _set_version(version):
     return edit
 
 
+# Each breakage, and whether the run asks for the full sha256 check (--verify).
 BREAKAGES = {
     "tampered-weights": _tamper_weights,
+    "truncated-weights": _truncate_weights,
+    "corrupt-weights-header": _corrupt_weights_header,
     "missing-file": lambda art: (art / "program.json").unlink(),
     "no-manifest": lambda art: (art / "manifest.json").unlink(),
     "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
     "manifest-not-an-object": lambda art: (art / "manifest.json").write_text("[1]"),
-    **{f"version-{v!r}": _set_version(v) for v in (2, 2.5, 1e16, "1", None, [1, 2], {"it's": "x"})},
+    **{f"version-{v!r}": _set_version(v) for v in (1, 3, True, 2.5, 1e16, "2", None, [1, 2], {"it's": "x"})},
 }
+VERIFIED = {"tampered-weights"}  # found only by hashing
 
 
 @pytest.mark.parametrize("breakage", [None, *BREAKAGES], ids=["missing-artifact", *BREAKAGES])
@@ -139,9 +155,10 @@ def test_host_errors_are_the_python_cli_errors(cpp, tmp_path, capsys, breakage):
         BREAKAGES[breakage](target)
     # Messages name the artifact as pathlib prints it: "//" and a trailing "/" are normalised.
     path = f"{tmp_path}//art/"
-    assert cli(["generate", path, "--token-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    args = ["--token-ids", "1,2", "--max-new-tokens", "2", *(["--verify"] if breakage in VERIFIED else [])]
+    assert cli(["generate", path, *args]) == 2
     expected = capsys.readouterr().err
-    done = _host(build, path, "--token-ids", "1,2", "--max-new-tokens", "2")
+    done = _host(build, path, *args)
     assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
     assert expected.startswith(f"dsv4c: error: {tmp_path}/art") and expected.count("\n") == 1
 
@@ -173,6 +190,15 @@ def test_host_usage_errors_are_the_python_cli_errors(cpp, capsys, argv):
     expected = capsys.readouterr().err
     done = _host(build, art, *argv)
     assert (done.returncode, done.stderr) == (2, expected)
+
+
+def test_tampering_goes_unseen_without_verify_in_both(cpp, tmp_path, capsys):
+    build, art = cpp
+    target = Path(shutil.copytree(art, tmp_path / "art"))
+    _tamper_weights(target)
+    assert cli(["generate", str(target), "--token-ids", "1,2", "--max-new-tokens", "2"]) == 0
+    done = _host(build, target, "--token-ids", "1,2", "--max-new-tokens", "2")
+    assert (done.returncode, done.stdout) == (0, capsys.readouterr().out)
 
 
 # --------------------------------------------------------------------------- KV pool conformance
