@@ -72,18 +72,18 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
                                      "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
             with ThreadPoolExecutor(1, thread_name_prefix="dsv4c-kernels") as builder:
-                kernels = None
+                building = None
                 if target != "reference":
                     from dsv4c.codegen.build import build_kernels
 
                     # Alongside the weights: the build spends most of its time in TVM / LLVM,
                     # which release the GIL. Only one progress bar: the weights' when there are any.
-                    kernels = builder.submit(build_kernels, program, plan, tmp, progress and sources is None)
+                    building = builder.submit(build_kernels, program, plan, tmp, progress and sources is None)
                 report = None
                 if sources is not None:
                     layouts = weight_layouts(program, target, plan.fp8_format)
                     report = convert_weights(layouts, sources, tmp, shard_bytes or SHARD_BYTES, progress=progress)
-                kernels = kernels.result() if kernels is not None else {}
+                kernels = building.result() if building is not None else {}
             import tvm
 
             write_manifest(tmp, {

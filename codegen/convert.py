@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4c.codegen.lowering import WeightLayout
-from dsv4c.errors import CheckpointError
 from dsv4c.frontend.checkpoint import RowSource
 from dsv4c.frontend.safetensors_io import STORAGE_DTYPES, SafetensorsWriter
 from dsv4c.runtime.artifact import WEIGHTS_INDEX
@@ -65,10 +64,6 @@ def convert_weights(layouts: dict[str, WeightLayout], sources: dict[str, RowSour
     as safetensors shards of at most ``shard_bytes`` plus the index :data:`WEIGHTS_INDEX`
     (``{"metadata": {"total_size"}, "weight_map": {tensor: file}}``)."""
     start_time = time.perf_counter()
-    for name, layout in layouts.items():
-        if tuple(sources[name].shape) != layout.shape:
-            raise CheckpointError(f"weight {name} has shape {list(sources[name].shape)} in the checkpoint; the "
-                                  f"program expects {list(layout.shape)}")
     shards: list[list[WeightLayout]] = [[]]
     size = 0
     for layout in layouts.values():  # program order: a layer's weights stay together
