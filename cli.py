@@ -14,11 +14,11 @@ from dsv4c.targets import COMPILED_TARGETS, TARGETS
 
 
 def _cmd_make_tiny(args) -> int:
-    from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+    from dsv4c.frontend.checkpoint import iter_random_weights, write_checkpoint
     from dsv4c.frontend.config import load_config, preset
 
     cfg = load_config(args.config) if args.config else preset("tiny")
-    out = write_checkpoint(cfg, random_weights(cfg, args.seed), args.out, progress=sys.stderr.isatty())
+    out = write_checkpoint(cfg, iter_random_weights(cfg, args.seed), args.out, progress=sys.stderr.isatty())
     print(f"wrote a random {cfg.name} model (seed {args.seed}, {cfg.num_layers} layers) to {out}")
     return 0
 
@@ -169,7 +169,7 @@ def _cmd_generate(args) -> int:
     # Size the pool for this request: a text prompt has at most one token per character (+ specials).
     prompt_bound = len(args.token_ids) if args.token_ids is not None else len(args.prompt) + 16
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
-                    max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1))
+                    max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify)
     prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
@@ -200,6 +200,15 @@ def _cmd_serve(args) -> int:
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout)
+
+
+def _cmd_verify(args) -> int:
+    from dsv4c.runtime.artifact import read_manifest, verify_artifact
+
+    manifest = read_manifest(args.artifact)
+    checked = verify_artifact(args.artifact, manifest)
+    print(f"{args.artifact}: {len(manifest['files'])} files, {checked / 1e9:.2f} GB, match their sha256")
+    return 0
 
 
 KV_HELP = ("KV pool row format: fp8 (FP8 NoPE + BF16 rope rows, FP8 or FP4 index rows), fp32, or auto (the "
@@ -261,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-token-ids", type=_token_ids, help="stop after any of these ids")
     p.add_argument("--prefill-chunk", type=int, help="feed the prompt in chunks of at most this many tokens")
     p.add_argument("--logits-out", help="save float32 logits [prompt_len + N, vocab] to this .npy file")
+    p.add_argument("--verify", action="store_true",
+                   help="check every artifact file against its sha256 first (reads every byte; `dsv4c verify` alone)")
     p.set_defaults(run=_cmd_generate)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
@@ -277,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGINT / SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default 30)")
     p.set_defaults(run=_cmd_serve)
+
+    p = sub.add_parser("verify", help="check every file of an artifact against the sha256 in its manifest")
+    p.add_argument("artifact", help="artifact directory written by `dsv4c compile`")
+    p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("inspect", help="KV pool geometry, memory budget and quantization plan of a model")
     p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")

@@ -1,49 +1,53 @@
-"""``dsv4c compile``: trace, run the pass pipeline, lay out weights, build kernels, write the artifact."""
+"""``dsv4c compile``: trace, run the pass pipeline, build kernels while the weights stream into
+the artifact, write the manifest."""
 
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
-
-import numpy as np
 
 from dsv4c import __version__
 from dsv4c.errors import UsageError
-from dsv4c.frontend.checkpoint import ir_weights, load_weights, random_weights
+from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, write_checkpoint
 from dsv4c.frontend.config import ModelConfig, resolve_model
-from dsv4c.frontend.safetensors_io import write_safetensors
 from dsv4c.frontend.trace import trace
-from dsv4c.ir.core import Program
 from dsv4c.ir.serialize import program_to_json
-from dsv4c.passes.merge_projections import base_weight_names, materialize_weights
+from dsv4c.passes.merge_projections import base_weight_names, weight_sources
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.runtime.artifact import staging, write_manifest
+from dsv4c.frontend.safetensors_io import write_safetensors
+from dsv4c.ir.core import Program
+from dsv4c.runtime.artifact import WEIGHTS_INDEX, staging, write_manifest
 from dsv4c.runtime.kv_pool import PoolGeometry
 from dsv4c.targets import target_info
 
+CONSTANTS = "constants.safetensors"  # the compiled step's constants (see step_constants)
 
-def _weights_for(cfg: ModelConfig, model: str, program: Program, no_weights: bool, progress: bool):
-    """Checkpoint weights by their IR names (routed experts stacked), or None."""
-    if no_weights:
-        return None
-    names = base_weight_names(program)
+
+def _checkpoint_dir(cfg: ModelConfig, model: str, stack: ExitStack) -> Path:
+    """The checkpoint directory to read weights from."""
     if Path(model).is_dir():
-        return load_weights(cfg, model, names, progress=progress)
+        return Path(model)
     if model == "tiny":
-        # The built-in tiny preset compiles with the same weights `dsv4c make-tiny --seed 0` writes.
-        weights = ir_weights(random_weights(cfg, 0))
-        return {k: v for k, v in weights.items() if k in names}
+        # The built-in tiny preset compiles with the weights `dsv4c make-tiny --seed 0` writes.
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsv4c-tiny-")))
+        return write_checkpoint(cfg, iter_random_weights(cfg, 0), tmp / "model")
     raise UsageError(f"model {model!r} has no weights here; pass a model directory, or --no-weights to compile "
                      "the structure only")
 
 
-def step_constants(program: Program) -> dict[str, tuple[str, np.ndarray]]:
+def step_constants(program: Program) -> dict:
     """The constant tensors the compiled step takes beside the weights: both rope frequency
     tables (computed once, here, so every runtime uses the same bits) and ones vectors for
     the unweighted norms (their kernels share the weighted signature)."""
+    import numpy as np
+
     from dsv4c.codegen.relax_step import constant_names
 
     cfg = program.config
@@ -53,61 +57,80 @@ def step_constants(program: Program) -> dict[str, tuple[str, np.ndarray]]:
     for name in constant_names(program):
         if name in tables:
             out[name] = ("F32", np.ascontiguousarray(tables[name], np.float32))
-        elif name.startswith("const.ones."):
+        else:
             out[name] = ("F32", np.ones(int(name.rsplit(".", 1)[1]), np.float32))
     return out
 
 
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
-                  kv_cache_dtype: str = "auto") -> Path:
+                  kv_cache_dtype: str = "auto", shard_bytes: int | None = None) -> Path:
+    """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
+    in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
+    caps each weight file (default 4 GiB)."""
     info = target_info(target)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
     program = run_pipeline(trace(cfg, numerics), passes)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
-    weights = _weights_for(cfg, model, program, no_weights, progress)
-    if weights is not None:
-        weights = materialize_weights(program, weights)
-    with staging(out, log) as tmp:
-        if weights is not None:
-            if not info.compiled:
-                stored = {k: ("F32", np.ascontiguousarray(v, np.float32)) if v.dtype.kind == "f"
-                          else ("I64", v.astype(np.int64)) for k, v in weights.items()}
-            else:
-                from dsv4c.codegen.lowering import weight_layout
+    from dsv4c.codegen.convert import SHARD_BYTES, convert_weights
+    from dsv4c.codegen.lowering import weight_layouts
 
-                stored = {**weight_layout(program, weights, plan.fp8_format), **step_constants(program)}
-            write_safetensors(tmp / "weights.safetensors", stored)
-        (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
-        # tokenizer_config.json carries the chat template `dsv4c serve` renders chat requests with.
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if Path(model).is_dir() and (Path(model) / name).is_file():
-                shutil.copyfile(Path(model) / name, tmp / name)
-        entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
-                                 "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
-        kernels, vm = {}, None
-        if info.compiled:
-            from dsv4c.codegen.build import build_step
+    with ExitStack() as stack:
+        sources = None
+        if not no_weights:
+            ckpt = stack.enter_context(Checkpoint(_checkpoint_dir(cfg, model, stack)))
+            # Every tensor's storage and shape is checked here, before anything is written.
+            sources = weight_sources(program, ir_sources(cfg, ckpt, base_weight_names(program)))
+        with staging(out, log) as tmp:
+            (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
+            # tokenizer_config.json carries the chat template `dsv4c serve` renders chat requests with.
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                if Path(model).is_dir() and (Path(model) / name).is_file():
+                    shutil.copyfile(Path(model) / name, tmp / name)
+            entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
+                                     "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
+            with ThreadPoolExecutor(1, thread_name_prefix="dsv4c-kernels") as builder:
+                building = None
+                if info.compiled:
+                    from dsv4c.codegen.build import build_step
 
-            kernels, vm = build_step(program, plan, geometry, tmp, target, progress=progress)
-        import tvm
+                    write_safetensors(tmp / CONSTANTS, step_constants(program))
+                    # Alongside the weights: the build spends most of its time in TVM / LLVM,
+                    # which release the GIL. Only one progress bar: the weights' when there are any.
+                    building = builder.submit(build_step, program, plan, geometry, tmp, target,
+                                              progress=progress and sources is None)
+                report = None
+                if sources is not None:
+                    layouts = weight_layouts(program, target, plan.fp8_format)
+                    report = convert_weights(layouts, sources, tmp, shard_bytes or SHARD_BYTES, progress=progress)
+                kernels, vm = building.result() if building is not None else ({}, None)
+            import tvm
 
-        write_manifest(tmp, {
-            "dsv4c_version": __version__,
-            "tvm_version": tvm.__version__,
-            "target": target,
-            "numerics": numerics,
-            "kv_cache_dtype": kv_cache_dtype,
-            "model_name": cfg.name,
-            "model": cfg.to_json_dict("hf"),
-            "has_weights": weights is not None,
-            "quant_plan": plan.to_json(),
-            "pool_geometry": geometry.summary(),
-            "entry_points": entry_points,
-            "kernels": kernels,
-            **({"vm": vm} if vm else {}),
-        })
-    log(f"compiled {cfg.name} for {target} ({numerics}) -> {out}")
+            write_manifest(tmp, {
+                "dsv4c_version": __version__,
+                "tvm_version": tvm.__version__,
+                "target": target,
+                "numerics": numerics,
+                "kv_cache_dtype": kv_cache_dtype,
+                "model_name": cfg.name,
+                "model": cfg.to_json_dict("hf"),
+                "has_weights": report is not None,
+                "weights": {"index": WEIGHTS_INDEX, "files": report.files} if report is not None else None,
+                "quant_plan": plan.to_json(),
+                "pool_geometry": geometry.summary(),
+                "entry_points": entry_points,
+                "kernels": kernels,
+                **({"vm": {**vm, "constants": CONSTANTS}} if vm else {}),
+            })
+    summary = f"compiled {cfg.name} for {target} ({numerics}) -> {out}"
+    if report is not None:
+        summary += (f": weights {report.bytes_written / 1e9:.2f} GB in {len(report.files)} file(s), "
+                    f"{report.seconds:.1f} s ({report.bytes_written / 1e9 / max(report.seconds, 1e-9):.2f} GB/s)")
+    log(f"{summary}; peak RSS {_peak_rss_gib():.2f} GiB")
     return Path(out)

@@ -7,6 +7,7 @@ manifest records, per node, the symbol of each role, and the runtime calls them 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ import numpy as np
 
 from dsv4c.errors import UsageError
 from dsv4c.frontend import lowbit
+from dsv4c.frontend.checkpoint import Rows
+from dsv4c.frontend.safetensors_io import STORAGE_DTYPES
 from dsv4c.ir.core import Node, Program
 
 
@@ -177,14 +180,107 @@ def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[di
     return specs, per_node
 
 
-def weight_layout(program: Program, weights: dict[str, np.ndarray],
-                  fp8_format: str = "e4m3fn") -> dict[str, tuple[str, np.ndarray]]:
-    """Weights as the llvm kernels read them. Matmul weights are stored in column tiles
-    ``[out / tile, in, tile]`` (see ``llvm_kernels.linear``); FP8 128x128 blocks as e4m3 codes
-    with their scales expanded per column and tiled alike; FP4 experts packed two per byte +
-    E8M0 scales per 32; tid2eid as int32; everything else fp32. Re-quantizing weights that
-    came from the same format is lossless (power-of-two scales), so a checkpoint's FP8 / FP4
-    values reach the kernels unchanged."""
+@dataclass(frozen=True)
+class WeightLayout:
+    """How the kernels read one IR weight: the artifact tensors it becomes and how any range of
+    its rows turns into their bytes, so weights convert piece by piece.
+
+    The weight is seen as a matrix ``[rows, cols]`` (cols = its last axis; stacked experts and
+    the groups of a grouped weight one after another). ``format``: ``fp8`` (U8 e4m3 codes +
+    ``.scale`` F32 block scales expanded per column; e4m3fnuz with doubled scales when ``fnuz``),
+    ``fp4`` (U8 packed e2m1 pairs + ``.scale`` U8 E8M0 per 32), ``bf16``, ``f32``, ``i32``,
+    ``i64``. A ``tile`` > 0 stores matmul weights in column tiles ``[..., out / tile, cols, tile]``
+    (see ``llvm_kernels.linear``), per expert / per group; ``tile`` 0 stores the weight as is."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: str
+    tile: int = 0
+    groups: int = 1
+    fnuz: bool = False
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    def _columns(self) -> dict[str, tuple[str, int]]:
+        """Artifact tensor -> (dtype, stored columns per weight row)."""
+        cols, scale = self.shape[-1], self.name + ".scale"
+        if self.format == "fp8":
+            return {self.name: ("U8", cols), scale: ("F32", -(-cols // 128))}
+        if self.format == "fp4":
+            return {self.name: ("U8", cols // 2), scale: ("U8", cols // 32)}
+        return {self.name: ({"bf16": "BF16", "f32": "F32", "i32": "I32", "i64": "I64"}[self.format], cols)}
+
+    def stored(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The artifact tensors of this weight: name -> (dtype, shape)."""
+        out = {}
+        for name, (dtype, cols) in self._columns().items():
+            if not self.tile:
+                out[name] = (dtype, (*self.shape[:-1], cols))
+                continue
+            lead, out_dim = (self.groups,) if self.groups > 1 else self.shape[:-2], self.shape[-2] // self.groups
+            out[name] = (dtype, (*lead, out_dim // self.tile, cols, self.tile))
+        return out
+
+    def row_bytes(self) -> dict[str, int]:
+        """Bytes each weight row takes in each artifact tensor (a range of rows starting at row
+        r lies at byte r * row_bytes of the tensor, tiles included)."""
+        return {name: cols * STORAGE_DTYPES[dtype].itemsize for name, (dtype, cols) in self._columns().items()}
+
+    @property
+    def row_step(self) -> int:
+        """Row ranges converted on their own start on multiples of this: whole tiles, and whole
+        128-row blocks where FP8 scales may have to be computed."""
+        step = self.tile or 1
+        return math.lcm(step, 128) if self.format == "fp8" else step
+
+    def lay_out(self, parts: list[Rows]) -> dict[str, np.ndarray]:
+        """The artifact bytes of a range of rows (starting on a multiple of ``row_step``), given
+        as the checkpoint holds them: one :class:`Rows` per checkpoint tensor they come from."""
+        if self.format == "fp8":
+            codes, scales = zip(*(p.fp8() for p in parts))
+            codes, scales = np.concatenate(codes), np.concatenate(scales).astype(np.float32, copy=False)
+            if self.fnuz:  # gfx942: keep the bits, double the scale
+                codes, scales = lowbit.e4m3fn_to_fnuz(codes), 2 * scales
+            arrays = {self.name: codes, self.name + ".scale": scales}
+        elif self.format == "fp4":
+            packed, scales = zip(*(p.fp4() for p in parts))
+            arrays = {self.name: np.concatenate(packed), self.name + ".scale": np.concatenate(scales)}
+        elif self.format == "bf16":
+            arrays = {self.name: np.concatenate([p.bf16_bits(self.name) for p in parts])}
+        else:
+            values = np.concatenate([p.decode() for p in parts])
+            arrays = {self.name: values.astype({"f32": np.float32, "i32": np.int32, "i64": np.int64}[self.format],
+                                               copy=False)}
+        return {name: column_tiles(a, self.tile) if self.tile else a for name, a in arrays.items()}
+
+
+def column_tiles(rows: np.ndarray, tile: int) -> np.ndarray:
+    """``[n, cols]`` -> ``[n / tile, cols, tile]``: each group of ``tile`` rows transposed.
+
+    numpy copies 1- and 2-byte elements along a strided axis slowly, so the transpose runs
+    on 8-byte words first (``g`` = 8 / itemsize columns each) and then only swaps the small
+    ``[tile, g]`` blocks inside each word column (about twice as fast for FP8 / FP4 codes)."""
+    n, cols = rows.shape
+    rows = np.ascontiguousarray(rows)
+    g = 8 // rows.itemsize
+    if g == 1 or cols % g:
+        return np.ascontiguousarray(rows.reshape(n // tile, tile, cols).transpose(0, 2, 1))
+    words = np.ascontiguousarray(rows.view(np.uint64).reshape(n // tile, tile, cols // g).transpose(0, 2, 1))
+    blocks = words.view(rows.dtype).reshape(n // tile, cols // g, tile, g)
+    return np.ascontiguousarray(blocks.transpose(0, 1, 3, 2)).reshape(n // tile, cols, tile)
+
+
+def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") -> dict[str, WeightLayout]:
+    """The layout of every weight of every function, in program order. The reference target
+    stores float32 / int64 as is; the others as the llvm kernels read them (the GPU targets
+    share the layout): the weights the step function multiplies in column tiles, FP8 128x128
+    blocks as e4m3 codes with per-column scales, FP4 experts packed with E8M0 scales per 32,
+    BF16 matmul weights as BF16 bits, tid2eid as int32, everything else float32."""
+    if target == "reference":
+        return {name: WeightLayout(name, tuple(v.type.shape), "i64" if v.type.dtype.startswith("i") else "f32")
+                for fn in program.functions.values() for name, v in fn.weights.items()}
     from dsv4c.codegen.llvm_kernels import column_tile
 
     matmul, fp8, fp4, bf16 = set(), set(), set(), set()
@@ -202,38 +298,20 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray],
             bf16.update(v.name for v in reads)
     groups = {n.inputs[1].name: n.attrs["groups"] for n in program.functions["step"].nodes if n.op == "grouped_linear"}
 
-    def tiles(a: np.ndarray) -> np.ndarray:
-        """[..., out, in] -> [..., out / tile, in, tile]; grouped weights tile each group's rows."""
-        lead, (o, i) = a.shape[:-2], a.shape[-2:]
-        t = column_tile(o)
-        return np.ascontiguousarray(np.moveaxis(a.reshape(*lead, o // t, t, i), -2, -1))
-
-    def grouped(name: str, a: np.ndarray) -> np.ndarray:
-        g = groups.get(name, 1)
-        return a.reshape(g, a.shape[0] // g, a.shape[1]) if g > 1 else a
-
-    out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, value in weights.items():
-        if value.dtype.kind in "iu":
-            out[name] = ("I32", value.astype(np.int32))
-        elif name in fp8:
-            codes, scales = lowbit.quantize_fp8_blocks(value, 128, "e8m0")
-            codes, scale = lowbit.fp8_in_format(codes, lowbit.decode_e8m0(scales), fp8_format)
-            per_column = np.repeat(scale, 128, axis=0)[:value.shape[0]]
-            out[name] = ("U8", tiles(grouped(name, codes)))
-            out[name + ".scale"] = ("F32", tiles(grouped(name, per_column)))
-        elif name in fp4:
-            flat = value.reshape(-1, value.shape[-1])
-            packed, scales = lowbit.quantize_fp4_groups(flat, 32)
-            out[name] = ("U8", tiles(packed.view(np.uint8).reshape(*value.shape[:-1], -1)))
-            out[name + ".scale"] = ("U8", tiles(scales.reshape(*value.shape[:-1], -1)))
-        elif name in bf16:
-            if not np.array_equal(lowbit.bf16_roundtrip(value), value):
-                raise UsageError(f"weight {name} is declared BF16 but holds values BF16 cannot represent; "
-                                 "fix the checkpoint's config (torch_dtype / quantization_config)")
-            out[name] = ("BF16", tiles(lowbit.bf16_bits_from_f32(value)))
-        elif name in matmul:
-            out[name] = ("F32", tiles(grouped(name, np.asarray(value, np.float32))))
-        else:
-            out[name] = ("F32", np.ascontiguousarray(value, np.float32))
+    out: dict[str, WeightLayout] = {}
+    for fn in program.functions.values():
+        for name, value in fn.weights.items():
+            shape, is_int = tuple(value.type.shape), value.type.dtype.startswith("i")
+            g = groups.get(name, 1)
+            tile = column_tile(shape[-2] // g) if name in matmul and not is_int else 0
+            if is_int:
+                out[name] = WeightLayout(name, shape, "i32")
+            elif name in fp8:
+                out[name] = WeightLayout(name, shape, "fp8", tile, g, fnuz=fp8_format == "e4m3fnuz")
+            elif name in fp4:
+                out[name] = WeightLayout(name, shape, "fp4", tile)
+            elif name in bf16:
+                out[name] = WeightLayout(name, shape, "bf16", tile)
+            else:
+                out[name] = WeightLayout(name, shape, "f32", tile, g if tile else 1)
     return out

@@ -1,29 +1,33 @@
 """Checkpoints: the tensor inventory of a config, a streaming loader, and a quantizing writer.
 
 The inventory (:func:`inventory`) is the one place that says which tensors a V4 checkpoint
-holds, their logical shapes and their storage kind (SPEC §3). The loader reads official
-names and ``transformers`` names, shard by shard and tensor by tensor, and dequantizes
-FP8 128x128 blocks and FP4 1x32 groups to fp32. The writer produces the official format
-with the same scale rules (E8M0 power-of-two scales), atomically.
+holds, their logical shapes and their storage kind (SPEC §3). The reader takes official
+names and ``transformers`` names, checks every tensor from the shard headers, and then hands
+out row ranges in the checkpoint's own storage (:class:`Rows`: FP8 / FP4 codes with their
+scales, BF16 bits), or dequantized to fp32 for models that fit in memory. The writer produces
+the official format with the same scale rules (E8M0 power-of-two scales) from a stream of row
+pieces, atomically.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
 from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.frontend import lowbit
 from dsv4c.frontend.config import CSA, HASH_MOE, LayerSpec, ModelConfig
-from dsv4c.frontend.safetensors_io import SafetensorsFile, write_safetensors
+from dsv4c.frontend.safetensors_io import STORAGE_DTYPES, SafetensorsFile, SafetensorsWriter
+from dsv4c.threads import BoundedPool
 
 # Storage kinds of SPEC §3.
 DENSE = "dense"  # FP8 e4m3 with 128x128 block scales in released checkpoints
@@ -163,6 +167,128 @@ def _scale_name(name: str) -> str:
     return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
 
+FLOAT_STORAGE = ("F32", "F16", "BF16")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Consecutive rows of a tensor seen as a matrix ``[rows, cols]`` (cols: its last axis; the
+    experts of a stack one after another), as the checkpoint stores them.
+
+    ``storage`` says what ``values`` and ``scales`` hold: ``F32`` / ``F16`` / ``BF16``: float32,
+    float16 or uint16 bits ``[n, cols]``; ``FP8``: e4m3fn codes ``[n, cols]`` and, per row, the
+    float32 scale of each 128-column block ``[n, ceil(cols / 128)]``; ``FP4``: e2m1 pairs (element
+    2i in the low nibble) ``[n, cols / 2]`` and their E8M0 scale codes ``[n, cols / 32]``; ``INT``:
+    int64 ``[n, cols]``. The ``fp8`` / ``fp4`` / ``bf16_bits`` views hand the checkpoint's own
+    bytes through and quantize only rows stored in another format."""
+
+    storage: str
+    values: np.ndarray
+    scales: np.ndarray | None = None
+
+    def decode(self) -> np.ndarray:
+        """float32 values (int64 for INT), FP8 / FP4 dequantized as SPEC §3 defines them."""
+        if self.storage == "FP8":
+            return lowbit.decode_e4m3fn(self.values) * np.repeat(self.scales, 128, axis=1)[:, :self.values.shape[1]]
+        if self.storage == "FP4":
+            return lowbit.dequantize_fp4_groups(self.values, self.scales, 32)
+        if self.storage == "BF16":
+            return lowbit.f32_from_bf16_bits(self.values)
+        return self.values.astype(np.int64 if self.storage == "INT" else np.float32, copy=False)
+
+    def fp8(self) -> tuple[np.ndarray, np.ndarray]:
+        """(e4m3fn codes, per-row block scales) as ``values`` / ``scales`` hold them for FP8. Rows
+        in another format are quantized with E8M0 scales; they must start on a 128-row boundary."""
+        if self.storage == "FP8":
+            return self.values, self.scales
+        codes, grid = lowbit.quantize_fp8_blocks(self.decode(), 128, "e8m0")
+        return codes, np.repeat(lowbit.decode_e8m0(grid), 128, axis=0)[:codes.shape[0]]
+
+    def fp4(self) -> tuple[np.ndarray, np.ndarray]:
+        """(packed e2m1 pairs as uint8, E8M0 codes per 32): the checkpoint's own, or quantized."""
+        if self.storage == "FP4":
+            return self.values, self.scales
+        packed, scales = lowbit.quantize_fp4_groups(self.decode(), 32)
+        return packed.view(np.uint8), scales
+
+    def bf16_bits(self, name: str) -> np.ndarray:
+        """uint16 BF16 bits: the checkpoint's own, or float values BF16 holds exactly."""
+        if self.storage == "BF16":
+            return self.values
+        value = self.decode()
+        if not np.array_equal(lowbit.bf16_roundtrip(value), value):
+            raise UsageError(f"weight {name} is declared BF16 but holds values BF16 cannot represent; "
+                             "fix the checkpoint's config (torch_dtype / quantization_config)")
+        return lowbit.bf16_bits_from_f32(value)
+
+
+class RowSource:
+    """A tensor of logical ``shape`` read as :class:`Rows` of the matrix ``[rows, cols]``
+    (cols = ``shape[-1]``), a range at a time; ``read`` may be called from several threads."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    def read(self, start: int, stop: int) -> list[Rows]:
+        """Rows ``[start, stop)``, one :class:`Rows` per stored tensor they come from, in order."""
+        raise NotImplementedError
+
+    def read_all(self) -> np.ndarray:
+        """The whole tensor decoded: float32 (int64 for ids) of ``shape``."""
+        return np.concatenate([part.decode() for part in self.read(0, self.rows)]).reshape(self.shape)
+
+
+class TensorRows(RowSource):
+    """One stored checkpoint tensor (with its scale tensor when quantized), checked by
+    :meth:`Checkpoint.source` from the headers alone; ``row_offset`` places a per-expert slice
+    of a merged transformers expert tensor."""
+
+    def __init__(self, where: str, st: SafetensorsFile, stored: str, storage: str, shape: tuple[int, ...],
+                 scale: tuple[SafetensorsFile, str, str] | None = None, row_offset: int = 0,
+                 n_experts: int | None = None):
+        self.where, self.st, self.stored, self.storage, self.shape = where, st, stored, storage, shape
+        self.scale, self.row_offset, self.n_experts = scale, row_offset, n_experts
+
+    def read(self, start: int, stop: int) -> list[Rows]:
+        values = self.st.read_rows(self.stored, self.row_offset + start, self.row_offset + stop)
+        scales = None
+        if self.storage == "INT":
+            values = values.astype(np.int64)
+            if self.n_experts is not None and ((values < 0) | (values >= self.n_experts)).any():
+                raise CheckpointError(f"{self.where} holds expert ids outside [0, {self.n_experts})")
+        elif self.storage == "FP8":
+            sst, sname, fmt = self.scale
+            first = start // 128
+            grid = sst.read_rows(sname, first, -(-stop // 128))
+            grid = lowbit.decode_e8m0(grid) if fmt == "e8m0" else grid.astype(np.float32)
+            scales = grid[np.arange(start, stop) // 128 - first]
+        elif self.storage == "FP4":
+            values = values.view(np.uint8)
+            sst, sname, _ = self.scale
+            scales = sst.read_rows(sname, start, stop)
+        return [Rows(self.storage, values, scales)]
+
+
+class ConcatRows(RowSource):
+    """Sources stacked along their rows: the routed experts of a layer ``[E, out, in]``, or
+    projections merged along ``out`` (``concat(a,b)``)."""
+
+    def __init__(self, parts: list[RowSource], shape: tuple[int, ...]):
+        self.parts, self.shape = parts, shape
+
+    def read(self, start: int, stop: int) -> list[Rows]:
+        out, base = [], 0
+        for part in self.parts:
+            lo, hi = max(start, base), min(stop, base + part.rows)
+            if lo < hi:
+                out += part.read(lo - base, hi - base)
+            base += part.rows
+        return out
+
+
 class Checkpoint:
     """A single ``.safetensors`` file or a directory of shards, read tensor by tensor."""
 
@@ -251,31 +377,37 @@ class Checkpoint:
     def read(self, spec: TensorSpec, n_experts: int | None = None) -> np.ndarray:
         """The tensor of ``spec`` as fp32 (int64 for tid2eid), checked against its spec;
         expert ids in tid2eid must lie in ``[0, n_experts)``."""
+        return self.source(spec, n_experts).read_all()
+
+    def source(self, spec: TensorSpec, n_experts: int | None = None) -> TensorRows:
+        """The tensor of ``spec`` as a row source, its dtype, shape and scales checked against
+        the spec from the headers alone (SPEC §3 storage kinds); expert ids in tid2eid are
+        checked against ``[0, n_experts)`` as they are read."""
         if spec.name in self._merged:
-            return self._read_merged(spec)
+            return self._merged_source(spec)
         if spec.name not in self._where:
             raise CheckpointError(f"{self.path}: missing tensor {spec.name} (expected shape {list(spec.shape)})")
         f, stored = self._where[spec.name]
         st = self._open(f)
         dtype, shape = st.dtype(stored), tuple(st.shape(stored))
         where = f"{f.name}: tensor {spec.name}"
+        scale, logical = None, shape
         if spec.kind == INDEX:
             if dtype not in ("I64", "I32"):
                 raise CheckpointError(f"{where} has dtype {dtype}; expected I64 or I32")
-            value = st.read_raw(stored).astype(np.int64)
-        elif dtype in ("F32", "BF16", "F16"):
-            value = st.read_f32(stored)
+            storage = "INT"
+        elif dtype in FLOAT_STORAGE:
+            storage = dtype
         elif dtype == "F8_E4M3" and spec.kind in (DENSE, EXPERT):
-            value = self._dequant_fp8(st, stored, spec, shape, where)
+            storage, scale = "FP8", self._fp8_scale(spec.name, shape, where)
         elif dtype in ("I8", "U8") and spec.kind == EXPERT:
-            value = self._dequant_fp4(st, stored, spec, shape, where)
+            storage, scale = "FP4", self._fp4_scale(spec.name, shape, where)
+            logical = (shape[0], 2 * shape[1])
         else:
             raise CheckpointError(f"{where} has dtype {dtype}, which is not a valid storage for a {spec.kind} tensor")
-        if tuple(value.shape) != spec.shape:
-            raise CheckpointError(f"{where} has shape {list(value.shape)}; the config implies {list(spec.shape)}")
-        if spec.kind == INDEX and n_experts is not None and ((value < 0) | (value >= n_experts)).any():
-            raise CheckpointError(f"{where} holds expert ids outside [0, {n_experts})")
-        return value
+        if logical != spec.shape:
+            raise CheckpointError(f"{where} has shape {list(logical)}; the config implies {list(spec.shape)}")
+        return TensorRows(where, st, stored, storage, spec.shape, scale, n_experts=n_experts)
 
     def _companion_scale(self, name: str, where: str) -> tuple[SafetensorsFile, str, str]:
         official = _scale_name(name)
@@ -285,8 +417,8 @@ class Checkpoint:
         st = self._open(f)
         return st, stored, st.dtype(stored)
 
-    def _dequant_fp8(self, st, stored, spec, shape, where) -> np.ndarray:
-        sst, sname, sdtype = self._companion_scale(spec.name, where)
+    def _fp8_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str]:
+        sst, sname, sdtype = self._companion_scale(name, where)
         if len(shape) != 2:
             raise CheckpointError(f"{where}: FP8 tensors must be 2-D, got {list(shape)}")
         grid = (-(-shape[0] // 128), -(-shape[1] // 128))
@@ -295,77 +427,77 @@ class Checkpoint:
         fmt = {"F8_E8M0": "e8m0", "F32": "fp32", "U8": "e8m0"}.get(sdtype)
         if fmt is None:
             raise CheckpointError(f"{where}: scale dtype {sdtype} is neither E8M0 nor F32")
-        return lowbit.dequantize_fp8_blocks(st.read_raw(stored), sst.read_raw(sname), 128, fmt)
+        return sst, sname, fmt
 
-    def _dequant_fp4(self, st, stored, spec, shape, where) -> np.ndarray:
-        sst, sname, sdtype = self._companion_scale(spec.name, where)
+    def _fp4_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str]:
+        sst, sname, sdtype = self._companion_scale(name, where)
         if len(shape) != 2 or (2 * shape[1]) % 32:
             raise CheckpointError(f"{where}: packed FP4 tensors must be 2-D with 16k columns, got {list(shape)}")
         want = (shape[0], 2 * shape[1] // 32)
         if sdtype not in ("F8_E8M0", "U8") or tuple(sst.shape(sname)) != want:
             raise CheckpointError(f"{where}: FP4 scale must be E8M0 of shape {list(want)}")
-        return lowbit.dequantize_fp4_groups(st.read_raw(stored), sst.read_raw(sname), 32)
+        return sst, sname, "e8m0"
 
-    def _read_merged(self, spec: TensorSpec) -> np.ndarray:
+    def _merged_source(self, spec: TensorSpec) -> TensorRows:
         f, stored, slot = self._merged[spec.name]
         st = self._open(f)
-        if st.dtype(stored) not in ("F32", "BF16", "F16"):
+        dtype = st.dtype(stored)
+        if dtype not in FLOAT_STORAGE:
             raise CheckpointError(f"{f.name}: merged expert tensor {stored} must be a float tensor")
-        merged = st.read_f32(stored)  # [E, 2I, D] (gate_up) or [E, D, I] (down)
+        experts, rows, cols = st.shape(stored)  # [E, 2I, D] (gate_up) or [E, D, I] (down)
         e, half = divmod(slot, 2)
         if stored.endswith("gate_up_proj"):
-            inter = merged.shape[1] // 2
-            value = merged[e, half * inter:(half + 1) * inter]
-        else:
-            value = merged[e]
-        if tuple(value.shape) != spec.shape:
-            raise CheckpointError(f"{f.name}: {spec.name} (from {stored}) has shape {list(value.shape)}; "
+            rows //= 2
+        if (rows, cols) != spec.shape:
+            raise CheckpointError(f"{f.name}: {spec.name} (from {stored}) has shape {[rows, cols]}; "
                                   f"the config implies {list(spec.shape)}")
-        return np.ascontiguousarray(value)
+        per_expert = st.shape(stored)[1]
+        return TensorRows(f"{f.name}: tensor {spec.name}", st, stored, dtype, spec.shape,
+                          row_offset=e * per_expert + half * rows)
+
+
+def ir_sources(cfg: ModelConfig, ckpt: Checkpoint, names: set[str] | None = None) -> dict[str, RowSource]:
+    """The IR weights (every one, or those in ``names``) as row sources over ``ckpt``: routed
+    experts stacked into ``<layer>.ffn.experts.w{1,2,3}`` of shape ``[E, out, in]``. Every
+    tensor's storage and shape is checked here, before any data is read."""
+    groups: dict[str, list[TensorSpec]] = {}
+    for spec in inventory(cfg):  # the inventory lists experts in order
+        ir = _ir_name(spec.name)
+        if names is None or ir in names:
+            groups.setdefault(ir, []).append(spec)
+    out: dict[str, RowSource] = {}
+    for ir, specs in groups.items():
+        parts = [ckpt.source(s, cfg.n_routed_experts) for s in specs]
+        out[ir] = parts[0] if ir == specs[0].name else ConcatRows(parts, (len(parts), *specs[0].shape))
+    return out
 
 
 def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | None = None,
                  progress: bool = False) -> dict[str, np.ndarray]:
-    """Read every tensor of the inventory (or those in ``names``) and build the IR's weights:
-    routed experts are stacked into ``<layer>.ffn.experts.w{1,2,3}`` of shape ``[E, out, in]``."""
+    """Read every tensor of the inventory (or those in ``names``) into memory as the IR's
+    weights (see :func:`ir_sources`), dequantized to fp32. For models that fit in memory
+    (tests, ONNX export); ``dsv4c compile`` streams instead."""
     every = inventory(cfg)
     if names is not None:
         unknown = sorted(set(names) - {_ir_name(s.name) for s in every})
         if unknown:
             raise UsageError(f"load_weights: {unknown[0]} is not a weight of this model ({len(unknown)} unknown names)")
-    specs = [s for s in every if names is None or _ir_name(s.name) in names]
-    official: dict[str, np.ndarray] = {}
     with Checkpoint(path) as ckpt:
         if names is None:
             # A checkpoint of a deeper or wider model (more layers, experts, an MTP block)
             # would otherwise load as a truncated one without a word.
-            known = {s.name for s in specs} | {_scale_name(s.name) for s in specs if s.kind in (DENSE, EXPERT)}
+            known = {s.name for s in every} | {_scale_name(s.name) for s in every if s.kind in (DENSE, EXPERT)}
             extra = [n for n in ckpt.names() if n not in known]
             if extra:
                 raise CheckpointError(f"{ckpt.path}: holds {len(extra)} tensors the config does not describe, e.g. "
                                       f"{extra[0]}; the checkpoint does not match the model configuration")
-        it = specs
+        sources = ir_sources(cfg, ckpt, names)
+        items = sources.items()
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(specs, desc="loading weights", unit="tensor", leave=False)
-        for spec in it:
-            official[spec.name] = ckpt.read(spec, cfg.n_routed_experts)
-    return ir_weights(official)
-
-
-def ir_weights(official: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Official-name tensors by their IR names: per-expert projections stacked in expert order."""
-    out: dict[str, np.ndarray] = {}
-    stacks: dict[str, list[np.ndarray]] = {}
-    for name, value in official.items():  # the inventory lists experts in order
-        ir = _ir_name(name)
-        if ir != name:
-            stacks.setdefault(ir, []).append(value)
-        else:
-            out[name] = value
-    out.update({ir: np.stack(parts) for ir, parts in stacks.items()})
-    return out
+            items = tqdm(items, desc="loading weights", unit="tensor", leave=False)
+        return {name: source.read_all() for name, source in items}
 
 
 def _ir_name(official: str) -> str:
@@ -376,72 +508,173 @@ def _ir_name(official: str) -> str:
 
 # --------------------------------------------------------------------------- writing
 
+# Rows generated, quantized and written at a time: float64 bytes of random values (a 128-row
+# multiple, so FP8 blocks never straddle two pieces). The writers hold a few pieces at once, and
+# quantizing one takes about ten times its float32 size in int64 temporaries.
+PIECE_BYTES = 8 << 20
 
-def _encode(spec: TensorSpec, value: np.ndarray, cfg: ModelConfig) -> dict[str, tuple[str, np.ndarray]]:
-    """The stored tensors (value and, when quantized, its scale) of one logical tensor."""
+
+def _row_pieces(shape: tuple[int, ...], itemsize: int = 8) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges along the first axis of a tensor, about PIECE_BYTES each."""
+    row_bytes = max(math.prod(shape[1:]) * itemsize, 1)
+    step = max(128, PIECE_BYTES // row_bytes // 128 * 128)
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
+def _storage(spec: TensorSpec, cfg: ModelConfig) -> str:
+    """How the checkpoint of ``cfg`` stores ``spec``: index, fp8, fp4, bf16 or fp32."""
     fmt = cfg.weights
     if spec.kind == INDEX:
-        return {spec.name: ("I64", value.astype(np.int64))}
-    storage = {DENSE: fmt.dense, EXPERT: fmt.experts, BF16: "fp32" if fmt.dense == "fp32" else "bf16",
-               FP32: "fp32"}[spec.kind]
-    value = np.asarray(value, np.float32)
+        return "index"
+    return {DENSE: fmt.dense, EXPERT: fmt.experts, BF16: "fp32" if fmt.dense == "fp32" else "bf16",
+            FP32: "fp32"}[spec.kind]
+
+
+def _stored_entries(spec: TensorSpec, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The stored tensors (value and, when quantized, its scale) of one logical tensor: dtype and shape."""
+    storage, shape = _storage(spec, cfg), spec.shape
     if storage == "fp8":
-        codes, scales = lowbit.quantize_fp8_blocks(value, 128, fmt.scale)
-        scale = ("F8_E8M0", scales) if fmt.scale == "e8m0" else ("F32", scales.astype(np.float32))
-        return {spec.name: ("F8_E4M3", codes), _scale_name(spec.name): scale}
+        grid = (-(-shape[0] // 128), -(-shape[1] // 128))
+        return {spec.name: ("F8_E4M3", shape),
+                _scale_name(spec.name): ("F8_E8M0" if cfg.weights.scale == "e8m0" else "F32", grid)}
     if storage == "fp4":
-        packed, scales = lowbit.quantize_fp4_groups(value, 32)
-        return {spec.name: ("I8", packed), _scale_name(spec.name): ("F8_E8M0", scales)}
+        return {spec.name: ("I8", (shape[0], shape[1] // 2)), _scale_name(spec.name): ("F8_E8M0", (shape[0], shape[1] // 32))}
+    return {spec.name: ({"index": "I64", "bf16": "BF16"}.get(storage, "F32"), shape)}
+
+
+def _encode(spec: TensorSpec, rows: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The stored bytes of rows of one logical tensor (FP8 pieces start on a 128-row block)."""
+    storage = _storage(spec, cfg)
+    if storage == "index":
+        return {spec.name: rows.astype(np.int64)}
+    rows = np.asarray(rows, np.float32)
+    if storage == "fp8":
+        codes, scales = lowbit.quantize_fp8_blocks(rows, 128, cfg.weights.scale)
+        return {spec.name: codes, _scale_name(spec.name): scales}
+    if storage == "fp4":
+        packed, scales = lowbit.quantize_fp4_groups(rows, 32)
+        return {spec.name: packed, _scale_name(spec.name): scales}
     if storage == "bf16":
-        return {spec.name: ("BF16", lowbit.bf16_bits_from_f32(value))}
-    return {spec.name: ("F32", value)}
+        return {spec.name: lowbit.bf16_bits_from_f32(rows)}
+    return {spec.name: rows}
 
 
-def write_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: str | os.PathLike,
-                     shard_bytes: int = 2 << 30, spelling: str | None = None, progress: bool = False) -> Path:
-    """Write ``config.json`` + official-format shards for ``weights`` (official names, fp32).
+def _write_piece(writer: SafetensorsWriter, spec: TensorSpec, start: int, rows: np.ndarray, cfg: ModelConfig) -> int:
+    """Encode rows ``start ...`` of ``spec`` and write them where they belong; the bytes written."""
+    written = 0
+    for name, array in _encode(spec, rows, cfg).items():
+        first = start // 128 if _storage(spec, cfg) == "fp8" and name != spec.name else start  # block-scale rows
+        row_bytes = array.nbytes // array.shape[0] if array.shape[0] else 0
+        writer.write(name, array, first * row_bytes)
+        written += array.nbytes
+    return written
 
-    Written into a temporary directory next to ``out_dir`` and renamed at the end: an
-    interrupted write leaves nothing at ``out_dir``."""
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out}: exists and is not an empty directory; choose a new directory")
-    specs = inventory(cfg)
+
+def _mapping_pieces(specs: list[TensorSpec], weights: Mapping[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """Whole tensors as a stream of pieces; names are checked now, shapes as each is read."""
     extra = sorted(set(weights) - {s.name for s in specs})
     if extra:
         raise CheckpointError(f"cannot write checkpoint: tensor {extra[0]} is not in the model's inventory "
                               f"({len(extra)} such tensors; official names, one tensor per expert)")
+    missing = [s.name for s in specs if s.name not in weights]
+    if missing:
+        raise CheckpointError(f"cannot write checkpoint: tensor {missing[0]} was not provided")
+
+    def pieces() -> Iterator[tuple[str, np.ndarray]]:
+        for spec in specs:
+            value = np.asarray(weights[spec.name])  # once: a mapping may load its values lazily
+            if value.shape != spec.shape:
+                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} has shape "
+                                      f"{list(value.shape)}; the config implies {list(spec.shape)}")
+            for start, stop in _row_pieces(spec.shape, value.itemsize):
+                yield spec.name, value[start:stop]
+
+    return pieces()
+
+
+def _checked_pieces(specs: list[TensorSpec], pieces: Iterable[tuple[str, np.ndarray]],
+                    cfg: ModelConfig) -> Iterator[tuple[TensorSpec, int, np.ndarray]]:
+    """(spec, first row, rows) of each piece of a stream, checked: inventory order, every
+    tensor complete, nothing else."""
+    known = {s.name for s in specs}
+    stream = iter(pieces)
+    for spec in specs:
+        done = 0
+        while done < spec.shape[0]:
+            name, rows = next(stream, (None, None))
+            if name != spec.name:
+                if name is not None and name not in known:
+                    raise CheckpointError(f"cannot write checkpoint: tensor {name} is not in the model's inventory "
+                                          "(official names, one tensor per expert)")
+                if done == 0:
+                    raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} was not provided")
+                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} ended after {done} of "
+                                      f"{spec.shape[0]} rows")
+            rows = np.asarray(rows)
+            if rows.shape[1:] != spec.shape[1:] or done + len(rows) > spec.shape[0]:
+                raise CheckpointError(f"cannot write checkpoint: a piece of tensor {spec.name} has shape "
+                                      f"{list(rows.shape)} at row {done}; the config implies {list(spec.shape)}")
+            if done % 128 and _storage(spec, cfg) == "fp8":
+                raise ValueError(f"pieces of FP8 tensor {spec.name} must start on a 128-row block (row {done})")
+            yield spec, done, rows
+            done += len(rows)
+    leftover = next(stream, None)
+    if leftover is not None:
+        raise CheckpointError(f"cannot write checkpoint: tensor {leftover[0]} comes after the whole inventory "
+                              "(stored twice, or not in the model)")
+
+
+def write_checkpoint(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+                     out_dir: str | os.PathLike, shard_bytes: int = 2 << 30, spelling: str | None = None,
+                     progress: bool = False) -> Path:
+    """Write ``config.json`` + official-format shards (official names, fp32 values in).
+
+    ``weights`` maps names to whole tensors, or is a stream of ``(name, rows)`` pieces in
+    inventory order, a tensor's pieces one after another along its first axis (FP8 tensors in
+    128-row multiples): :func:`iter_random_weights` streams a model that never sits in memory
+    whole. The shards are laid out up front; a few threads quantize and write each piece while
+    the next is made. Written into a temporary directory next to ``out_dir`` and renamed at the
+    end: an interrupted write leaves nothing at ``out_dir``."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: exists and is not an empty directory; choose a new directory")
+    specs = inventory(cfg)
+    if isinstance(weights, Mapping):
+        weights = _mapping_pieces(specs, weights)
+    entries = {spec.name: _stored_entries(spec, cfg) for spec in specs}
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = sum(math.prod(shape) * STORAGE_DTYPES[dtype].itemsize for dtype, shape in entries[spec.name].values())
+        if size and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    writers: list[SafetensorsWriter] = []
     try:
-        shards: list[dict[str, tuple[str, np.ndarray]]] = [{}]
-        size = 0
-        it = specs
+        weight_map, writer_of = {}, {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            stored = {name: entry for spec in shard for name, entry in entries[spec.name].items()}
+            writers.append(SafetensorsWriter(tmp / fname, stored, {"format": "pt"}))
+            weight_map.update({name: fname for name in stored})
+            writer_of.update({spec.name: writers[-1] for spec in shard})
+        total = sum(math.prod(shape) * STORAGE_DTYPES[dtype].itemsize for e in entries.values() for dtype, shape in e.values())
+        bar = None
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(specs, desc="writing checkpoint", unit="tensor", leave=False)
-        for spec in it:
-            if spec.name not in weights:
-                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} was not provided")
-            value = np.asarray(weights[spec.name])
-            if value.shape != spec.shape:
-                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} has shape {list(value.shape)}; "
-                                      f"the config implies {list(spec.shape)}")
-            stored = _encode(spec, value, cfg)
-            nbytes = sum(a.nbytes for _, a in stored.values())
-            if size and size + nbytes > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1].update(stored)
-            size += nbytes
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(tmp / fname, shard, {"format": "pt"})
-            for name, (_, a) in shard.items():
-                weight_map[name] = fname
-                total += a.nbytes
+            bar = tqdm(total=total, desc="writing checkpoint", unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+        with BoundedPool(on_result=bar.update if bar is not None else None) as pool:
+            for spec, start, rows in _checked_pieces(specs, weights, cfg):
+                pool.submit(_write_piece, writer_of[spec.name], spec, start, rows, cfg)
+        if bar is not None:
+            bar.close()
+        for writer in writers:
+            writer.finish()
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(cfg.to_json_dict(spelling), indent=2))
@@ -452,38 +685,51 @@ def write_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: 
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model directory is not
         os.replace(tmp, out)
     except BaseException:
+        for writer in writers:
+            writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic random weights with activations of sensible size (fp32, official names).
+def iter_random_weights(cfg: ModelConfig, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+    """Deterministic random weights with activations of sensible size, as a stream of
+    ``(official name, fp32 rows)`` pieces in inventory order (what :func:`write_checkpoint`
+    takes), one piece in memory at a time. numpy draws the same numbers in pieces as at once,
+    so the values do not depend on the piece size.
 
     Projections are scaled by 1/sqrt(fan_in) so every layer keeps unit-size activations;
     the mHC, sink and compressor-gate parameters get enough spread that routing, top-k and
     pooling are not degenerate (and index scores rarely tie)."""
     rng = np.random.default_rng(seed)
-    out: dict[str, np.ndarray] = {}
     for spec in inventory(cfg):
         name, shape = spec.name, spec.shape
-        if spec.kind == INDEX:
-            # Distinct experts per token, as the released tables have.
-            out[name] = np.argsort(rng.random((shape[0], cfg.n_routed_experts)), axis=1)[:, :shape[1]].astype(np.int64)
-            continue
-        if name.endswith("norm.weight"):
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name.endswith(("_scale",)):
-            value = 0.5 + 0.1 * rng.standard_normal(shape)
-        elif name.endswith(("_base", "attn_sink", "gate.bias")):
-            value = 0.5 * rng.standard_normal(shape)
-        elif name.endswith(".ape"):
-            value = 0.5 * rng.standard_normal(shape)
-        elif name.endswith("_fn"):
-            value = rng.standard_normal(shape) / np.sqrt(shape[1])
-        elif name == "embed.weight":
-            value = rng.standard_normal(shape)
-        else:
-            value = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        out[name] = value.astype(np.float32)
-    return out
+        for start, stop in _row_pieces(shape):
+            piece = (stop - start, *shape[1:])
+            if spec.kind == INDEX:
+                # Distinct experts per token, as the released tables have.
+                yield name, np.argsort(rng.random((piece[0], cfg.n_routed_experts)), axis=1)[:, :shape[1]].astype(np.int64)
+                continue
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * rng.standard_normal(piece)
+            elif name.endswith(("_scale",)):
+                value = 0.5 + 0.1 * rng.standard_normal(piece)
+            elif name.endswith(("_base", "attn_sink", "gate.bias")):
+                value = 0.5 * rng.standard_normal(piece)
+            elif name.endswith(".ape"):
+                value = 0.5 * rng.standard_normal(piece)
+            elif name.endswith("_fn"):
+                value = rng.standard_normal(piece) / np.sqrt(shape[1])
+            elif name == "embed.weight":
+                value = rng.standard_normal(piece)
+            else:
+                value = rng.standard_normal(piece) / np.sqrt(shape[-1])
+            yield name, value.astype(np.float32)
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """:func:`iter_random_weights` as whole tensors in memory (official names), for small models."""
+    pieces: dict[str, list[np.ndarray]] = {}
+    for name, rows in iter_random_weights(cfg, seed):
+        pieces.setdefault(name, []).append(rows)
+    return {name: np.concatenate(parts) for name, parts in pieces.items()}

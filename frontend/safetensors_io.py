@@ -1,18 +1,22 @@
-"""Streaming safetensors reader and atomic writer, numpy only (no pickle, no torch).
+"""Streaming safetensors reader and writer, numpy only (no pickle, no torch).
 
 File layout: an 8-byte little-endian u64 header length N, N bytes of UTF-8 JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
 then the data buffer, which the offsets index. The reader loads only the header up front
-and each tensor's own bytes on request, so a multi-GB shard never sits in memory whole.
+and then a tensor's rows on request (or maps the file), so a multi-GB shard never sits in
+memory whole. The writer lays the file out from names, dtypes and shapes alone and then
+takes the tensors in pieces, in any order, from any thread.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
-from typing import NamedTuple
+import threading
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -37,6 +41,10 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
 MAX_HEADER_BYTES = 100 * 2**20
 
 _REEXPORT = "the file is corrupt or truncated; re-download or re-export the checkpoint"
+
+# Tensors whose size is a multiple of this start on such a file offset (see _layout): the
+# runtime maps the files, and TVM shares an array without a copy only when it is 64-byte aligned.
+ALIGNMENT = 64
 
 
 class _Entry(NamedTuple):
@@ -153,14 +161,43 @@ class SafetensorsFile:
     def metadata(self) -> dict[str, str]:
         return dict(self._metadata)
 
+    def matrix_shape(self, name: str) -> tuple[int, int]:
+        """The tensor seen as a matrix [rows, cols]: cols is its last axis, rows all the others."""
+        shape = self._entry(name).shape
+        return math.prod(shape[:-1]), (shape[-1] if shape else 1)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of the tensor seen as a matrix (see matrix_shape), in its storage
+        dtype, reading only their bytes. Safe to call from several threads at once."""
+        entry = self._entry(name)
+        rows, cols = self.matrix_shape(name)
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"rows [{start}, {stop}) of tensor {name!r} with {rows} rows")
+        dtype = STORAGE_DTYPES[entry.dtype]
+        row_bytes = cols * dtype.itemsize
+        buffer = np.empty((stop - start) * row_bytes, np.uint8)
+        offset, done = self._data_start + entry.begin + start * row_bytes, 0
+        while done < buffer.size:  # pread may return less than asked for
+            got = os.preadv(self._file.fileno(), [buffer[done:]], offset + done)
+            if got <= 0:
+                raise self._fail(f"file ended while reading the tensor; {_REEXPORT}", name)
+            done += got
+        return buffer.view(dtype).reshape(stop - start, cols)
+
     def read_raw(self, name: str) -> np.ndarray:
         """The tensor in its storage dtype (see STORAGE_DTYPES), reading only its own bytes."""
-        entry = self._entry(name)
-        buffer = np.empty(entry.end - entry.begin, np.uint8)
-        self._file.seek(self._data_start + entry.begin)
-        if self._file.readinto(buffer) != buffer.size:
-            raise self._fail(f"file ended while reading the tensor; {_REEXPORT}", name)
-        return buffer.view(STORAGE_DTYPES[entry.dtype]).reshape(entry.shape)
+        return self.read_rows(name, 0, self.matrix_shape(name)[0]).reshape(self._entry(name).shape)
+
+    def mapped(self) -> dict[str, np.ndarray]:
+        """Every tensor as a read-only array over one memory map of the file, in its storage
+        dtype: nothing is read until used, and pages the OS drops are read again on demand."""
+        whole = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        out = {}
+        for name, entry in self._entries.items():
+            dtype = STORAGE_DTYPES[entry.dtype]
+            out[name] = np.frombuffer(whole, dtype, count=math.prod(entry.shape),
+                                      offset=self._data_start + entry.begin).reshape(entry.shape)
+        return out
 
     def read_f32(self, name: str) -> np.ndarray:
         """A float tensor (F32, F16 or BF16) converted to float32."""
@@ -180,49 +217,129 @@ class SafetensorsFile:
         self.close()
 
 
-def _check_tensor(name, dtype, array) -> None:
-    if not isinstance(name, str) or name == "__metadata__":
-        raise ValueError(f"tensor names must be strings other than '__metadata__', got {name!r}")
-    if dtype not in STORAGE_DTYPES:
-        raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
-    if not isinstance(array, np.ndarray) or array.dtype != STORAGE_DTYPES[dtype]:
-        got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-        raise ValueError(f"tensor {name!r}: {dtype} is stored as numpy {STORAGE_DTYPES[dtype]}, got {got}")
+def _layout(entries: Mapping[str, tuple[str, tuple[int, ...]]],
+            metadata: Mapping[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The header of a file holding ``{name: (dtype, shape)}`` and each tensor's [begin, end).
 
-
-def write_safetensors(path, tensors: dict[str, tuple[str, np.ndarray]],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write ``{name: (dtype, array in its storage dtype)}`` as a safetensors file.
-
-    Tensors are laid out in name order. The file is written to ``path + ".tmp"`` and
-    renamed into place, so ``path`` only ever holds a complete file; on any error the
-    temporary file is removed.
-    """
-    path = os.fspath(path)
+    The data buffer has no holes (the safetensors package refuses files with gaps), so
+    alignment comes from the order: the header is padded with spaces until the buffer starts
+    on an ALIGNMENT boundary, tensors whose size is a multiple of ALIGNMENT come first, and
+    each of the two groups is in name order."""
     header: dict[str, object] = {}
     if metadata is not None:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise ValueError("safetensors metadata must map strings to strings")
         header["__metadata__"] = dict(metadata)
-    names = sorted(tensors)
-    offset = 0
-    for name in names:
-        dtype, array = tensors[name]
-        _check_tensor(name, dtype, array)
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
+    sizes = {}
+    for name, (dtype, shape) in entries.items():
+        _check_entry(name, dtype)
+        sizes[name] = math.prod(shape) * STORAGE_DTYPES[dtype].itemsize
+    spans, offset = {}, 0
+    for name in sorted(entries, key=lambda n: (sizes[n] % ALIGNMENT != 0, n)):
+        dtype, shape = entries[name]
+        spans[name] = (offset, offset + sizes[name])
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": list(spans[name])}
+        offset += sizes[name]
     header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)  # keeps the data buffer 8-byte aligned
+    return header_bytes + b" " * (-(8 + len(header_bytes)) % ALIGNMENT), spans
 
+
+def _check_entry(name, dtype) -> None:
+    if not isinstance(name, str) or name == "__metadata__":
+        raise ValueError(f"tensor names must be strings other than '__metadata__', got {name!r}")
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+
+
+class SafetensorsWriter:
+    """A safetensors file laid out up front from names, dtypes and shapes (header written,
+    file sized), whose tensors are then written in pieces, in any order and from any thread.
+
+    Writes go straight to the file at their offsets (no buffering), so writing a tensor
+    holds only the piece in hand. :meth:`finish` checks that every byte was written and
+    syncs; the caller decides where the file ends up (an artifact's staging directory, or
+    :func:`write_safetensors`' temporary name)."""
+
+    def __init__(self, path, entries: Mapping[str, tuple[str, tuple[int, ...]]],
+                 metadata: Mapping[str, str] | None = None):
+        self.path = os.fspath(path)
+        header, self._spans = _layout(entries, metadata)
+        self._dtypes = {name: entries[name][0] for name in entries}
+        self._data_start = 8 + len(header)
+        self._unwritten = {name: end - begin for name, (begin, end) in self._spans.items()}
+        self._lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            self._pwrite(struct.pack("<Q", len(header)), 0)
+            self._pwrite(header, 8)
+            os.ftruncate(self._fd, self._data_start + max((end for _, end in self._spans.values()), default=0))
+        except BaseException:
+            self.close()
+            raise
+
+    def _pwrite(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def write(self, name: str, array: np.ndarray, byte_offset: int = 0) -> None:
+        """Write ``array`` (in the tensor's storage dtype) ``byte_offset`` bytes into tensor ``name``."""
+        if name not in self._spans:
+            raise ValueError(f"tensor {name!r} is not in the layout of {self.path}")
+        _check_tensor(name, self._dtypes[name], array)
+        begin, end = self._spans[name]
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if byte_offset < 0 or begin + byte_offset + data.size > end:
+            raise ValueError(f"tensor {name!r}: {data.size} bytes at offset {byte_offset} overrun its {end - begin}")
+        self._pwrite(data, self._data_start + begin + byte_offset)
+        with self._lock:
+            self._unwritten[name] -= data.size
+
+    def finish(self) -> None:
+        """Check that every tensor was written in full, sync the data to disk and close."""
+        missing = [name for name, left in self._unwritten.items() if left]
+        if missing:
+            raise RuntimeError(f"{self.path}: tensor {missing[0]!r} was not written in full "
+                               f"({len(missing)} such tensors)")
+        os.fsync(self._fd)  # a rename or manifest that follows must not outlive the data in a crash
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _check_tensor(name, dtype, array) -> None:
+    _check_entry(name, dtype)
+    if not isinstance(array, np.ndarray) or array.dtype != STORAGE_DTYPES[dtype]:
+        got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+        raise ValueError(f"tensor {name!r}: {dtype} is stored as numpy {STORAGE_DTYPES[dtype]}, got {got}")
+
+
+def write_safetensors(path, tensors: Mapping[str, tuple[str, np.ndarray]],
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``{name: (dtype, array in its storage dtype)}`` as a safetensors file.
+
+    The file is written to ``path + ".tmp"`` and renamed into place, so ``path`` only ever
+    holds a complete file; on any error the temporary file is removed.
+    """
+    path = os.fspath(path)
+    for name, (dtype, array) in tensors.items():
+        _check_tensor(name, dtype, array)
     tmp_path = path + ".tmp"
     try:
-        with open(tmp_path, "wb") as file:
-            file.write(struct.pack("<Q", len(header_bytes)))
-            file.write(header_bytes)
-            for name in names:
-                file.write(np.ascontiguousarray(tensors[name][1]).reshape(-1).view(np.uint8))
-            file.flush()
-            os.fsync(file.fileno())  # the rename must not outlive the data in a crash
+        with SafetensorsWriter(tmp_path, {n: (d, a.shape) for n, (d, a) in tensors.items()}, metadata) as file:
+            for name, (_, array) in tensors.items():
+                file.write(name, array)
+            file.finish()
         os.replace(tmp_path, path)
     except BaseException:
         if os.path.exists(tmp_path):

@@ -71,8 +71,21 @@ def base_weight_names(program: Program) -> set[str]:
     return names
 
 
+def weight_sources(program: Program, base: dict) -> dict:
+    """Row sources (``dsv4c.frontend.checkpoint.RowSource``) by the program's names, from those
+    of the checkpoint weights: a merged weight reads its parts' rows in turn, never copied whole."""
+    from dsv4c.frontend.checkpoint import ConcatRows
+
+    out = {}
+    for fn in program.functions.values():
+        for name, value in fn.weights.items():
+            parts = concat_parts(name)
+            out[name] = base[name] if parts is None else ConcatRows([base[p] for p in parts], tuple(value.type.shape))
+    return out
+
+
 def materialize_weights(program: Program, base: dict) -> dict:
-    """Weights by the program's names: merged weights are concatenated at compile time."""
+    """Weights by the program's names, in memory: merged weights concatenated (see weight_sources)."""
     import numpy as np
 
     out = {}

@@ -4,8 +4,11 @@
 
     ART/
       manifest.json          format version, target, numerics, model description, quant plan,
-                             pool geometry, entry points, TVM version, sha256 of every file
-      weights.safetensors    weights in the target's layout (IR names)
+                             pool geometry, entry points, TVM version, weight files, and the
+                             size and sha256 of every file
+      weights.safetensors    weights in the target's layout (IR names); several
+                             weights-0000i-of-0000N.safetensors when they exceed one file
+      weights.safetensors.index.json   which file holds which tensor
       kernels.so             compiled kernels (TVM targets only)
       program.json           the IR program the runtime executes
       tokenizer.json         copied from the model directory when it has one
@@ -14,8 +17,11 @@
 Written into a temporary sibling directory and renamed at the end, so an interrupted
 compile leaves no artifact. A killed compile cannot remove its temporary directory; the next
 compile to the same output removes it (a live compile holds a lock on its own). Loading
-checks the format version, every file's hash and that this host can run the target; any
-mismatch is an :class:`ArtifactError`.
+checks the format version, that every file is there with its recorded size
+(:func:`read_manifest`; the weight loader then checks each shard's header) and that this host
+can run the target; hashing every byte is :func:`verify_artifact`, run on request (``dsv4c
+verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError` with a one-line
+message naming the file.
 """
 
 from __future__ import annotations
@@ -27,14 +33,16 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dsv4c.errors import DsvError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+WEIGHTS_INDEX = "weights.safetensors.index.json"
 
 
 class ArtifactError(DsvError):
@@ -45,7 +53,7 @@ def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+            h.update(chunk)  # hashlib releases the GIL for large updates: files hash in parallel
     return h.hexdigest()
 
 
@@ -102,6 +110,12 @@ def _held_partial(out: Path) -> tuple[Path, int | None]:
         os.close(fd)
 
 
+def _hash_all(paths: list[Path]) -> list[str]:
+    """sha256 of each file, several files at a time."""
+    with ThreadPoolExecutor(max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        return list(pool.map(sha256_of, paths))
+
+
 @contextmanager
 def staging(out: str | os.PathLike, log: Callable[[str], Any] = print) -> Iterator[Path]:
     """A temporary directory that becomes ``out`` only if the block completes; first removes
@@ -129,13 +143,26 @@ def staging(out: str | os.PathLike, log: Callable[[str], Any] = print) -> Iterat
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Hash every file already in ``directory`` and write the manifest last."""
-    files = {p.name: sha256_of(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    """Record the size and sha256 of every file already in ``directory`` and write the manifest last."""
+    paths = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": digest} for p, digest in zip(paths, _hash_all(paths))}
     full = {"format_version": FORMAT_VERSION, **manifest, "files": files}
     (directory / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False))
 
 
-def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
+def _listed_files(manifest: dict[str, Any], path: Path) -> dict[str, dict[str, Any]]:
+    files = manifest.get("files")
+    entry_ok = lambda e: (isinstance(e, dict) and type(e.get("bytes")) is int  # noqa: E731
+                          and isinstance(e.get("sha256"), str))
+    if not isinstance(files, dict) or not all(entry_ok(e) for e in files.values()):
+        raise ArtifactError(f"{path}: manifest has no file list; recompile")
+    return files
+
+
+def read_manifest(directory: str | os.PathLike, verify: bool = False) -> dict[str, Any]:
+    """The manifest of an artifact, checked: format version, and every listed file present with
+    its recorded size (cheap: no file is read). ``verify`` also hashes every byte (see
+    :func:`verify_artifact`)."""
     d = Path(directory)
     path = d / MANIFEST
     if not d.is_dir():
@@ -149,14 +176,27 @@ def read_manifest(directory: str | os.PathLike, verify: bool = True) -> dict[str
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         got = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise ArtifactError(f"{d}: artifact format version {got!r}, this runtime reads {FORMAT_VERSION}; recompile")
+    for name, entry in _listed_files(manifest, path).items():
+        f = d / name
+        if not f.is_file():
+            raise ArtifactError(f"{d}: file {name} listed in the manifest is missing")
+        size = f.stat().st_size
+        if size != entry["bytes"]:
+            raise ArtifactError(f"{d}: {name} has {size} bytes, the manifest records {entry['bytes']} (truncated or "
+                                "modified); compile again or copy the artifact again")
     if verify:
-        files = manifest.get("files")
-        if not isinstance(files, dict):
-            raise ArtifactError(f"{path}: manifest has no file list; recompile")
-        for name, digest in files.items():
-            f = d / name
-            if not f.is_file():
-                raise ArtifactError(f"{d}: file {name} listed in the manifest is missing")
-            if sha256_of(f) != digest:
-                raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
+        verify_artifact(d, manifest)
     return manifest
+
+
+def verify_artifact(directory: str | os.PathLike, manifest: dict[str, Any] | None = None) -> int:
+    """Hash every file of the artifact (several at a time) against the manifest; the bytes
+    checked. Raises :class:`ArtifactError` naming the first file that does not match."""
+    d = Path(directory)
+    manifest = read_manifest(d) if manifest is None else manifest
+    files = _listed_files(manifest, d / MANIFEST)
+    names = sorted(files)
+    for name, digest in zip(names, _hash_all([d / n for n in names])):
+        if digest != files[name]["sha256"]:
+            raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
+    return sum(files[n]["bytes"] for n in names)

@@ -6,21 +6,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.ir.interpreter import Interpreter
 from dsv4c.runtime.dense_cache import DenseCache
 from dsv4c.runtime.kv_pool import KVPool, PagedStore
-
-
-def load_ir_weights(path: Path) -> dict[str, np.ndarray]:
-    with SafetensorsFile(path) as st:
-        return {name: st.read_f32(name) if st.dtype(name) in ("F32", "BF16", "F16") else st.read_raw(name)
-                for name in st.names()}
+from dsv4c.runtime.weights import open_weights
 
 
 class ReferenceBackend:
     def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool):
-        weights = load_ir_weights(artifact / "weights.safetensors")
+        # Reference artifacts store float32 and int64 weights, which the interpreter reads as they are.
+        weights = open_weights(artifact, manifest)
         self.interpreter = Interpreter(program, weights, PagedStore(pool, DenseCache(program.config)))
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,

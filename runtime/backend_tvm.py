@@ -22,6 +22,7 @@ from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.ir.kernels import request_groups
 from dsv4c.runtime.artifact import ArtifactError
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
+from dsv4c.runtime.weights import open_weights
 
 
 class TvmBackend:
@@ -40,13 +41,17 @@ class TvmBackend:
         self.decode_max_tokens, self.max_step_tokens = vm["decode_max_tokens"], vm["max_step_tokens"]
         self.entry_ratios = vm["entry_ratios"]
         self.pool = pool
-        with SafetensorsFile(artifact / "weights.safetensors") as st:
-            missing = [name for name in vm["params"] if name not in st.names()]
-            if missing:
-                raise ArtifactError(f"{artifact}: weights.safetensors lacks {missing[0]!r} "
-                                    f"({len(missing)} tensors the step reads); recompile with weights")
-            # ffi Arrays made once: a Python list would be converted on every call.
-            self.params = tvm_ffi.convert([self._upload(st.read_raw(name)) for name in vm["params"]])
+        # Weights mapped from their shards (on the CPU shared with the kernels as they are, pages
+        # loading as they are first read), constants from theirs.
+        weights = dict(open_weights(artifact, manifest))
+        with SafetensorsFile(artifact / vm["constants"]) as st:
+            weights.update((name, st.read_raw(name)) for name in st.names())
+        missing = [name for name in vm["params"] if name not in weights]
+        if missing:
+            raise ArtifactError(f"{artifact}: the weights lack {missing[0]!r} ({len(missing)} tensors the step "
+                                "reads); recompile with weights")
+        # ffi Arrays made once: a Python list would be converted on every call.
+        self.params = tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
         self.pool_tensors = tvm_ffi.convert([self._pool_tensor(self._pool_array(p)) for p in vm["pool"]])
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
@@ -70,7 +75,8 @@ class TvmBackend:
                 aligned = aligned_empty(a.shape, a.dtype)
                 aligned[...] = a
                 a = aligned
-            return tvm.runtime.from_dlpack(a)
+            # The versioned capsule: numpy exports read-only (mapped) arrays only through it.
+            return tvm.runtime.from_dlpack(a.__dlpack__(max_version=(1, 0)))
         return tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
 
     def _pool_tensor(self, a: np.ndarray) -> tvm.runtime.Tensor:

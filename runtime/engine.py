@@ -71,9 +71,11 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool):
 
 class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
-                 max_requests: int = 8, max_context: int = 4096):
+                 max_requests: int = 8, max_context: int = 4096, verify: bool = False):
+        """``verify`` hashes every artifact file against the manifest first (reads every byte);
+        without it loading checks the manifest, file sizes and weight headers only."""
         self.path = Path(artifact)
-        manifest = read_manifest(self.path)
+        manifest = read_manifest(self.path, verify=verify)
         self.manifest = manifest
         self.config = config_from_dict(manifest["model"], manifest["model_name"])
         geometry = PoolGeometry.from_manifest(self.config, manifest)

@@ -14,11 +14,11 @@ import pytest
 from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.frontend import checkpoint, lowbit
 from dsv4c.frontend.checkpoint import (
-    BF16, DENSE, EXPERT, FP32, INDEX, Checkpoint, inventory, load_weights, official_name, random_weights,
-    write_checkpoint,
+    BF16, DENSE, EXPERT, FP32, INDEX, Checkpoint, inventory, iter_random_weights, load_weights, official_name,
+    random_weights, write_checkpoint,
 )
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
-from dsv4c.frontend.safetensors_io import SafetensorsFile, write_safetensors
+from dsv4c.frontend.safetensors_io import SafetensorsFile, SafetensorsWriter, write_safetensors
 
 TINY = with_weights(preset("tiny"), dense="fp32", experts="fp32")
 # FP8 / FP4 storage with partial 128x128 edge blocks (160 and 96 are not multiples of 128).
@@ -263,13 +263,13 @@ def test_random_weights_are_deterministic():
 
 def _spy_reads(monkeypatch) -> list[str]:
     calls = []
-    real = SafetensorsFile.read_raw
+    real = SafetensorsFile.read_rows
 
-    def read_raw(self, name):
+    def read_rows(self, name, start, stop):
         calls.append(name)
-        return real(self, name)
+        return real(self, name, start, stop)
 
-    monkeypatch.setattr(SafetensorsFile, "read_raw", read_raw)
+    monkeypatch.setattr(SafetensorsFile, "read_rows", read_rows)
     return calls
 
 
@@ -477,14 +477,47 @@ def test_refuses_tensors_outside_the_inventory(tmp_path):
 
 
 def test_interrupted_between_shards(tmp_path, monkeypatch):
-    real, written = checkpoint.write_safetensors, []
+    real, written = SafetensorsWriter.write, []
 
-    def write_then_stop(path, tensors, metadata=None):
-        if written:
+    def write_then_stop(self, name, array, byte_offset=0):
+        if written and written[0] != self.path:
             raise KeyboardInterrupt
-        written.append(path)
-        real(path, tensors, metadata)
+        written.append(self.path)
+        real(self, name, array, byte_offset)
 
-    monkeypatch.setattr(checkpoint, "write_safetensors", write_then_stop)
-    _interrupted(tmp_path, random_weights(TINY, 0), error=KeyboardInterrupt, shard_bytes=200_000)
+    monkeypatch.setattr(SafetensorsWriter, "write", write_then_stop)
+    _interrupted(tmp_path, iter_random_weights(TINY, 0), error=KeyboardInterrupt, shard_bytes=200_000)
     assert written
+
+
+def test_random_weights_stream_in_pieces_of_bounded_size(monkeypatch):
+    monkeypatch.setattr(checkpoint, "PIECE_BYTES", 4096)  # 128-row pieces of the tiny model's matrices
+    pieces = list(iter_random_weights(EDGE, 3))
+    assert max(p.nbytes for _, p in pieces) <= 128 * 160 * 4 and len(pieces) > len(inventory(EDGE))
+    whole = random_weights(EDGE, 3)
+    for name in whole:
+        np.testing.assert_array_equal(np.concatenate([p for n, p in pieces if n == name]), whole[name])
+
+
+def test_a_streamed_checkpoint_equals_one_written_from_whole_tensors(edge_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "PIECE_BYTES", 4096)  # FP8 blocks and FP4 groups written piece by piece
+    out = write_checkpoint(EDGE, iter_random_weights(EDGE, 0), tmp_path / "ckpt")
+    for shard in sorted(edge_ckpt.glob("*.safetensors")):
+        with SafetensorsFile(shard) as want, SafetensorsFile(out / shard.name) as got:
+            assert got.names() == want.names()
+            for name in want.names():
+                assert got.dtype(name) == want.dtype(name)
+                np.testing.assert_array_equal(got.read_raw(name), want.read_raw(name), err_msg=name)
+
+
+@pytest.mark.parametrize("stream, message", [
+    (lambda pieces: pieces[1:], "tensor embed.weight was not provided"),
+    (lambda pieces: pieces[:1] + pieces[2:], "tensor head.weight was not provided"),
+    (lambda pieces: pieces + [("norm.weight", np.ones(64, np.float32))], "comes after the whole inventory"),
+    (lambda pieces: [("nope", np.ones(3, np.float32))] + pieces, "tensor nope is not in the model's inventory"),
+    (lambda pieces: [(n, p[:-1] if n == "norm.weight" else p) for n, p in pieces], "norm.weight ended after 63"),
+    (lambda pieces: [(n, p.T if n == "head.weight" else p) for n, p in pieces], "a piece of tensor head.weight"),
+])
+def test_stream_refusals(tmp_path, stream, message):
+    pieces = list(iter_random_weights(TINY, 0))
+    assert message in _interrupted(tmp_path, iter(stream(pieces)))

@@ -24,12 +24,15 @@ import numpy as np
 import pytest
 
 from dsv4c.cli import main as cli
-from dsv4c.errors import UsageError
+from dsv4c.codegen.compile import compile_model
+from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.passes.quant_plan import plan_for
+from dsv4c.runtime.artifact import read_manifest
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolExhausted, PoolGeometry
 from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.runtime.weights import open_weights
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +42,7 @@ def _build(build_dir: Path) -> str | None:
     for cmd in (["cmake", "-S", str(REPO / "examples" / "cpp_host"), "-B", str(build_dir),
                  f"-DDSV4C_PYTHON={sys.executable}"],
                 ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
-                 "--target", "dsv4c_host", "dsv4c_pool_trace"]):
+                 "--target", "dsv4c_host", "dsv4c_pool_trace", "dsv4c_weights_dump"]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             return f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
@@ -112,6 +115,18 @@ def _tamper_weights(art: Path) -> None:
         f.write(b"\x01\x02\x03")
 
 
+def _truncate_weights(art: Path) -> None:
+    weights = art / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def _corrupt_weights_header(art: Path) -> None:
+    weights = art / "weights.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[8:10] = b"[}"  # same size: the header is no longer JSON
+    weights.write_bytes(bytes(blob))
+
+
 def _set_version(version):
     def edit(art: Path) -> None:
         manifest = json.loads((art / "manifest.json").read_text())
@@ -120,14 +135,18 @@ def _set_version(version):
     return edit
 
 
+# Each breakage, and whether the run asks for the full sha256 check (--verify).
 BREAKAGES = {
     "tampered-weights": _tamper_weights,
+    "truncated-weights": _truncate_weights,
+    "corrupt-weights-header": _corrupt_weights_header,
     "missing-file": lambda art: (art / "program.json").unlink(),
     "no-manifest": lambda art: (art / "manifest.json").unlink(),
     "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
     "manifest-not-an-object": lambda art: (art / "manifest.json").write_text("[1]"),
-    **{f"version-{v!r}": _set_version(v) for v in (2, 2.5, 1e16, "1", None, [1, 2], {"it's": "x"})},
+    **{f"version-{v!r}": _set_version(v) for v in (1, 3, True, 2.5, 1e16, "2", None, [1, 2], {"it's": "x"})},
 }
+VERIFIED = {"tampered-weights"}  # found only by hashing
 
 
 @pytest.mark.parametrize("breakage", [None, *BREAKAGES], ids=["missing-artifact", *BREAKAGES])
@@ -139,9 +158,10 @@ def test_host_errors_are_the_python_cli_errors(cpp, tmp_path, capsys, breakage):
         BREAKAGES[breakage](target)
     # Messages name the artifact as pathlib prints it: "//" and a trailing "/" are normalised.
     path = f"{tmp_path}//art/"
-    assert cli(["generate", path, "--token-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    args = ["--token-ids", "1,2", "--max-new-tokens", "2", *(["--verify"] if breakage in VERIFIED else [])]
+    assert cli(["generate", path, *args]) == 2
     expected = capsys.readouterr().err
-    done = _host(build, path, "--token-ids", "1,2", "--max-new-tokens", "2")
+    done = _host(build, path, *args)
     assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
     assert expected.startswith(f"dsv4c: error: {tmp_path}/art") and expected.count("\n") == 1
 
@@ -188,6 +208,94 @@ def test_host_usage_errors_are_the_python_cli_errors(cpp, capsys, argv):
     expected = capsys.readouterr().err
     done = _host(build, art, *argv)
     assert (done.returncode, done.stderr) == (2, expected)
+
+
+def test_tampering_goes_unseen_without_verify_in_both(cpp, tmp_path, capsys):
+    build, art = cpp
+    target = Path(shutil.copytree(art, tmp_path / "art"))
+    _tamper_weights(target)
+    assert cli(["generate", str(target), "--token-ids", "1,2", "--max-new-tokens", "2"]) == 0
+    done = _host(build, target, "--token-ids", "1,2", "--max-new-tokens", "2")
+    assert (done.returncode, done.stdout) == (0, capsys.readouterr().out)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _dump(build: Path, art: Path) -> subprocess.CompletedProcess:
+    tool = build / "dsv4c_runtime" / "dsv4c_weights_dump"
+    return subprocess.run([str(tool), str(art)], capture_output=True, text=True, timeout=120)
+
+
+def _checksum(array: np.ndarray) -> int:
+    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).astype(np.uint64)
+    return int((data * (np.arange(data.size, dtype=np.uint64) % 65521 + 1)).sum(dtype=np.uint64))
+
+
+@pytest.fixture(scope="module")
+def sharded(cpp, tmp_path_factory):
+    """The tiny llvm artifact with its weights over several files."""
+    art = tmp_path_factory.mktemp("sharded") / "art"
+    return compile_model(str(cpp[1].parent / "model"), "llvm", art, progress=False, log=lambda *_: None,
+                         shard_bytes=256 << 10)
+
+
+def test_cpp_weights_are_the_python_loaders(cpp, sharded):
+    build, _ = cpp
+    assert len(read_manifest(sharded)["weights"]["files"]) > 2
+    done = _dump(build, sharded)
+    assert (done.returncode, done.stderr) == (0, "")
+    weights = open_weights(sharded, read_manifest(sharded))
+    codes = {"f": 2, "u": 1, "i": 0, "b": 6}  # DLPack type codes of numpy kinds
+    expected = [f"{name} {codes[a.dtype.kind]} {a.dtype.itemsize * 8} {','.join(map(str, a.shape))} {_checksum(a)} "
+                f"{int(a.ctypes.data % 64 == 0)}" for name, a in sorted(weights.items())]
+    assert done.stdout.splitlines() == expected
+    assert all(a.ctypes.data % 64 == 0 for a in weights.values() if a.nbytes % 64 == 0)
+
+
+def _header_offsets_past_the_end(shard: Path) -> None:
+    blob = shard.read_bytes()
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + size])
+    name = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin + 64, end + 64]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    shard.write_bytes(blob[:8] + text + b" " * (size - len(text)) + blob[8 + size:])
+
+
+def _drop_from_index(art: Path) -> None:
+    index = json.loads((art / "weights.safetensors.index.json").read_text())
+    index["weight_map"].pop("head.weight")
+    (art / "weights.safetensors.index.json").write_text(json.dumps(index))
+
+
+WEIGHT_BREAKAGES = {
+    "truncated-shard": lambda art, shard: shard.write_bytes(shard.read_bytes()[:-100]),
+    "offsets-past-the-end": lambda art, shard: _header_offsets_past_the_end(shard),
+    "index-not-json": lambda art, shard: (art / "weights.safetensors.index.json").write_text("{"),
+    "tensor-missing-from-index": lambda art, shard: _drop_from_index(art),
+    "no-weights": lambda art, shard: _set_manifest(art, has_weights=False),
+    "no-weight-list": lambda art, shard: _set_manifest(art, weights={"index": 3}),
+}
+
+
+def _set_manifest(art: Path, **values) -> None:
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest.update(values)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("breakage", sorted(WEIGHT_BREAKAGES))
+def test_cpp_weight_errors_are_the_python_loaders(cpp, sharded, tmp_path, breakage):
+    build, _ = cpp
+    art = Path(shutil.copytree(sharded, tmp_path / "art"))
+    WEIGHT_BREAKAGES[breakage](art, art / read_manifest(sharded)["weights"]["files"][-1])
+    with pytest.raises(DsvError) as info:
+        open_weights(art, read_manifest(art))
+    done = _dump(build, art)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"dsv4c: error: {info.value}\n")
 
 
 # --------------------------------------------------------------------------- KV pool conformance

@@ -15,9 +15,9 @@ from dsv4c.codegen import gpu
 from dsv4c.codegen.compile import compile_model
 from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
 from dsv4c.frontend.config import preset
-from dsv4c.frontend.safetensors_io import SafetensorsFile
-from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.runtime.artifact import ArtifactError, read_manifest
 from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.weights import open_weights
 
 EF_AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}
 EM_AMDGPU = 224
@@ -98,8 +98,8 @@ def test_pool_geometry_per_target(artifact):
 def test_gfx942_weights_are_fnuz(artifact, tiny_model):
     target, path = artifact
     name = "layers.0.attn.wkv.weight"
-    with SafetensorsFile(path / "weights.safetensors") as st:
-        codes, scales = st.read_raw(name), st.read_raw(name + ".scale")
+    weights = open_weights(path, read_manifest(path))
+    codes, scales = weights[name], weights[name + ".scale"]
     untile = lambda a: np.moveaxis(a, -1, -2).reshape(-1, a.shape[1])  # noqa: E731  [O/t, I, t] -> [O, I]
     values = untile(codes).view(ml_dtypes.float8_e4m3fnuz).astype(np.float32) * np.repeat(untile(scales), 128,
                                                                                             axis=1)[:, :codes.shape[1]]

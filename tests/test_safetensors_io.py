@@ -60,11 +60,44 @@ def test_writer_layout_is_sorted_and_aligned(tmp_path):
     path = tmp_path / "layout.safetensors"
     write_safetensors(path, {"b": ("U8", np.arange(3, dtype=np.uint8)), "a": ("I32", np.int32([7]))})
     (size,) = struct.unpack("<Q", path.read_bytes()[:8])
-    assert size % 8 == 0
+    assert (8 + size) % 64 == 0
     header, data = _header_and_data(path)
     assert header["a"]["data_offsets"] == [0, 4] and header["b"]["data_offsets"] == [4, 7]
     assert data == np.int32([7]).tobytes() + bytes([0, 1, 2])
     assert "__metadata__" not in header
+
+
+def test_tensors_whose_size_allows_start_64_byte_aligned(tmp_path):
+    path = tmp_path / "aligned.safetensors"
+    tensors = {"odd": ("U8", np.arange(5, dtype=np.uint8)), "z_big": ("F32", np.ones((3, 64), np.float32)),
+               "a_tile": ("U8", np.full((2, 32), 7, np.uint8)), "bf16": ("BF16", np.zeros(7, np.uint16))}
+    write_safetensors(path, tensors)
+    (size,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header, data = _header_and_data(path)
+    # No holes (the safetensors package refuses them): 64-byte multiples first, then the rest.
+    spans = sorted(tuple(header[n]["data_offsets"]) for n in tensors)
+    assert [s[0] for s in spans] == [0] + [s[1] for s in spans[:-1]] and spans[-1][1] == len(data)
+    assert header["a_tile"]["data_offsets"][0] == 0 and header["z_big"]["data_offsets"][0] == 64
+    with SafetensorsFile(path) as file:
+        mapped = file.mapped()
+    for name in ("a_tile", "z_big"):
+        assert mapped[name].ctypes.data % 64 == 0 and (8 + size + header[name]["data_offsets"][0]) % 64 == 0
+    for name, (_, array) in tensors.items():
+        assert not mapped[name].flags.writeable and mapped[name].dtype == array.dtype
+        np.testing.assert_array_equal(mapped[name], array)
+    assert load_file(str(path))["z_big"].shape == (3, 64)
+
+
+def test_read_rows_reads_a_row_range(tmp_path):
+    path = tmp_path / "rows.safetensors"
+    cube = np.arange(4 * 3 * 5, dtype=np.float32).reshape(4, 3, 5)
+    write_safetensors(path, {"cube": ("F32", cube), "scalar": ("I64", np.array(9, np.int64))})
+    with SafetensorsFile(path) as file:
+        assert file.matrix_shape("cube") == (12, 5) and file.matrix_shape("scalar") == (1, 1)
+        np.testing.assert_array_equal(file.read_rows("cube", 4, 7), cube.reshape(12, 5)[4:7])
+        assert file.read_rows("cube", 12, 12).shape == (0, 5)
+        with pytest.raises(ValueError, match="rows \\[10, 13\\)"):
+            file.read_rows("cube", 10, 13)
 
 
 def test_read_f32_converts_float_dtypes(tmp_path):
@@ -202,7 +235,8 @@ def test_error_truncated_data(tmp_path):
     path = tmp_path / "truncated.safetensors"
     write_safetensors(path, {"a": ("F32", np.zeros(4, np.float32)), "b": ("I64", np.zeros(8, np.int64))})
     path.write_bytes(path.read_bytes()[:-1])
-    _assert_checkpoint_error(path, "outside the 79-byte data buffer; .*truncated", tensor="b")
+    # "b" (64 bytes) lies first, so the cut falls in "a".
+    _assert_checkpoint_error(path, "outside the 79-byte data buffer; .*truncated", tensor="a")
 
 
 def test_error_overlapping_ranges(tmp_path):
@@ -279,32 +313,18 @@ def test_writer_rejects_a_wrong_dtype_and_leaves_no_file(tmp_path):
         write_safetensors(path, {"a": ("F64", np.zeros(2))})
 
 
-class _FailingWriter:
-    """Wraps a file whose writes fail after a few, like a disk filling up."""
-
-    def __init__(self, file, writes_allowed: int):
-        self._file, self._writes_left = file, writes_allowed
-
-    def write(self, data):
-        if self._writes_left == 0:
-            raise OSError(28, "No space left on device")
-        self._writes_left -= 1
-        return self._file.write(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self._file.close()
-
-    def __getattr__(self, name):
-        return getattr(self._file, name)
-
-
 def test_interrupted_write_leaves_neither_file_nor_tmp(tmp_path, monkeypatch):
     path = tmp_path / "w.safetensors"
     tensors = {name: ("F32", np.ones(1000, np.float32)) for name in "abc"}
-    monkeypatch.setattr(safetensors_io, "open", lambda *a: _FailingWriter(open(*a), 3), raising=False)
+    real, writes_left = safetensors_io.os.pwrite, [3]
+
+    def pwrite(fd, data, offset):  # fails after a few writes, like a disk filling up
+        if writes_left[0] == 0:
+            raise OSError(28, "No space left on device")
+        writes_left[0] -= 1
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(safetensors_io.os, "pwrite", pwrite)
     with pytest.raises(OSError, match="No space left"):
         write_safetensors(path, tensors)  # length, header, "a" written; "b" fails
     assert list(tmp_path.iterdir()) == []

@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <sstream>
+#include <vector>
 
 #include "dsv4c/errors.h"
+#include "dsv4c/runtime.h"
 #include "sha256.h"
 
 namespace dsv4c {
@@ -17,11 +19,6 @@ namespace {
 bool is_dir(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-bool is_file(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 // The OSError subclass Python raises for `err`, named as the manifest message names it.
@@ -74,8 +71,34 @@ std::string join_path(const std::string& dir, const std::string& name) {
   return python_path(dir + "/" + name);
 }
 
-json::Fields read_manifest(const std::string& directory) {
-  const std::string d = python_path(directory), path = join_path(d, "manifest.json");
+namespace {
+
+// The manifest's "files": {name: {"bytes": size, "sha256": hex digest}}, in file order.
+struct ListedFile {
+  std::string name;
+  int64_t bytes;
+  std::string sha256;
+};
+
+std::vector<ListedFile> listed_files(const json::Object& manifest, const std::string& path) {
+  std::optional<json::Value> files = manifest.Get(tvm::ffi::String("files"));
+  std::optional<json::Object> listed = files ? json::as_object(*files) : std::nullopt;
+  if (!listed) throw ArtifactError(path + ": manifest has no file list; recompile");
+  std::vector<ListedFile> out;
+  for (const auto& [key, entry] : *listed) {
+    std::optional<json::Object> fields = json::as_object(entry);
+    std::optional<json::Value> bytes = fields ? fields->Get(tvm::ffi::String("bytes")) : std::nullopt;
+    std::optional<json::Value> digest = fields ? fields->Get(tvm::ffi::String("sha256")) : std::nullopt;
+    std::optional<int64_t> size = bytes ? json::as_int(*bytes) : std::nullopt;
+    std::optional<std::string> hex = digest ? json::as_string(*digest) : std::nullopt;
+    if (!size || !hex) throw ArtifactError(path + ": manifest has no file list; recompile");
+    out.push_back({*json::as_string(key), *size, *hex});  // JSON object keys are strings
+  }
+  return out;
+}
+
+// The manifest of artifact directory `d` (spelled as Python prints it), with the cheap checks.
+json::Object checked_manifest(const std::string& d, const std::string& path) {
   if (!is_dir(d)) throw ArtifactError(d + ": not an artifact directory (run `dsv4c compile` first)");
   std::string text, problem;
   if (int err = read_all(path, &text)) {
@@ -85,26 +108,53 @@ json::Fields read_manifest(const std::string& directory) {
   std::optional<json::Value> doc = json::parse(text, &problem);
   if (!doc) throw ArtifactError(path + ": unreadable manifest (JSONDecodeError)");
   std::optional<json::Object> manifest = json::as_object(*doc);
-  // Python compares with ==, so 1.0 and true pass as version 1 too.
+  // Python compares with ==, so 2.0 passes as version 2 too (and true, which is 1, does not).
   std::optional<json::Value> version = manifest ? manifest->Get(tvm::ffi::String("format_version")) : std::nullopt;
   std::optional<double> number = version ? json::as_number(*version) : std::nullopt;
-  bool is_true = version && version->type_index() == tvm::ffi::TypeIndex::kTVMFFIBool && version->cast<bool>();
-  if (!(is_true || (number && *number == kFormatVersion))) {
+  if (!(number && *number == kFormatVersion)) {
     throw ArtifactError(d + ": artifact format version " + (version ? json::py_repr(*version) : "None") +
                         ", this runtime reads " + std::to_string(kFormatVersion) + "; recompile");
   }
-  std::optional<json::Value> files = manifest->Get(tvm::ffi::String("files"));
-  std::optional<json::Object> listed = files ? json::as_object(*files) : std::nullopt;
-  if (!listed) throw ArtifactError(path + ": manifest has no file list; recompile");
-  for (const auto& [key, digest] : *listed) {
-    std::string name = *json::as_string(key);  // JSON object keys are strings
-    std::string file = join_path(d, name);
-    if (!is_file(file)) throw ArtifactError(d + ": file " + name + " listed in the manifest is missing");
-    if (json::as_string(digest) != sha256_of_file(file)) {
-      throw ArtifactError(d + ": " + name + " does not match its sha256 in the manifest (modified or corrupt)");
+  for (const ListedFile& f : listed_files(*manifest, path)) {
+    std::string file = join_path(d, f.name);
+    struct stat st;
+    if (::stat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      throw ArtifactError(d + ": file " + f.name + " listed in the manifest is missing");
+    }
+    if (st.st_size != f.bytes) {
+      throw ArtifactError(d + ": " + f.name + " has " + std::to_string(st.st_size) + " bytes, the manifest records " +
+                          std::to_string(f.bytes) + " (truncated or modified); compile again or copy the artifact again");
     }
   }
-  return json::Fields(*manifest, path);
+  return *manifest;
+}
+
+// Hashes every listed file, in name order; the bytes checked.
+int64_t verify_files(const std::string& d, const json::Object& manifest, const std::string& path) {
+  std::vector<ListedFile> files = listed_files(manifest, path);
+  std::sort(files.begin(), files.end(), [](const ListedFile& a, const ListedFile& b) { return a.name < b.name; });
+  int64_t checked = 0;
+  for (const ListedFile& f : files) {
+    if (sha256_of_file(join_path(d, f.name)) != f.sha256) {
+      throw ArtifactError(d + ": " + f.name + " does not match its sha256 in the manifest (modified or corrupt)");
+    }
+    checked += f.bytes;
+  }
+  return checked;
+}
+
+}  // namespace
+
+json::Fields read_manifest(const std::string& directory, bool verify) {
+  const std::string d = python_path(directory), path = join_path(d, "manifest.json");
+  json::Object manifest = checked_manifest(d, path);
+  if (verify) verify_files(d, manifest, path);
+  return json::Fields(manifest, path);
+}
+
+int64_t verify_artifact(const std::string& directory) {
+  const std::string d = python_path(directory), path = join_path(d, "manifest.json");
+  return verify_files(d, checked_manifest(d, path), path);
 }
 
 }  // namespace dsv4c

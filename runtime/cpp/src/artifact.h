@@ -9,7 +9,7 @@
 
 namespace dsv4c {
 
-inline constexpr int64_t kFormatVersion = 1;
+inline constexpr int64_t kFormatVersion = 2;
 
 /// `path` as str(pathlib.Path(path)) spells it: "." parts, repeated and trailing slashes dropped.
 std::string python_path(const std::string& path);
@@ -17,8 +17,9 @@ std::string python_path(const std::string& path);
 std::string join_path(const std::string& dir, const std::string& name);
 
 /// The manifest of artifact `directory`, checked: a directory, a readable manifest, format version
-/// 1, every listed file present with its sha256. Throws ArtifactError.
-json::Fields read_manifest(const std::string& directory);
+/// 2, every listed file present with the size the manifest records (cheap: no file is read).
+/// `verify` also hashes every file (verify_artifact). Throws ArtifactError.
+json::Fields read_manifest(const std::string& directory, bool verify = false);
 
 }  // namespace dsv4c
 

@@ -1,13 +1,19 @@
 #include "safetensors.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
+#include <tuple>
 #include <utility>
+#include <vector>
 
+#include "artifact.h"
 #include "dsv4c/errors.h"
 #include "json.h"
 
@@ -34,6 +40,23 @@ std::string json_type_name(const json::Value& v) {
   return v.type_index() == tvm::ffi::TypeIndex::kTVMFFIBool ? "bool" : "NoneType";
 }
 
+// One tensor of the header: where its bytes lie in the file.
+struct Entry {
+  std::string name;
+  Tensor shape_and_dtype;  // no data
+  uint64_t offset;         // from the start of the file
+};
+
+// A read-only map of a whole file; tensors share it (aliasing shared_ptr) and it is unmapped
+// when the last of them goes.
+struct Mapping {
+  void* base = MAP_FAILED;
+  size_t size = 0;
+  ~Mapping() {
+    if (base != MAP_FAILED) ::munmap(base, size);
+  }
+};
+
 class Reader {
  public:
   explicit Reader(std::string path) : path_(std::move(path)) {
@@ -42,12 +65,12 @@ class Reader {
   }
   ~Reader() { ::close(fd_); }
 
-  std::map<std::string, Tensor> read_all() {
+  std::vector<Entry> entries() {
     struct stat st;
     ::fstat(fd_, &st);
-    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-    if (file_size < 8) {
-      throw fail(std::to_string(file_size) + " bytes is too short for a safetensors header length; " + kReexport);
+    file_size_ = static_cast<uint64_t>(st.st_size);
+    if (file_size_ < 8) {
+      throw fail(std::to_string(file_size_) + " bytes is too short for a safetensors header length; " + kReexport);
     }
     unsigned char length[8];
     read_at(0, length, 8, "");
@@ -57,8 +80,8 @@ class Reader {
       throw fail("header length " + std::to_string(header_size) + " exceeds " + std::to_string(kMaxHeaderBytes) +
                  " bytes; this is not a safetensors file or " + kReexport);
     }
-    if (8 + header_size > file_size) {
-      throw fail("header length " + std::to_string(header_size) + " exceeds the " + std::to_string(file_size - 8) +
+    if (8 + header_size > file_size_) {
+      throw fail("header length " + std::to_string(header_size) + " exceeds the " + std::to_string(file_size_ - 8) +
                  " bytes after it; " + kReexport);
     }
     std::string text(header_size, '\0');
@@ -66,14 +89,40 @@ class Reader {
     std::string problem;
     std::optional<json::Value> header = json::parse(text, &problem);
     if (!header) throw fail("header is not valid UTF-8 JSON (" + problem + "); " + kReexport);
-    std::optional<json::Object> entries = json::as_object(*header);
-    if (!entries) throw fail("header is a JSON " + json_type_name(*header) + ", not an object; " + kReexport);
+    std::optional<json::Object> object = json::as_object(*header);
+    if (!object) throw fail("header is a JSON " + json_type_name(*header) + ", not an object; " + kReexport);
 
-    const uint64_t data_start = 8 + header_size, data_size = file_size - data_start;
-    std::map<std::string, Tensor> out;
-    for (const auto& [key, info] : *entries) {
+    const uint64_t data_start = 8 + header_size, data_size = file_size_ - data_start;
+    std::vector<Entry> out;
+    for (const auto& [key, info] : *object) {
       std::string name = *json::as_string(key);
-      if (name != "__metadata__") out[name] = read_tensor(name, info, data_start, data_size);
+      if (name != "__metadata__") out.push_back(entry(name, info, data_start, data_size));
+    }
+    check_no_overlap(out, data_start);
+    return out;
+  }
+
+  std::map<std::string, Tensor> read_all() {
+    std::map<std::string, Tensor> out;
+    for (Entry& e : entries()) {
+      Tensor t = Tensor::zeros(e.shape_and_dtype.shape, e.shape_and_dtype.dtype);
+      read_at(e.offset, t.data.get(), t.nbytes(), e.name);
+      out[e.name] = std::move(t);
+    }
+    return out;
+  }
+
+  std::map<std::string, Tensor> map_all() {
+    std::vector<Entry> all = entries();
+    auto mapping = std::make_shared<Mapping>();
+    mapping->size = file_size_;
+    mapping->base = ::mmap(nullptr, file_size_, PROT_READ, MAP_PRIVATE, fd_, 0);
+    if (mapping->base == MAP_FAILED) throw fail(std::string("cannot map the file: ") + std::strerror(errno));
+    std::map<std::string, Tensor> out;
+    for (Entry& e : all) {
+      Tensor t = e.shape_and_dtype;
+      t.data = std::shared_ptr<void>(mapping, static_cast<char*>(mapping->base) + e.offset);
+      out[e.name] = std::move(t);
     }
     return out;
   }
@@ -93,10 +142,10 @@ class Reader {
     }
   }
 
-  Tensor read_tensor(const std::string& name, const json::Value& info, uint64_t data_start, uint64_t data_size) {
-    std::optional<json::Object> entry = json::as_object(info);
-    if (!entry) throw fail("header entry is a JSON " + json_type_name(info) + ", not an object; " + kReexport, name);
-    json::Fields f(*entry, path_);
+  Entry entry(const std::string& name, const json::Value& info, uint64_t data_start, uint64_t data_size) {
+    std::optional<json::Object> object = json::as_object(info);
+    if (!object) throw fail("header entry is a JSON " + json_type_name(info) + ", not an object; " + kReexport, name);
+    json::Fields f(*object, path_);
     std::optional<json::Value> dtype_v = f.get("dtype"), shape_v = f.get("shape"), offsets_v = f.get("data_offsets");
     std::optional<std::string> dtype = dtype_v ? json::as_string(*dtype_v) : std::nullopt;
     if (!dtype) throw fail(std::string("missing or non-string 'dtype'; ") + kReexport, name);
@@ -116,7 +165,7 @@ class Reader {
       std::string got = offsets_v ? json::py_repr(*offsets_v) : "None";
       throw fail("'data_offsets' must be [begin, end] integers, got " + got + "; " + kReexport, name);
     }
-    Tensor t{nullptr, storage->second, *shape};  // sized before any allocation
+    Tensor t{nullptr, storage->second, *shape};
     int64_t begin = (*offsets)[0], end = (*offsets)[1];
     if (end - begin != static_cast<int64_t>(t.nbytes())) {
       throw fail("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + ") hold " +
@@ -127,17 +176,106 @@ class Reader {
       throw fail("bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") lie outside the " +
                  std::to_string(data_size) + "-byte data buffer; " + kReexport, name);
     }
-    t = Tensor::zeros(t.shape, t.dtype);
-    read_at(data_start + static_cast<uint64_t>(begin), t.data.get(), t.nbytes(), name);
-    return t;
+    return Entry{name, t, data_start + static_cast<uint64_t>(begin)};
+  }
+
+  // Sorted by start, any overlap shows up between neighbours; empty tensors own no bytes.
+  void check_no_overlap(const std::vector<Entry>& all, uint64_t data_start) const {
+    std::vector<std::tuple<uint64_t, uint64_t, std::string>> spans;
+    for (const Entry& e : all) {
+      uint64_t begin = e.offset - data_start, end = begin + e.shape_and_dtype.nbytes();
+      if (end > begin) spans.emplace_back(begin, end, e.name);
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 0; i + 1 < spans.size(); ++i) {
+      if (std::get<0>(spans[i + 1]) < std::get<1>(spans[i])) {
+        throw fail("byte range overlaps that of tensor " + json::py_repr(tvm::ffi::String(std::get<2>(spans[i + 1]))) +
+                   "; " + kReexport, std::get<2>(spans[i]));
+      }
+    }
   }
 
   std::string path_;
   int fd_;
+  uint64_t file_size_ = 0;
 };
+
+// The whole file, or nullopt when it cannot be read.
+std::optional<std::string> read_text(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string out;
+  char buf[1 << 16];
+  ssize_t got;
+  while ((got = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(got));
+  ::close(fd);
+  if (got < 0) return std::nullopt;
+  return out;
+}
 
 }  // namespace
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path) { return Reader(path).read_all(); }
+
+std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir) {
+  json::Fields manifest = read_manifest(artifact_dir);
+  const std::string d = python_path(artifact_dir);
+  std::optional<json::Value> has = manifest.get("has_weights");
+  if (!has || has->type_index() != tvm::ffi::TypeIndex::kTVMFFIBool || !has->cast<bool>()) {
+    throw ArtifactError(d + ": compiled with --no-weights, so there are no weights to load; compile it again "
+                        "from a model directory");
+  }
+  // The manifest's "weights": {"index": file name, "files": [file names]}.
+  std::optional<json::Value> weights_v = manifest.get("weights");
+  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
+  std::optional<json::Value> files_v = weights ? weights->Get(tvm::ffi::String("files")) : std::nullopt;
+  std::optional<json::Value> index_v = weights ? weights->Get(tvm::ffi::String("index")) : std::nullopt;
+  std::optional<json::Array> files_a = files_v ? json::as_array(*files_v) : std::nullopt;
+  std::optional<std::string> index_name = index_v ? json::as_string(*index_v) : std::nullopt;
+  std::vector<std::string> files;
+  for (const json::Value& f : files_a ? *files_a : json::Array()) {
+    if (auto name = json::as_string(f)) files.push_back(*name);
+  }
+  if (!files_a || !index_name || files.size() != files_a->size()) {
+    throw ArtifactError(join_path(d, "manifest.json") + ": manifest has no weight file list; recompile");
+  }
+  // The index: {"weight_map": {tensor: file}}, grouped by file.
+  const std::string index_path = join_path(d, *index_name);
+  std::map<std::string, std::set<std::string>> by_file;
+  std::optional<std::string> text = read_text(index_path);
+  std::string problem;
+  std::optional<json::Value> index = text ? json::parse(*text, &problem) : std::nullopt;
+  std::optional<json::Object> index_object = index ? json::as_object(*index) : std::nullopt;
+  std::optional<json::Value> map_v = index_object ? index_object->Get(tvm::ffi::String("weight_map")) : std::nullopt;
+  std::optional<json::Object> weight_map = map_v ? json::as_object(*map_v) : std::nullopt;
+  bool valid = weight_map.has_value();
+  for (const auto& [key, file] : weight_map ? *weight_map : json::Object()) {
+    std::optional<std::string> name = json::as_string(file);
+    if (!name) valid = false;
+    if (name) by_file[*name].insert(*json::as_string(key));
+  }
+  if (!valid) throw ArtifactError(index_path + ": not a valid weight index; recompile");
+  std::set<std::string> listed(files.begin(), files.end());
+  if (by_file.size() != listed.size() ||
+      !std::equal(by_file.begin(), by_file.end(), listed.begin(), [](const auto& a, const std::string& b) {
+        return a.first == b;
+      })) {
+    throw ArtifactError(index_path + ": does not name the weight files the manifest lists; recompile");
+  }
+  std::map<std::string, Tensor> out;
+  for (const std::string& file : files) {
+    std::map<std::string, Tensor> mapped = Reader(join_path(d, file)).map_all();
+    std::set<std::string> names, stray;
+    for (const auto& [name, tensor] : mapped) names.insert(name);
+    std::set_symmetric_difference(names.begin(), names.end(), by_file[file].begin(), by_file[file].end(),
+                                  std::inserter(stray, stray.begin()));
+    if (!stray.empty()) {
+      throw ArtifactError(d + ": " + file + " and " + *index_name + " disagree about tensor " + *stray.begin() +
+                          "; recompile");
+    }
+    out.merge(mapped);
+  }
+  return out;
+}
 
 }  // namespace dsv4c

@@ -1,4 +1,4 @@
-// weights.safetensors: an 8-byte little-endian header length, a JSON header
+// Safetensors files: an 8-byte little-endian header length, a JSON header
 // {name: {dtype, shape, data_offsets}}, then the data. Nothing is ever unpickled.
 #ifndef DSV4C_SRC_SAFETENSORS_H_
 #define DSV4C_SRC_SAFETENSORS_H_
@@ -14,6 +14,14 @@ namespace dsv4c {
 /// unsigned bits), each in its own aligned buffer. Throws CheckpointError with the messages of
 /// dsv4c/frontend/safetensors_io.py.
 std::map<std::string, Tensor> read_safetensors(const std::string& path);
+
+/// Every weight of an artifact (Python: dsv4c.runtime.weights.open_weights), memory-mapped from
+/// the shards its manifest lists: no data is read until used, storage dtypes as
+/// read_safetensors, stacked weights as one tensor. The maps are read-only (PROT_READ): writing
+/// to a weight faults. Tensors whose size is a multiple of 64 bytes are 64-byte aligned.
+/// Checks the manifest (format version, file sizes), every shard's header and the index against
+/// the shards; throws ArtifactError / CheckpointError with the Python loader's messages.
+std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir);
 
 }  // namespace dsv4c
 

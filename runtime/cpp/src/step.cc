@@ -31,6 +31,23 @@ DLDataType dtype_of(const std::string& name) {
   return it->second;
 }
 
+// A host tensor as a TVM tensor without a copy; the TVM tensor keeps the storage alive.
+ffi::Tensor share(const Tensor& t) {
+  struct Owner {
+    std::shared_ptr<void> data;
+    std::vector<int64_t> shape;
+  };
+  auto* owner = new Owner{t.data, t.shape};
+  auto* managed = new DLManagedTensor{
+      DLTensor{t.data.get(), DLDevice{kDLCPU, 0}, static_cast<int32_t>(owner->shape.size()), t.dtype,
+               owner->shape.data(), nullptr, 0},
+      owner, [](DLManagedTensor* self) {
+        delete static_cast<Owner*>(self->manager_ctx);
+        delete self;
+      }};
+  return ffi::Tensor::FromDLPack(managed, 64);
+}
+
 // The device an artifact's target runs on (Python: TargetInfo.device), or an ArtifactError.
 DLDevice device_for(const std::string& path, const std::string& target) {
   if (target == "llvm") return DLDevice{kDLCPU, 0};
@@ -77,19 +94,25 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   auto empty = [&](const std::vector<int64_t>& shape, DLDataType dtype) {
     return alloc(ffi::Shape(shape), dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
   };
-  std::string weights_file = join_path(artifact, "weights.safetensors");
-  std::map<std::string, Tensor> weights = read_safetensors(weights_file);
+  // Weights are mapped from their shards, constants read from theirs; on the CPU an aligned
+  // mapped weight is shared with the kernels as it is (its pages load as they are first read).
+  std::map<std::string, Tensor> weights = read_artifact_weights(artifact);
+  for (auto& [name, t] : read_safetensors(join_path(artifact, vm.string("constants")))) weights.emplace(name, t);
   for (const json::Value& name_value : vm.array("params")) {
     std::string name = json::as_string(name_value).value_or("");
     auto it = weights.find(name);
     if (it == weights.end()) {
-      throw CheckpointError(weights_file + ": tensor " + json::py_repr(name_value) +
+      throw CheckpointError(artifact + ": tensor " + json::py_repr(name_value) +
                             " that the step reads is missing; recompile with weights");
     }
-    ffi::Tensor t = empty(it->second.shape, it->second.dtype);
-    copy_in(t, it->second.ptr<void>(), static_cast<int64_t>(it->second.nbytes()));
-    params_.push_back(t);
-    weights.erase(it);  // host copies go as soon as they are on the device
+    const Tensor& w = it->second;
+    if (device_.device_type == kDLCPU && reinterpret_cast<uintptr_t>(w.data.get()) % 64 == 0) {
+      params_.push_back(share(w));
+    } else {
+      ffi::Tensor t = empty(w.shape, w.dtype);
+      copy_in(t, w.ptr<void>(), static_cast<int64_t>(w.nbytes()));
+      params_.push_back(t);
+    }
   }
   // The pool's tensors, zeroed (rings are emptied by the step feeding a request's position 0).
   for (const json::Value& entry : vm.array("pool")) {

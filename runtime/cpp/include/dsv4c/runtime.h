@@ -1,6 +1,6 @@
 // dsv4c C++ runtime: load a compiled CPU artifact and generate tokens, no Python involved.
 //
-//   dsv4c::Engine engine("/path/to/artifact");              // verify, load kernels + weights, make the pool
+//   dsv4c::Engine engine("/path/to/artifact");              // check, load kernels + weights, make the pool
 //   int64_t id = engine.submit({1, 2, 3}, {/*max_new_tokens=*/8});
 //   engine.run();                                           // or: while (engine.step()) {...}
 //   dsv4c::Result r = engine.result(id);                    // r.tokens
@@ -61,11 +61,17 @@ struct Result {
   int64_t rows = 0;
 };
 
+/// Checks every file of an artifact against the sha256 its manifest records (reads every byte;
+/// Python: `dsv4c verify`). Returns the bytes checked; throws ArtifactError naming the first file
+/// that does not match (or what read_manifest finds first: a missing or resized file).
+int64_t verify_artifact(const std::string& artifact);
+
 class Engine {
  public:
-  /// Loads the artifact directory written by `dsv4c compile`: checks the format version and
-  /// the sha256 of every file, opens model.so through the TVM runtime (a GPU artifact on a host
-  /// with that GPU), uploads the weights, and allocates the KV pool for `options`. Throws ArtifactError / CheckpointError /
+  /// Loads the artifact directory written by `dsv4c compile`: checks the format version and the
+  /// size of every file (not their bytes: see verify_artifact), opens model.so through the TVM
+  /// runtime (a GPU artifact on a host with that GPU), maps and uploads the weights, and
+  /// allocates the KV pool for `options`. Throws ArtifactError / CheckpointError /
   /// UsageError with the Python runtime's messages.
   explicit Engine(const std::string& artifact, const EngineOptions& options = {});
   ~Engine();
