@@ -64,9 +64,13 @@ def _cmd_inspect(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     mib = 2 ** 20
+
+    def encoding(storage: str) -> str:  # FP8 rows name their code format
+        return f"{storage} {geometry.fp8_format}" if storage == "fp8" else storage
+
     print(f"{cfg.name} on {args.target} ({args.numerics}): {cfg.num_layers} layers, "
-          f"main KV {geometry.main_storage} ({geometry.main_row_bytes} B/row), "
-          f"index KV {geometry.index_storage} ({geometry.index_row_bytes} B/row)")
+          f"main KV {encoding(geometry.main_storage)} ({geometry.main_row_bytes} B/row), "
+          f"index KV {encoding(geometry.index_storage)} {geometry.index_layout} ({geometry.index_row_bytes} B/row)")
     rows = [("rows per 256-token envelope", f"{geometry.rows_per_envelope} main + "
              f"{geometry.index_rows_per_envelope} index")]
     for plane, b in geometry.bytes_per_token().items():

@@ -19,7 +19,8 @@ import struct
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
-from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR
+from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, FP8_FORMATS, FP8_SCALE_FACTOR
+from dsv4c.runtime.pool_layout import FP4_PRESHUFFLED, ROW_MAJOR, fp4_code_offset, fp4_scale_offset, index_row_bytes_of
 
 
 F32 = "float32"
@@ -55,7 +56,8 @@ def decode_e4m3fnuz(code):
     return tirx.if_then_else(c >= 128, -mag, mag)
 
 
-FP8_DECODERS = {"fp8_b128": decode_e4m3fn, "fp8fnuz_b128": decode_e4m3fnuz}
+DECODE_FP8 = {"e4m3fn": decode_e4m3fn, "e4m3fnuz": decode_e4m3fnuz}  # by FP8 format (quant_plan.fp8_format)
+FP8_DECODERS = {"fp8_b128": DECODE_FP8["e4m3fn"], "fp8fnuz_b128": DECODE_FP8["e4m3fnuz"]}  # by dense weight quant
 
 
 def decode_e2m1(nibble):
@@ -149,6 +151,25 @@ def encode_e4m3fn(x):
     """e4m3fn code (int32 0..255) of float32 x as ``lowbit.encode_e4m3fn``: nearest-even,
     |x| > 448 saturates to 0x7E / 0xFE, NaN -> 0x7F."""
     return _encode_minifloat(x, 3, -6, E4M3_MAX, 7, nan_code=0x7F)
+
+
+def e4m3fn_to_fnuz(code):
+    """``lowbit.e4m3fn_to_fnuz`` of an int32 e4m3fn code: the same bits, except -0 (0x80, NaN in
+    fnuz) becomes +0 and the fn NaNs (0x7F / 0xFF) become the fnuz NaN 0x80."""
+    return tirx.Select((code & 0x7F) == 0x7F, 0x80, tirx.Select(code == 0x80, 0, code))
+
+
+def encode_fp8(x, fp8_format: str):
+    """Code (int32) of float32 x, already divided by its e4m3fn scale, in ``fp8_format``: the
+    e4m3fn code, re-encoded for fnuz (whose scale is then fp8_format_scale's)."""
+    code = encode_e4m3fn(x)
+    return code if fp8_format == "e4m3fn" else e4m3fn_to_fnuz(code)
+
+
+def fp8_format_scale(scale, fp8_format: str):
+    """The scale stored with codes of ``encode_fp8``: ``lowbit.fp8_in_format``'s (fnuz: doubled)."""
+    factor = FP8_SCALE_FACTOR[fp8_format]
+    return scale if factor == 1 else scale * tirx.const(factor, F32)
 
 
 def encode_e2m1(x):
@@ -789,11 +810,14 @@ def route_weights(n_experts: int, k: int, scale: float):
 
 # --------------------------------------------------------------------------- low-bit pool rows
 #
-# The byte layouts of runtime.kv_pool's codecs (sizes: passes.quant_plan), one pool row each:
-#   main fp8   nope plane u8 [NoPE e4m3fn codes | one E8M0 scale per 64 | padding to 8 bytes]
+# The byte layouts of runtime.kv_pool's codecs (sizes and layouts: passes.quant_plan), one pool
+# row each, with FP8 codes in the plan's fp8 format (e4m3fn; gfx942: e4m3fnuz, the same bits
+# with doubled scales, see lowbit.fp8_in_format):
+#   main fp8   nope plane u8 [NoPE codes | one E8M0 scale per 64 | padding to 8 bytes]
 #              rope plane u16 [BF16 bits]
-#   index fp8  u8 [e4m3fn codes | one fp32 scale, 4 bytes little-endian]
-#   index fp4  u8 [e2m1 pairs, element 2i in the low nibble | one E8M0 scale per 32]
+#   index fp8  u8 [codes | one fp32 scale, 4 bytes little-endian]
+#   index fp4  u8 [e2m1 pairs, element 2i in the low nibble | one E8M0 scale per 32], row-major,
+#              or (gfx950) the same bytes in tiles of 64 rows (quant_plan.FP4_PRESHUFFLED)
 # The store kernels write the same bytes as the codecs' numpy writers, the readers below decode
 # to the same float32 values as their numpy readers.
 
@@ -811,39 +835,65 @@ def index_plane_row(dim: int, storage: str) -> tuple[int, str]:
     """(elements per row, dtype) of the index plane for ``storage``."""
     if storage == "fp32":
         return dim, F32
-    if storage == "fp8":
-        return dim + 4, "uint8"
-    if storage == "fp4":
-        if dim % INDEX_FP4_GROUP:
-            raise ValueError(f"fp4 index rows need a multiple of {INDEX_FP4_GROUP} values, got {dim}")
-        return dim // 2 + dim // INDEX_FP4_GROUP, "uint8"
-    raise ValueError(f"unknown index storage {storage!r}: fp32, fp8 or fp4")
+    if storage == "fp4" and dim % INDEX_FP4_GROUP:
+        raise ValueError(f"fp4 index rows need a multiple of {INDEX_FP4_GROUP} values, got {dim}")
+    if storage not in ("fp8", "fp4"):
+        raise ValueError(f"unknown index storage {storage!r}: fp32, fp8 or fp4")
+    return index_row_bytes_of(dim, storage), "uint8"
 
 
-def _check_main_fp8(nope_dim: int) -> None:
+def _check_fp8_format(fp8_format) -> None:
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"low-bit pool rows need the pool's fp8 format, one of {FP8_FORMATS}; got {fp8_format!r}")
+
+
+def _check_index_format(storage: str, fp8_format, layout) -> None:
+    """Low-bit index rows need the pool's fp8 format and index layout; only fp4 rows are shuffled."""
+    if storage == "fp32":
+        return
+    _check_fp8_format(fp8_format)
+    if layout != ROW_MAJOR and (storage, layout) != ("fp4", FP4_PRESHUFFLED):
+        raise ValueError(f"{storage} index rows cannot be laid out {layout!r} (fp8: {ROW_MAJOR}; "
+                         f"fp4: {ROW_MAJOR} or {FP4_PRESHUFFLED})")
+
+
+def _check_main_fp8(nope_dim: int, fp8_format) -> None:
     if nope_dim <= 0 or nope_dim % MAIN_FP8_GROUP:
         raise ValueError(f"fp8 main rows need a NoPE part of a multiple of {MAIN_FP8_GROUP} values, "
                          f"got {nope_dim}")
+    _check_fp8_format(fp8_format)
 
 
-def index_key(plane, row, d, dim: int, storage: str):
+def _fp4_byte(plane, row, byte, dim: int, layout: str, scale: bool):
+    """(plane row, column) of an fp4 index row's code byte ``byte`` (or, ``scale``, its scale
+    ``byte``): the row's own bytes when row-major, else the offset quant_plan's layout gives."""
+    width = index_row_bytes_of(dim, "fp4")
+    if layout == ROW_MAJOR:
+        return row, (dim // 2 + byte if scale else byte)
+    offset = (fp4_scale_offset if scale else fp4_code_offset)(layout, row, byte, plane.shape[0], dim)
+    return offset // width, offset % width
+
+
+def index_key(plane, row, d, dim: int, storage: str, fp8_format=None, layout=None):
     """Value d of index row ``row`` as float32, as _IndexCodec.read decodes it (code times
     scale, one float32 product); fp32 rows are read as they are."""
     if storage == "fp32":
         return plane[row, d]
     if storage == "fp8":
-        return decode_e4m3fn(plane[row, d]) * decode_f32_le(plane, row, dim)
-    nibble = tirx.shift_right(_u(plane[row, d // 2]), (d % 2) * 4) & 15
-    return decode_e2m1(nibble) * decode_e8m0(plane[row, dim // 2 + d // INDEX_FP4_GROUP])
+        return DECODE_FP8[fp8_format](plane[row, d]) * decode_f32_le(plane, row, dim)
+    code_at = _fp4_byte(plane, row, d // 2, dim, layout, scale=False)
+    scale_at = _fp4_byte(plane, row, d // INDEX_FP4_GROUP, dim, layout, scale=True)
+    nibble = tirx.shift_right(_u(plane[code_at]), (d % 2) * 4) & 15
+    return decode_e2m1(nibble) * decode_e8m0(plane[scale_at])
 
 
-def main_fp8_value(nope_plane, rope_plane, row, first, lane, nope_dim: int):
+def main_fp8_value(nope_plane, rope_plane, row, first, lane, nope_dim: int, fp8_format: str):
     """Value ``first + lane`` of a main fp8 row as float32, as _MainCodec.read decodes it: NoPE
     code times its group's E8M0 scale, or the BF16 rope value. ``first`` starts a chunk of
     lanes that lies wholly in one part and one scale group, so the branch and the scale index
     stay scalar when ``lane`` is vectorized. if_then_else evaluates only the part it picks, so
     the other part's column may lie outside its plane."""
-    nope = decode_e4m3fn(nope_plane[row, first + lane]) * \
+    nope = DECODE_FP8[fp8_format](nope_plane[row, first + lane]) * \
         decode_e8m0(nope_plane[row, nope_dim + first // MAIN_FP8_GROUP])
     return tirx.if_then_else(first < nope_dim, nope, decode_bf16(rope_plane[row, first + lane - nope_dim]))
 
@@ -856,12 +906,13 @@ def _amax_bits(VALS, i, first, count, amax):
         amax[0] = T.max(amax[0], abs_bits(VALS[i, first + j]))
 
 
-def store_main_fp8(nope_dim: int, rope_dim: int):
+def store_main_fp8(nope_dim: int, rope_dim: int, fp8_format: str):
     """Main fp8 pool rows: nope_plane[rows[i]], rope_plane[rows[i]] = vals[i], the bytes
     _MainCodec.write stores. Per 64 NoPE values s = pow2_ceil(max(amax, 1e-4) / 448), codes
-    e4m3fn(v / s) (the codec's clip to +-448 is the encoder's saturation), the E8M0 scales after
-    the codes (padding bytes untouched); rope values as BF16 bits. Rows must be distinct (-1: skipped)."""
-    _check_main_fp8(nope_dim)
+    e4m3fn(v / s) (the codec's clip to +-448 is the encoder's saturation) in ``fp8_format``, the
+    E8M0 scales (fnuz: 2 s) after the codes (padding bytes untouched); rope values as BF16 bits.
+    Rows must be distinct (-1: skipped)."""
+    _check_main_fp8(nope_dim, fp8_format)
     groups = nope_dim // MAIN_FP8_GROUP
 
     @T.prim_func
@@ -881,22 +932,25 @@ def store_main_fp8(nope_dim: int, rope_dim: int):
                     scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR, E4M3_MAX)
                     for j in range(MAIN_FP8_GROUP):
                         x = VALS[i, g * MAIN_FP8_GROUP + j] / scale[0]
-                        NOPE[ROWS[i], g * MAIN_FP8_GROUP + j] = T.Cast("uint8", encode_e4m3fn(x))
-                    NOPE[ROWS[i], nope_dim + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+                        NOPE[ROWS[i], g * MAIN_FP8_GROUP + j] = T.Cast("uint8", encode_fp8(x, fp8_format))
+                    NOPE[ROWS[i], nope_dim + g] = T.Cast("uint8", encode_e8m0(fp8_format_scale(scale[0], fp8_format)))
                 for j in range(rope_dim):
                     x = VALS[i, nope_dim + j]
                     ROPE[ROWS[i], j] = bf16_bits(x)
     return f
 
 
-def store_rows(dim: int, storage: str):
+def store_rows(dim: int, storage: str, fp8_format=None, layout=None):
     """Pool rows of one plane: plane[rows[i]] = vals[i] in ``storage``: fp32 as they are (main or
-    index rows), fp8 / fp4 index rows as the bytes _IndexCodec.write stores. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not a
-    power of two), codes e4m3fn(v / s), unclipped in the codec: v / s may exceed 448 by rounding
-    and then saturates in the encoder as in lowbit. fp4: per 32 values s = pow2_ceil(max(amax,
-    6 * 2**-126) / 6), codes e2m1(v / s) packed in pairs, then the E8M0 scales. Rows must be
+    index rows), fp8 / fp4 index rows as the bytes _IndexCodec.write stores in the pool's
+    ``fp8_format`` and ``layout``. fp8: one float32 scale s = max(amax, 1e-4) / 448 per row (not
+    a power of two), codes e4m3fn(v / s) in ``fp8_format``, unclipped in the codec: v / s may
+    exceed 448 by rounding and then saturates in the encoder as in lowbit; the stored scale is
+    s (fnuz: 2 s). fp4: per 32 values s = pow2_ceil(max(amax, 6 * 2**-126) / 6), codes e2m1(v / s)
+    packed in pairs, then the E8M0 scales, at the places ``layout`` gives them. Rows must be
     distinct (-1: skipped)."""
     width, dtype = index_plane_row(dim, storage)
+    _check_index_format(storage, fp8_format, layout)
     fp8 = storage == "fp8"
 
     @T.prim_func
@@ -918,9 +972,10 @@ def store_rows(dim: int, storage: str):
                     scale[0] = amax_floor(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR) / T.float32(E4M3_MAX)
                     for j in range(dim):
                         x = VALS[i, j] / scale[0]
-                        PLANE[ROWS[i], j] = T.Cast("uint8", encode_e4m3fn(x))
+                        PLANE[ROWS[i], j] = T.Cast("uint8", encode_fp8(x, fp8_format))
                     for b in range(4):  # the scale's float32 bytes, little-endian like the codec's .view(uint8)
-                        PLANE[ROWS[i], dim + b] = T.Cast("uint8", (T.reinterpret("int32", scale[0]) >> (8 * b)) & 255)
+                        PLANE[ROWS[i], dim + b] = T.Cast(
+                            "uint8", (T.reinterpret("int32", fp8_format_scale(scale[0], fp8_format)) >> (8 * b)) & 255)
                 else:
                     for g in range(dim // INDEX_FP4_GROUP):
                         _amax_bits(VALS, i, g * INDEX_FP4_GROUP, INDEX_FP4_GROUP, amax)
@@ -930,8 +985,10 @@ def store_rows(dim: int, storage: str):
                             x_high = VALS[i, g * INDEX_FP4_GROUP + 2 * j + 1] / scale[0]
                             low = encode_e2m1(x_low)
                             high = encode_e2m1(x_high)
-                            PLANE[ROWS[i], g * (INDEX_FP4_GROUP // 2) + j] = T.Cast("uint8", low | (high << 4))
-                        PLANE[ROWS[i], dim // 2 + g] = T.Cast("uint8", encode_e8m0(scale[0]))
+                            code_at = _fp4_byte(PLANE, ROWS[i], g * (INDEX_FP4_GROUP // 2) + j, dim, layout, scale=False)
+                            PLANE[code_at[0], code_at[1]] = T.Cast("uint8", low | (high << 4))
+                        scale_at = _fp4_byte(PLANE, ROWS[i], g, dim, layout, scale=True)
+                        PLANE[scale_at[0], scale_at[1]] = T.Cast("uint8", encode_e8m0(scale[0]))
     return f
 
 
@@ -1064,12 +1121,14 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     return f
 
 
-def index_score(heads: int, dim: int, storage: str = "fp32"):
+def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, layout=None):
     """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0.
-    The key rows are index pool rows in ``storage`` (fp32, or fp8 / fp4 bytes decoded value by
-    value exactly as _IndexCodec.read does, see index_key)."""
+    The key rows are index pool rows in ``storage`` (fp32, or fp8 / fp4 bytes in the pool's
+    ``fp8_format`` and ``layout``, decoded value by value exactly as _IndexCodec.read does, see
+    index_key)."""
     scale = (heads ** -0.5) * (dim ** -0.5)
     width, dtype = index_plane_row(dim, storage)
+    _check_index_format(storage, fp8_format, layout)
 
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
@@ -1090,7 +1149,8 @@ def index_score(heads: int, dim: int, storage: str = "fp32"):
                 for h in range(heads):
                     acc[1] = T.float32(0)
                     for d in range(dim):
-                        acc[1] = acc[1] + Q[i // e, h, d] * index_key(PLANE, ROWS[i // e, i % e], d, dim, storage)
+                        acc[1] = acc[1] + Q[i // e, h, d] * index_key(PLANE, ROWS[i // e, i % e], d, dim, storage,
+                                                                                 fp8_format, layout)
                     acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[i // e, h] * T.float32(scale))
                 OUT[i // e, i % e] = acc[0]
     return f
@@ -1102,7 +1162,7 @@ GPU_MAX_LANES = 4
 
 
 def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
-                max_lanes: int = 16):
+                fp8_format=None, max_lanes: int = 16):
     """Softmax attention over each query's row list (``rows [N, M]``, -1 = none, see
     ``step_kernels.attention_rows``); rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only. Dot products and the weighted sum run on
@@ -1110,15 +1170,15 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
     planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the
-    rope part), decoded value by value as _MainCodec.read does (see main_fp8_value). So the
-    arguments are (q, pool, step, sink, rows, out) or (q, nope_plane, rope_plane, step, sink,
-    rows, out)."""
+    rope part, the NoPE codes in the pool's ``fp8_format``), decoded value by value as
+    _MainCodec.read does (see main_fp8_value). So the arguments are (q, pool, step, sink, rows,
+    out) or (q, nope_plane, rope_plane, step, sink, rows, out)."""
     nope_dim = dim - rope_dim
     # A vector chunk never straddles the NoPE / rope boundary (nor, lanes dividing 64, a scale group).
     lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= max_lanes)
     chunks = dim // lanes
     if main_storage == "fp8":
-        _check_main_fp8(nope_dim)
+        _check_main_fp8(nope_dim, fp8_format)
     elif main_storage != "fp32":
         raise ValueError(f"sparse_attn reads fp32 or fp8 main pools, not {main_storage!r}")
 
@@ -1127,7 +1187,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         if main_storage == "fp32":
             stored = pool[0][T.min(row, r - 1), c * lanes + l]
         else:
-            stored = main_fp8_value(pool[0], pool[1], T.min(row, r - 1), c * lanes, l, nope_dim)
+            stored = main_fp8_value(pool[0], pool[1], T.min(row, r - 1), c * lanes, l, nope_dim, fp8_format)
         return T.if_then_else(row < r, stored, STEP[T.max(row - r, 0), c * lanes + l])
 
     @T.macro

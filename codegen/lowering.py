@@ -41,6 +41,10 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     per-request tables into pool rows on the device."""
     a, op = node.attrs, node.op
     main_kv, index_kv = plan.main_kv.storage, plan.index_kv.storage
+    # The pool rows' byte format, the same for the store kernels that write them and the kernels
+    # that read them: storage, and for low-bit rows the FP8 encoding and the index layout.
+    index_format = (index_kv,) if index_kv == "fp32" else (index_kv, plan.fp8_format, plan.index_kv.layout)
+    main_format = (main_kv,) if main_kv == "fp32" else (main_kv, cfg.rope_dim, plan.fp8_format)
 
     def _dense_quant(quant: str) -> str:
         return dense_kernel_quant(quant, plan.fp8_format)
@@ -48,9 +52,10 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     def _store(stream: str, width: int) -> KernelSpec:
         """Writes pool rows in the plan's format."""
         if stream == "index":
-            return _k("store_rows", width, index_kv)
-        return _k("store_rows", width, "fp32") if main_kv == "fp32" else _k("store_main_fp8", width - cfg.rope_dim,
-                                                                              cfg.rope_dim)
+            return _k("store_rows", width, *index_format)
+        if main_kv == "fp32":
+            return _k("store_rows", width, "fp32")
+        return _k("store_main_fp8", width - cfg.rope_dim, cfg.rope_dim, plan.fp8_format)
 
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
     window, window_rows = cfg.sliding_window, cfg.num_layers * cfg.sliding_window
@@ -94,15 +99,13 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
                 "norm": _k("rmsnorm", d, a["eps"], True), "rope": _k("rope", 1, d, a["rope_dim"], False),
                 "store": _store(a["stream"], d), "ring": _k("ring_update", width, r, a["overlap"])}
     if op == "index_score":
-        storage = () if index_kv == "fp32" else (index_kv,)
-        return {"rows": _k("entry_rows", a["ratio"]), "main": _k("index_score", ins[0][1], ins[0][2], *storage)}
+        return {"rows": _k("entry_rows", a["ratio"]), "main": _k("index_score", ins[0][1], ins[0][2], *index_format)}
     if op == "index_topk":
         return {"main": _k("topk_rows", a["k"])}
     if op == "sparse_attn":
-        storage = () if main_kv == "fp32" else (main_kv, cfg.rope_dim)
         compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
         return {"rows": _k("attention_rows", window, window_rows, a["ratio"], compressed),
-                "main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *storage)}
+                "main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *main_format)}
     if op == "grouped_linear":
         # The groups are independent projections of the heads: one kernel runs them all.
         g, rows_in = a["groups"], ins[1]
@@ -215,9 +218,7 @@ def weight_layout(program: Program, weights: dict[str, np.ndarray],
             out[name] = ("I32", value.astype(np.int32))
         elif name in fp8:
             codes, scales = lowbit.quantize_fp8_blocks(value, 128, "e8m0")
-            scale = lowbit.decode_e8m0(scales).astype(np.float32)
-            if fp8_format == "e4m3fnuz":  # gfx942: keep the bits, double the scale
-                codes, scale = lowbit.e4m3fn_to_fnuz(codes), 2 * scale
+            codes, scale = lowbit.fp8_in_format(codes, lowbit.decode_e8m0(scales), fp8_format)
             per_column = np.repeat(scale, 128, axis=0)[:value.shape[0]]
             out[name] = ("U8", tiles(grouped(name, codes)))
             out[name + ".scale"] = ("F32", tiles(grouped(name, per_column)))

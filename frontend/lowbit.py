@@ -4,6 +4,8 @@ Everything is plain numpy with its own bit manipulation, so the reference path n
 neither torch nor ml_dtypes (those serve only as test oracles):
 
 * FP8 e4m3fn (OCP): bias 7, max 448, no infinities, 0x7F/0xFF are NaN.
+* FP8 e4m3fnuz (gfx942): bias 8, max 240, no negative zero, 0x80 is the only NaN. It is only
+  ever written as re-encoded e4m3fn (:func:`fp8_in_format`), never rounded onto directly.
 * FP4 e2m1: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 0..15 with the sign in bit 3.
 * e8m0: a bare biased exponent (bias 127) used for power-of-two scales; 0xFF is NaN.
 
@@ -26,6 +28,7 @@ FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
 
 _E4M3_NAN = 0x7F
+_E4M3FNUZ_NAN = 0x80
 _E8M0_NAN = 0xFF
 _E8M0_BIAS = 127
 
@@ -41,6 +44,7 @@ class _Minifloat(NamedTuple):
 
 
 _E4M3 = _Minifloat(man_bits=3, emin=-6, max_value=E4M3_MAX, sign_bit=7)
+_E4M3FNUZ = _Minifloat(man_bits=3, emin=-7, max_value=240.0, sign_bit=7)
 _E2M1 = _Minifloat(man_bits=1, emin=0, max_value=E2M1_MAX, sign_bit=3)
 
 
@@ -310,4 +314,36 @@ def e4m3fn_to_fnuz(codes) -> np.ndarray:
     and becomes +0; the fn NaNs (0x7F, 0xFF) become the fnuz NaN 0x80."""
     codes = np.asarray(codes, np.uint8)
     out = np.where(codes == 0x80, np.uint8(0), codes)
-    return np.where((codes & 0x7F) == 0x7F, np.uint8(0x80), out).astype(np.uint8)
+    return np.where((codes & 0x7F) == 0x7F, np.uint8(_E4M3FNUZ_NAN), out).astype(np.uint8)
+
+
+def decode_e4m3fnuz(codes) -> np.ndarray:
+    """float32 values of uint8 e4m3fnuz codes (0x80 is NaN; 0x7F / 0xFF are +-240)."""
+    codes = np.asarray(codes)
+    return np.where(codes == _E4M3FNUZ_NAN, np.float32(np.nan), _decode_minifloat(codes, _E4M3FNUZ))
+
+
+# What an e4m3fn code's scale is multiplied by when its bits are stored in each FP8 format.
+FP8_SCALE_FACTOR = {"e4m3fn": 1.0, "e4m3fnuz": 2.0}
+FP8_FORMATS = tuple(FP8_SCALE_FACTOR)
+
+
+def _check_fp8_format(fp8_format: str) -> None:
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format must be one of {FP8_FORMATS}, got {fp8_format!r}")
+
+
+def fp8_in_format(codes, scale, fp8_format: str) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3fn codes and their scale (float32, any shape) as the same values in ``fp8_format``:
+    unchanged for e4m3fn; for e4m3fnuz the bits are kept (:func:`e4m3fn_to_fnuz`) and the scale
+    doubled, exactly (the scales in use are far from the float32 range ends)."""
+    _check_fp8_format(fp8_format)
+    scale = (np.asarray(scale, np.float32) * np.float32(FP8_SCALE_FACTOR[fp8_format])).astype(np.float32)
+    codes = np.asarray(codes, np.uint8)
+    return (codes if fp8_format == "e4m3fn" else e4m3fn_to_fnuz(codes)), scale
+
+
+def decode_fp8(codes, fp8_format: str) -> np.ndarray:
+    """float32 values of uint8 codes in ``fp8_format`` (unscaled)."""
+    _check_fp8_format(fp8_format)
+    return decode_e4m3fn(codes) if fp8_format == "e4m3fn" else decode_e4m3fnuz(codes)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from dsv4c.errors import UsageError
 from dsv4c.frontend.config import ModelConfig
+from dsv4c.runtime.pool_layout import FP4_PRESHUFFLED, MAIN_FP8_LAYOUT, ROW_MAJOR, index_row_bytes_of
 from dsv4c.targets import target_info
 
 
@@ -33,7 +34,7 @@ class PoolLayout:
 class QuantPlan:
     target: str
     numerics: str
-    fp8_format: str  # e4m3fn / e4m3fnuz
+    fp8_format: str  # e4m3fn / e4m3fnuz: dense FP8 weights, the main pool's NoPE codes, FP8 index rows
     weights: dict[str, WeightLayout]  # by checkpoint storage kind (see frontend.checkpoint)
     main_kv: PoolLayout
     index_kv: PoolLayout
@@ -56,9 +57,7 @@ def main_row_bytes(cfg: ModelConfig, storage: str) -> int:
 
 
 def index_row_bytes(cfg: ModelConfig, storage: str) -> int:
-    d = cfg.index_head_dim
-    # FP4: packed e2m1 + one E8M0 per 32 (68 B for d=128); FP8: e4m3 + one fp32 scale (132 B).
-    return {"fp4": d // 2 + d // 32, "fp8": d + 4, "fp32": 4 * d}[storage]
+    return index_row_bytes_of(cfg.index_head_dim, storage)
 
 
 KV_CACHE_DTYPES = ("auto", "fp32", "fp8")
@@ -97,7 +96,9 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         # FP8 with a per-row scale elsewhere.
         main = "fp8"
         index = "fp4" if info.fp4_math or (cpu and numerics == "qat") else "fp8"
-    index_layout = "gfx950_fp4_preshuffled" if info.fp4_math and index == "fp4" else "rowmajor"
+    # gfx950 has an FP4 logits kernel to feed (see FP4_PRESHUFFLED); the CPU's FP4 rows (qat) are
+    # read by our own kernels only.
+    index_layout = FP4_PRESHUFFLED if info.fp4_math and index == "fp4" else ROW_MAJOR
     nope = cfg.head_dim - cfg.rope_dim
     if main == "fp8" and nope % 64:
         raise UsageError(f"an fp8 KV cache scales NoPE channels in groups of 64, and this model has {nope} "
@@ -110,6 +111,6 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         numerics=numerics,
         fp8_format=info.fp8_format,
         weights=weights,
-        main_kv=PoolLayout(main, main_row_bytes(cfg, main), "nope_scales_rope" if main == "fp8" else "rowmajor"),
+        main_kv=PoolLayout(main, main_row_bytes(cfg, main), MAIN_FP8_LAYOUT if main == "fp8" else ROW_MAJOR),
         index_kv=PoolLayout(index, index_row_bytes(cfg, index), index_layout, hadamard=index == "fp4"),
     )

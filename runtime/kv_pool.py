@@ -26,6 +26,7 @@ import numpy as np
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend import lowbit
 from dsv4c.frontend.config import CSA, ModelConfig
+from dsv4c.runtime.pool_layout import FP4_PRESHUFFLED, PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset
 
 ENVELOPE_TOKENS = 256
 F32 = np.float32
@@ -86,6 +87,8 @@ class PoolGeometry:
     index_storage: str
     main_row_bytes: int
     index_row_bytes: int
+    fp8_format: str  # e4m3fn / e4m3fnuz: the main NoPE codes and the FP8 index rows (QuantPlan.fp8_format)
+    index_layout: str  # the index plane's byte layout (QuantPlan.index_kv.layout)
 
     @classmethod
     def build(cls, cfg: ModelConfig, plan) -> "PoolGeometry":
@@ -106,6 +109,11 @@ class PoolGeometry:
             c = 2 if layer.attention == CSA else 1
             states.append(StateShape(layer.index, "main", c * r, c * cfg.head_dim))
             if layer.has_indexer:
+                if plan.index_kv.layout == FP4_PRESHUFFLED and rows % PRESHUFFLE_TILE_ROWS:
+                    # A tile is one layer's rows of one envelope: AITER's block, and whole tiles in every plane.
+                    raise UsageError(f"layer {layer.index}: gfx950's FP4 index tiles hold {PRESHUFFLE_TILE_ROWS} "
+                                     f"rows of one envelope, and compress ratio {r} gives {rows}; "
+                                     "use --kv-cache-dtype fp32")
                 index_offset += rows
                 states.append(StateShape(layer.index, "index", c * r, c * cfg.index_head_dim))
         return cls(
@@ -114,6 +122,7 @@ class PoolGeometry:
             states=tuple(states), rows_per_envelope=offset, index_rows_per_envelope=index_offset,
             main_storage=plan.main_kv.storage, index_storage=plan.index_kv.storage,
             main_row_bytes=plan.main_kv.row_bytes, index_row_bytes=plan.index_kv.row_bytes,
+            fp8_format=plan.fp8_format, index_layout=plan.index_kv.layout,
         )
 
     @classmethod
@@ -179,6 +188,8 @@ class PoolGeometry:
             "index_storage": self.index_storage,
             "main_row_bytes": self.main_row_bytes,
             "index_row_bytes": self.index_row_bytes,
+            "pool_fp8_format": self.fp8_format,
+            "index_layout": self.index_layout,
             "bytes_per_token": round(sum(self.bytes_per_token().values()), 3),
             "bytes_per_token_by_plane": {k: round(v, 3) for k, v in self.bytes_per_token().items()},
             "window_rows_per_request": self.window_rows_per_request,
@@ -198,7 +209,7 @@ def _pow2_blocks(x: np.ndarray, block: int, amax_floor: float, qmax: float) -> n
 
 
 class _MainCodec:
-    """Encodes fp32 KV rows into the main planes and back."""
+    """Encodes fp32 KV rows into the main planes and back (FP8 NoPE codes in the plan's fp8 format)."""
 
     def __init__(self, g: PoolGeometry):
         self.g = g
@@ -223,6 +234,7 @@ class _MainCodec:
             nope = values[:, :self.nope]
             scale = _pow2_blocks(nope, 64, lowbit.FP8_AMAX_FLOOR, lowbit.E4M3_MAX)
             codes = lowbit.encode_e4m3fn(np.clip(nope / np.repeat(scale, 64, axis=1), -448, 448))
+            codes, scale = lowbit.fp8_in_format(codes, scale, self.g.fp8_format)
             planes["nope"][rows, :self.nope] = codes
             planes["nope"][rows, self.nope:self.nope + self.n_scales] = lowbit.encode_e8m0(scale)
             planes["rope"][rows] = lowbit.bf16_bits_from_f32(values[:, self.nope:])
@@ -235,11 +247,15 @@ class _MainCodec:
             return lowbit.f32_from_bf16_bits(planes["kv"][rows])
         raw = planes["nope"][rows]
         scale = lowbit.decode_e8m0(raw[:, self.nope:self.nope + self.n_scales])
-        nope = lowbit.decode_e4m3fn(raw[:, :self.nope]) * np.repeat(scale, 64, axis=1)
+        nope = lowbit.decode_fp8(raw[:, :self.nope], self.g.fp8_format) * np.repeat(scale, 64, axis=1)
         return np.concatenate([nope, lowbit.f32_from_bf16_bits(planes["rope"][rows])], axis=1).astype(F32)
 
 
 class _IndexCodec:
+    """Encodes fp32 index rows into the index plane and back: FP8 rows row-major, FP4 rows in
+    the plan's layout (row-major, or gfx950's tiles of 64 rows, see quant_plan.FP4_PRESHUFFLED;
+    PoolGeometry.build makes every envelope whole tiles)."""
+
     def __init__(self, g: PoolGeometry):
         self.g = g
 
@@ -248,6 +264,14 @@ class _IndexCodec:
             return aligned_zeros((rows, self.g.index_head_dim), F32)
         return aligned_zeros((rows, self.g.index_row_bytes), np.uint8)
 
+    def _fp4_offsets(self, plane, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), row bytes] offsets into the flat plane of each row's bytes, in row-major
+        order (packed codes, then the scales)."""
+        d, layout, r = self.g.index_head_dim, self.g.index_layout, len(plane)
+        rows = rows.astype(np.int64)[:, None]
+        return np.concatenate([fp4_code_offset(layout, rows, np.arange(d // 2), r, d),
+                               fp4_scale_offset(layout, rows, np.arange(d // 32), r, d)], axis=1)
+
     def write(self, plane, rows: np.ndarray, values: np.ndarray) -> None:
         s, d = self.g.index_storage, self.g.index_head_dim
         if s == "fp32":
@@ -255,23 +279,26 @@ class _IndexCodec:
         elif s == "fp4":
             scale = _pow2_blocks(values, 32, lowbit.FP4_AMAX_FLOOR, lowbit.E2M1_MAX)
             codes = lowbit.encode_e2m1(np.clip(values / np.repeat(scale, 32, axis=1), -6, 6))
-            plane[rows, :d // 2] = lowbit.pack_fp4(codes).view(np.uint8)
-            plane[rows, d // 2:] = lowbit.encode_e8m0(scale)
+            row_bytes = np.concatenate([lowbit.pack_fp4(codes).view(np.uint8), lowbit.encode_e8m0(scale)], axis=1)
+            plane.reshape(-1)[self._fp4_offsets(plane, rows)] = row_bytes
         else:  # fp8 with one fp32 scale per row
             scale = (np.maximum(np.abs(values).max(axis=1), lowbit.FP8_AMAX_FLOOR) / lowbit.E4M3_MAX).astype(F32)
-            plane[rows, :d] = lowbit.encode_e4m3fn(values / scale[:, None])
+            codes, scale = lowbit.fp8_in_format(lowbit.encode_e4m3fn(values / scale[:, None]), scale,
+                                                self.g.fp8_format)
+            plane[rows, :d] = codes
             plane[rows, d:] = scale.view(np.uint8).reshape(-1, 4)
 
     def read(self, plane, rows: np.ndarray) -> np.ndarray:
         s, d = self.g.index_storage, self.g.index_head_dim
         if s == "fp32":
             return plane[rows]
-        raw = plane[rows]
         if s == "fp4":
+            raw = plane.reshape(-1)[self._fp4_offsets(plane, rows)]
             scale = lowbit.decode_e8m0(raw[:, d // 2:])
             return (lowbit.decode_e2m1(lowbit.unpack_fp4(raw[:, :d // 2])) * np.repeat(scale, 32, axis=1)).astype(F32)
+        raw = plane[rows]
         scale = np.ascontiguousarray(raw[:, d:]).view(F32)[:, 0]
-        return (lowbit.decode_e4m3fn(raw[:, :d]) * scale[:, None]).astype(F32)
+        return (lowbit.decode_fp8(raw[:, :d], self.g.fp8_format) * scale[:, None]).astype(F32)
 
 
 # --------------------------------------------------------------------------- allocator

@@ -74,7 +74,15 @@ def test_artifact_carries_device_code(artifact):
 
 def test_pool_geometry_per_target(artifact):
     target, path = artifact
-    geometry = json.loads((path / "manifest.json").read_text())["pool_geometry"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    geometry = manifest["pool_geometry"]
+    # The pool format the manifest declares is the one the artifact's pool kernels were built for.
+    assert geometry["pool_fp8_format"] == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
+    assert geometry["index_layout"] == ("gfx950_fp4_preshuffled" if target == "gfx950" else "row-major")
+    pool_kernels = {symbol for roles in manifest["kernels"]["per_node"] for symbol in roles.values()
+                    if symbol.startswith(("store_main_fp8", "store_rows", "index_score", "sparse_attn"))}
+    assert len(pool_kernels) == 4
+    assert all(geometry["pool_fp8_format"] in symbol.split("_") for symbol in pool_kernels)
     cfg = preset("tiny")
     want = {"gfx950": cfg.index_head_dim // 2 + cfg.index_head_dim // 32, "gfx942": cfg.index_head_dim + 4,
             "sm90": cfg.index_head_dim + 4}[target]

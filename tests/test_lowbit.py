@@ -7,13 +7,16 @@ import pytest
 from dsv4c.frontend.lowbit import (
     decode_e2m1,
     decode_e4m3fn,
+    decode_e4m3fnuz,
     decode_e8m0,
+    decode_fp8,
     dequantize_fp4_groups,
     dequantize_fp8_blocks,
     encode_e2m1,
     encode_e4m3fn,
     encode_e8m0,
     fp4_roundtrip,
+    fp8_in_format,
     fp8_roundtrip,
     hadamard,
     pack_fp4,
@@ -80,6 +83,32 @@ def test_e4m3fn_saturates_and_encodes_specials():
 def test_e4m3fn_encode_inverts_decode():
     codes = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)
     np.testing.assert_array_equal(encode_e4m3fn(decode_e4m3fn(codes)), codes)
+
+
+def test_e4m3fnuz_decodes_all_256_codes_like_ml_dtypes():
+    codes = np.arange(256, dtype=np.uint8)
+    expected = codes.view(ml_dtypes.float8_e4m3fnuz).astype(np.float32)
+    actual = decode_e4m3fnuz(codes)
+    assert actual.dtype == np.float32
+    np.testing.assert_array_equal(actual, expected)  # 0x80 is the only NaN, 0x7F is 240
+    assert np.isnan(actual).sum() == 1 and actual[0x7F] == 240
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3fn", "e4m3fnuz"])
+def test_fp8_in_format_keeps_every_value(fp8_format):
+    """fnuz keeps the e4m3fn bits and doubles the scale: every finite code decodes to the same
+    value (-0 to +0), the NaNs stay NaN, and no code becomes fnuz's NaN 0x80 but a NaN."""
+    codes = np.arange(256, dtype=np.uint8)
+    scale = np.float32(2.0 ** -5)
+    stored, stored_scale = fp8_in_format(codes, scale, fp8_format)
+    want = decode_e4m3fn(codes) * scale
+    got = decode_fp8(stored, fp8_format) * stored_scale
+    np.testing.assert_array_equal(got, want)  # NaN where want is NaN
+    assert stored_scale == (2 * scale if fp8_format == "e4m3fnuz" else scale)
+    if fp8_format == "e4m3fnuz":
+        assert stored[0x80] == 0x00 and set(np.flatnonzero(stored == 0x80)) == {0x7F, 0xFF}
+    with pytest.raises(ValueError, match="fp8_format"):
+        fp8_in_format(codes, scale, "e5m2")
 
 
 def test_e2m1_decodes_all_16_codes_like_ml_dtypes():

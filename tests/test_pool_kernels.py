@@ -1,20 +1,31 @@
 """Low-bit KV pool kernels against runtime.kv_pool's numpy codecs: the TIR encoders reproduce
 frontend.lowbit bit for bit, the store kernels write the codecs' bytes, the readers decode to
-the codecs' values, and the GPU versions still build."""
+the codecs' values, the bytes are in the format and layout the plan (and `inspect`) declares,
+and the GPU versions still build."""
 
+import dataclasses
 import functools
+import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
 from tvm.script import tirx as T
 
+from dsv4c.cli import main as cli
 from dsv4c.codegen import llvm_kernels as K
+from dsv4c.codegen.lowering import kernel_table
 from dsv4c.targets import target_info
 from dsv4c.frontend import lowbit
-from dsv4c.frontend.config import resolve_model
+from dsv4c.errors import UsageError
+from dsv4c.frontend.config import config_from_dict, preset, resolve_model
+from dsv4c.frontend.trace import trace
+from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.kv_pool import KVPool, PoolGeometry
+
+from parity_configs import PARITY_CONFIGS
 
 F32 = np.float32
 
@@ -39,7 +50,7 @@ def _run(kernel, *arrays):
 def _encoders(x: T.handle, out: T.handle):
     n = T.int32()
     X = T.match_buffer(x, (n,), "float32")
-    OUT = T.match_buffer(out, (n, 6), "int32")
+    OUT = T.match_buffer(out, (n, 7), "int32")
     for i in T.parallel(n):
         amax = T.reinterpret("float32", K.abs_bits(X[i]))
         OUT[i, 0] = K.encode_e4m3fn(X[i])
@@ -48,6 +59,7 @@ def _encoders(x: T.handle, out: T.handle):
         OUT[i, 3] = T.reinterpret("int32", K.pow2_ceil_scale(amax, lowbit.FP4_AMAX_FLOOR, lowbit.E2M1_MAX))
         OUT[i, 4] = K.encode_e8m0(X[i])
         OUT[i, 5] = T.Cast("int32", K.bf16_bits(X[i]))
+        OUT[i, 6] = K.encode_fp8(X[i], "e4m3fnuz")
 
 
 def _grid_and_midpoints(values: np.ndarray) -> np.ndarray:
@@ -79,7 +91,7 @@ def _encoder_inputs() -> np.ndarray:
 def test_encoders_match_lowbit_bit_for_bit():
     x = _encoder_inputs()
     module = tvm.IRModule({"k": _encoders.with_attr("global_symbol", "k")})
-    _, out = _run(tvm.compile(module, target=target_info("llvm").tvm_target())["k"], x, np.zeros((len(x), 6), np.int32))
+    _, out = _run(tvm.compile(module, target=target_info("llvm").tvm_target())["k"], x, np.zeros((len(x), 7), np.int32))
     assert np.array_equal(out[:, 0], lowbit.encode_e4m3fn(x))
     assert np.array_equal(out[:, 1], lowbit.encode_e2m1(x))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -91,6 +103,9 @@ def test_encoders_match_lowbit_bit_for_bit():
     pow2 = np.isnan(x) | (np.frexp(x)[0] == 0.5) & (x >= 2.0 ** -127) & (x <= 2.0 ** 127)
     assert np.array_equal(out[pow2, 4], lowbit.encode_e8m0(x[pow2]))
     assert np.array_equal(out[:, 5], lowbit.bf16_bits_from_f32(x))
+    # gfx942's codes: the e4m3fn bits re-encoded (-0 and the NaNs are among the inputs)
+    assert np.array_equal(out[:, 6], lowbit.e4m3fn_to_fnuz(lowbit.encode_e4m3fn(x)))
+    assert {0x80, 0x00} <= set(lowbit.encode_e4m3fn(x)) and 0x80 in set(out[:, 6])
 
 
 # --------------------------------------------------------------------------- pool stores and reads
@@ -152,8 +167,9 @@ def _written_rows(rng, available: int, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])
-def test_store_main_fp8_writes_the_codec_bytes(model):
-    pool, mirror = _pool(model, "sm90"), _pool(model, "sm90")
+@pytest.mark.parametrize("target", ["sm90", "gfx942"])  # e4m3fn / e4m3fnuz codes
+def test_store_main_fp8_writes_the_codec_bytes(model, target):
+    pool, mirror = _pool(model, target), _pool(model, target)
     g = pool.geometry
     rng = np.random.default_rng(2)
     rows = _written_rows(rng, pool.total_rows, 24)
@@ -161,14 +177,14 @@ def test_store_main_fp8_writes_the_codec_bytes(model):
     values[6, : g.head_dim - g.rope_dim] = values[5, : g.head_dim - g.rope_dim]  # ties in the NoPE part too
     values[5, g.head_dim - g.rope_dim:] = values[6, g.head_dim - g.rope_dim:]  # bf16 ties in the rope part
     pool.write_main(rows, values)
-    nope, rope, _, _ = _run(_kernel("store_main_fp8", g.head_dim - g.rope_dim, g.rope_dim),
+    nope, rope, _, _ = _run(_kernel("store_main_fp8", g.head_dim - g.rope_dim, g.rope_dim, g.fp8_format),
                             mirror.planes["nope"], mirror.planes["rope"], rows, values)
     assert np.array_equal(nope, pool.planes["nope"])  # padding bytes and other rows untouched too
     assert np.array_equal(rope, pool.planes["rope"])
 
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])
-@pytest.mark.parametrize("target", ["sm90", "gfx950"])  # index fp8 / fp4
+@pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])  # index fp8 e4m3fn / e4m3fnuz / fp4 preshuffled
 def test_store_rows_writes_the_codec_bytes(model, target):
     pool, mirror = _pool(model, target), _pool(model, target)
     g = pool.geometry
@@ -178,7 +194,7 @@ def test_store_rows_writes_the_codec_bytes(model, target):
     if g.index_storage == "fp8":  # the quotient at row 7's amax is really above 448, and saturates to 0x7E
         assert F32(1.9127556) / (F32(1.9127556) / F32(448)) > 448
     pool.write_index(rows, values)
-    kernel = _kernel("store_rows", g.index_head_dim, g.index_storage)
+    kernel = _kernel("store_rows", g.index_head_dim, g.index_storage, g.fp8_format, g.index_layout)
     plane, _, _ = _run(kernel, mirror.index_plane, rows, values)
     assert np.array_equal(plane, pool.index_plane)
 
@@ -195,7 +211,7 @@ def _row_lists(rng, n: int, pool_rows: np.ndarray, total_rows: int, step_rows: i
 
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])  # one / four fp4 scale groups per row
-@pytest.mark.parametrize("target", ["sm90", "gfx950"])
+@pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])
 def test_index_score_on_lowbit_rows_equals_fp32_on_decoded_rows(model, target):
     pool = _pool(model, target)
     g, cfg = pool.geometry, resolve_model(model)
@@ -212,14 +228,16 @@ def test_index_score_on_lowbit_rows_equals_fp32_on_decoded_rows(model, target):
     decoded = np.zeros((len(pool.index_plane), dim), F32)  # unwritten rows hold random bytes: leave them out
     with np.errstate(over="ignore"):  # fp4 rows of +-3e38 decode to inf: 6 * 2**126 is out of float32 range
         decoded[written] = pool.read_index(written)
-    got = _run(_kernel("index_score", heads, dim, g.index_storage), q, w, pool.index_plane, entries, out)[-1]
+    got = _run(_kernel("index_score", heads, dim, g.index_storage, g.fp8_format, g.index_layout), q, w,
+               pool.index_plane, entries, out)[-1]
     want = _run(_kernel("index_score", heads, dim), q, w, decoded, entries, out)[-1]
     assert np.array_equal(got, want, equal_nan=True)  # rows of huge values overflow alike
 
 
 @pytest.mark.parametrize("model", ["tiny", "flash"])
-def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model):
-    pool = _pool(model, "sm90")
+@pytest.mark.parametrize("target", ["sm90", "gfx942"])
+def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model, target):
+    pool = _pool(model, target)
     g = pool.geometry
     heads, dim = 4, g.head_dim
     rng = np.random.default_rng(5)
@@ -237,10 +255,163 @@ def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model):
     scale = dim ** -0.5
     decoded = np.zeros((pool.total_rows, dim), F32)
     decoded[written] = pool.read_main(written)
-    got = _run(_kernel("sparse_attn", heads, dim, scale, "fp8", g.rope_dim), q, pool.planes["nope"],
+    got = _run(_kernel("sparse_attn", heads, dim, scale, "fp8", g.rope_dim, g.fp8_format), q, pool.planes["nope"],
                pool.planes["rope"], step, sink, rows, out)[-1]
     want = _run(_kernel("sparse_attn", heads, dim, scale), q, decoded, step, sink, rows, out)[-1]
     assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------- the declared format
+
+
+def _signed_zero_rows(rng, n: int, width: int) -> np.ndarray:
+    """Rows whose codes include -0: negative zeros, and negatives far below their group's amax."""
+    v = rng.standard_normal((n, width)).astype(F32) * F32(10.0) ** rng.uniform(-6, 6, (n, 1)).astype(F32)
+    v[0] = -0.0
+    v[1, ::2] = -v[1, ::2] * F32(1e-9)  # rounds to -0 next to values of ordinary size
+    return v
+
+
+def test_fnuz_pool_holds_the_fn_pool_values():
+    """gfx942 keeps the e4m3fn bits and doubles the scales: the pool decodes to the same values
+    as an e4m3fn pool of the same rows, and never holds 0x80 (NaN in fnuz) for a -0."""
+    cfg = resolve_model("flash")
+    fn, fnuz = (KVPool(g, g.window_rows_per_request + 2 * g.rows_per_envelope)
+                for g in (PoolGeometry.build(cfg, plan_for(cfg, "llvm", kv_cache_dtype="fp8")),
+                          PoolGeometry.build(cfg, plan_for(cfg, "gfx942"))))
+    assert (fn.geometry.fp8_format, fnuz.geometry.fp8_format) == ("e4m3fn", "e4m3fnuz")
+    assert fn.geometry.index_storage == fnuz.geometry.index_storage == "fp8"
+    rng = np.random.default_rng(6)
+    g = fn.geometry
+    nope = g.head_dim - g.rope_dim
+    main = np.concatenate([_signed_zero_rows(rng, 4, g.head_dim),
+                           _hard_rows(rng, 12, g.head_dim, 64, E4M3_GRID, lowbit.E4M3_MAX)])
+    index = np.concatenate([_signed_zero_rows(rng, 4, g.index_head_dim),
+                            _hard_rows(rng, 12, g.index_head_dim, g.index_head_dim, E4M3_GRID, lowbit.E4M3_MAX)])
+    main_rows, index_rows = np.arange(16) * 7, np.arange(16) * 5
+    for pool in (fn, fnuz):
+        pool.write_main(main_rows, main)
+        pool.write_index(index_rows, index)
+    assert np.array_equal(fnuz.read_main(main_rows), fn.read_main(main_rows))
+    assert np.array_equal(fnuz.read_index(index_rows), fn.read_index(index_rows))
+    fn_codes = fn.planes["nope"][main_rows, :nope]
+    assert (fn_codes == 0x80).any() and not (fnuz.planes["nope"][main_rows, :nope] == 0x80).any()
+    assert np.array_equal(fnuz.planes["nope"][main_rows, :nope], lowbit.e4m3fn_to_fnuz(fn_codes))
+    scales = slice(nope, nope + nope // 64)
+    assert np.array_equal(fnuz.planes["nope"][main_rows, scales], fn.planes["nope"][main_rows, scales] + 1)
+    d = g.index_head_dim
+    assert (fn.index_plane[index_rows, :d] == 0x80).any() and not (fnuz.index_plane[index_rows, :d] == 0x80).any()
+    doubled = 2 * np.ascontiguousarray(fn.index_plane[index_rows, d:]).view(F32)
+    assert np.array_equal(np.ascontiguousarray(fnuz.index_plane[index_rows, d:]).view(F32), doubled)
+
+
+FP8_DTYPES = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
+
+
+def _fp8_values(codes, fp8_format: str) -> np.ndarray:
+    return np.ascontiguousarray(codes).view(FP8_DTYPES[fp8_format]).astype(F32)
+
+
+def _e8m0_values(codes) -> np.ndarray:
+    return np.ascontiguousarray(codes).view(ml_dtypes.float8_e8m0fnu).astype(F32)
+
+
+def _fp4_rows(plane: np.ndarray, layout: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(packed codes [R, dim / 2], E8M0 scales [R, dim / 32]) of every row of an FP4 index plane.
+    gfx950's layout is undone as AITER's op test builds it for pa_mqa_logits_fp4
+    (create_paged_preshuffle_kv_fp4): kv_cache [NB, k_tiles, 4, 64, 16] and kv_scale
+    [NB, k_tiles, 4, 64] with the 64 rows interleaved as 4 x 16 -> 16 x 4, back to back."""
+    if layout == "row-major":
+        return plane[:, :dim // 2], plane[:, dim // 2:]
+    assert layout == "gfx950_fp4_preshuffled"
+    blocks, k_tiles = len(plane) // 64, dim // 128
+    flat = plane.reshape(-1)
+    kv_cache = flat[:len(plane) * dim // 2].reshape(blocks, k_tiles, 4, 64, 16)
+    kv_scale = flat[len(plane) * dim // 2:].reshape(blocks, k_tiles, 4, 16, 4).swapaxes(-1, -2)
+    codes = kv_cache.transpose(0, 3, 1, 2, 4).reshape(len(plane), dim // 2)
+    return codes, kv_scale.reshape(blocks, k_tiles, 4, 64).transpose(0, 3, 1, 2).reshape(len(plane), dim // 32)
+
+
+def _declared_format(target: str, numerics: str, kv_cache_dtype: str, capsys) -> dict:
+    assert cli(["inspect", "flash", "--target", target, "--numerics", numerics, "--kv-cache-dtype",
+                kv_cache_dtype, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _store_kernels(target: str, numerics: str, kv_cache_dtype: str) -> dict:
+    """The store kernels the compiler picks for flash under the target's plan (the program's
+    pool formats come from the plan alone, so the exact-numerics program serves every plan)."""
+    cfg = resolve_model("flash")
+    specs, _ = kernel_table(run_pipeline(trace(cfg, "exact")), plan_for(cfg, target, numerics, kv_cache_dtype))
+    return {spec.factory: spec for spec in specs.values() if spec.factory in ("store_main_fp8", "store_rows")
+            and (spec.factory != "store_rows" or spec.params[0] == cfg.index_head_dim)}
+
+
+@pytest.mark.parametrize("target, numerics, kv_cache_dtype", [
+    ("sm90", "exact", "auto"), ("gfx942", "exact", "auto"), ("gfx950", "exact", "auto"),
+    ("llvm", "exact", "fp8"), ("llvm", "qat", "auto")])  # llvm: FP8 index rows, or (qat) FP4 row-major
+def test_store_kernels_write_what_inspect_declares(target, numerics, kv_cache_dtype, capsys):
+    """The target's store kernels, run on the CPU, write bytes that decode with the FP8 format and
+    index layout `inspect --json` names (ml_dtypes and AITER's layout as the decoders) to the
+    values the official round trips give."""
+    declared = _declared_format(target, numerics, kv_cache_dtype, capsys)
+    fp8_format, layout = declared["pool_fp8_format"], declared["index_layout"]
+    assert fp8_format == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
+    assert layout == ("gfx950_fp4_preshuffled" if target == "gfx950" else "row-major")
+    stores = _store_kernels(target, numerics, kv_cache_dtype)
+    cfg = resolve_model("flash")
+    g = PoolGeometry.build(cfg, plan_for(cfg, target, numerics, kv_cache_dtype))
+    pool = KVPool(g, g.window_rows_per_request + 2 * g.rows_per_envelope)
+    assert declared["index_storage"] == g.index_storage and declared["main_storage"] == "fp8"
+    rng = np.random.default_rng(7)
+    nope, d = g.head_dim - g.rope_dim, g.index_head_dim
+
+    spec = stores["store_main_fp8"]
+    rows = _written_rows(rng, pool.total_rows, 16)
+    values = _signed_zero_rows(rng, len(rows), g.head_dim)
+    main = _run(_kernel(spec.factory, *spec.params), pool.planes["nope"], pool.planes["rope"], rows, values)
+    codes, scales = main[0][rows, :nope], main[0][rows, nope:nope + nope // 64]
+    got = _fp8_values(codes, fp8_format) * np.repeat(_e8m0_values(scales), 64, axis=1)
+    assert np.array_equal(got, lowbit.fp8_roundtrip(values[:, :nope], 64))
+    assert np.array_equal(main[1][rows].view(ml_dtypes.bfloat16).astype(F32),
+                          lowbit.bf16_roundtrip(values[:, nope:]))
+    assert not np.isnan(got).any()  # no -0 written as fnuz NaN
+
+    spec = stores["store_rows"]
+    assert spec.params[1] == g.index_storage
+    rows = _written_rows(rng, len(pool.index_plane), 70)  # more than one 64-row tile
+    values = _signed_zero_rows(rng, len(rows), d)
+    plane = _run(_kernel(spec.factory, *spec.params), pool.index_plane, rows, values)[0]
+    if g.index_storage == "fp8":
+        scale = np.ascontiguousarray(plane[rows, d:]).view(F32)
+        got = _fp8_values(plane[rows, :d], fp8_format) * scale
+        fn_scale = np.maximum(np.abs(values).max(axis=1, keepdims=True), F32(1e-4)) / F32(448)
+        want = lowbit.decode_e4m3fn(lowbit.encode_e4m3fn(values / fn_scale)) * fn_scale
+    else:
+        codes, scales = _fp4_rows(plane, layout, d)
+        nibbles = lowbit.unpack_fp4(codes[rows]).view(ml_dtypes.float4_e2m1fn).astype(F32)
+        got = nibbles * np.repeat(_e8m0_values(scales[rows]), 32, axis=1)
+        want = lowbit.fp4_roundtrip(values, 32)
+    assert np.array_equal(got, want)
+    unwritten = np.setdiff1d(np.arange(len(pool.index_plane)), rows)
+    if g.index_storage == "fp4":  # the layout put every byte of the written rows where the decoder looked
+        assert not np.any(np.concatenate(_fp4_rows(plane, layout, d), axis=1)[unwritten])
+
+
+def test_fp4_tiles_are_one_layers_envelope_rows():
+    """gfx950's tiles hold 64 rows of one layer's envelope (AITER's block): a CSA ratio that gives
+    another count is refused with the way out, and a layout the codec does not know is an error
+    rather than another layout's bytes."""
+    cfg = config_from_dict({**PARITY_CONFIGS["mixed_hc4"],
+                            "compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 16}},
+                           "csa8")
+    with pytest.raises(UsageError, match="ratio 8 gives 32; use --kv-cache-dtype fp32"):
+        PoolGeometry.build(cfg, plan_for(cfg, "gfx950"))
+    g = PoolGeometry.build(preset("tiny"), plan_for(preset("tiny"), "gfx950"))
+    assert g.index_layout == "gfx950_fp4_preshuffled" and g.index_rows_per_envelope % 64 == 0
+    stale = KVPool(dataclasses.replace(g, index_layout="rowmajor"), g.window_rows_per_request + g.rows_per_envelope)
+    with pytest.raises(UsageError, match="unknown FP4 index layout 'rowmajor'.*recompile"):
+        stale.write_index(np.arange(3), np.ones((3, g.index_head_dim), F32))
 
 
 # --------------------------------------------------------------------------- GPU builds
@@ -249,7 +420,6 @@ def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model):
 @pytest.mark.parametrize("target_name", ["sm90", "gfx942", "gfx950"])
 def test_gpu_versions_build(target_name, monkeypatch):
     from dsv4c.codegen import gpu
-    from dsv4c.codegen.lowering import KernelSpec
 
     if target_name != "sm90":  # CUDA source needs no toolchain; AMDGPU code objects need ld.lld
         try:
@@ -258,14 +428,11 @@ def test_gpu_versions_build(target_name, monkeypatch):
         except gpu.ToolchainError as e:
             pytest.skip(f"toolchain missing for {target_name}: {e}")
     target = tvm.target.Target(target_info(target_name).tvm)
-    specs = {  # the flash / pro pool shapes
-        "store_main_fp8": KernelSpec("store_main_fp8", (448, 64)),
-        "store_rows_fp8": KernelSpec("store_rows", (128, "fp8")),
-        "store_rows_fp4": KernelSpec("store_rows", (128, "fp4")),
-        "index_score_fp8": KernelSpec("index_score", (64, 128, "fp8")),
-        "index_score_fp4": KernelSpec("index_score", (64, 128, "fp4")),
-        "sparse_attn_fp8": KernelSpec("sparse_attn", (64, 512, 512 ** -0.5, "fp8", 64)),
-    }
+    cfg = resolve_model("flash")  # the flash / pro pool shapes, in the target's pool format
+    all_specs, _ = kernel_table(run_pipeline(trace(cfg, "exact")), plan_for(cfg, target_name))
+    specs = {spec.symbol: spec for spec in all_specs.values()
+             if spec.factory in ("store_main_fp8", "store_rows", "index_score", "sparse_attn")}
+    assert {spec.factory for spec in specs.values()} == {"store_main_fp8", "store_rows", "index_score", "sparse_attn"}
     funcs = {name: gpu.gpu_kernel(spec, target).with_attr("global_symbol", name) for name, spec in specs.items()}
     device_module = tvm.compile(tvm.IRModule(funcs), target=target).mod.imports[0]
     source = device_module.inspect_source("cuda" if target_name == "sm90" else "asm")
