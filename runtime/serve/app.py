@@ -264,6 +264,9 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context)
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting)
     sock = _listen(host, port)
+    # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
+    # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed
+    # the engine's steps by ~20% on 8 streams; with them the overhead is within a few percent.
     config = uvicorn.Config(create_app(server, api_key), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout)
     http = uvicorn.Server(config)
@@ -280,11 +283,6 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
     print(f"dsv4c serve: {server.model} on {url} (up to {max_requests} running, "
           f"{max_waiting} waiting, context {max_context}{', chat' if server.chat_template else ''})", flush=True)
-    # The event loop thread and the engine thread share the GIL. After each socket write the event
-    # loop waits for the GIL again, by default up to 5 ms while the engine thread runs Python; a
-    # step's chunks then trickle out over tens of ms and every wait forces a switch on the engine.
-    # 0.5 ms brought the serving overhead on 8 streams from ~13% to ~5% (bench/serve_load.py).
-    sys.setswitchinterval(0.0005)
     http.run(sockets=[sock])
     print("dsv4c serve: stopped", file=sys.stderr, flush=True)
     return 0
