@@ -106,7 +106,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
                             " that the step reads is missing; recompile with weights");
     }
     const Tensor& w = it->second;
-    if (device_.device_type == kDLCPU && reinterpret_cast<uintptr_t>(w.data.get()) % 64 == 0) {
+    if (device_.device_type == kDLCPU && w.aligned()) {
       params_.push_back(share(w));
     } else {
       ffi::Tensor t = empty(w.shape, w.dtype);

@@ -45,6 +45,8 @@ struct Tensor {
   T* ptr() const {
     return static_cast<T*>(data.get());
   }
+  /// Whether kernels can take the storage as it is (TVM wants 64-byte aligned data).
+  bool aligned() const { return reinterpret_cast<uintptr_t>(data.get()) % 64 == 0; }
 };
 
 }  // namespace dsv4c
