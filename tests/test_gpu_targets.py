@@ -73,13 +73,22 @@ def test_artifact_carries_device_code(artifact):
 
 
 def test_pool_geometry_per_target(artifact):
+    from dsv4c.passes.quant_plan import plan_for
+
     target, path = artifact
     manifest = json.loads((path / "manifest.json").read_text())
     geometry = manifest["pool_geometry"]
     # The pool format the manifest declares is the one the artifact's pool kernels were built for.
     assert geometry["pool_fp8_format"] == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
     assert geometry["index_layout"] == ("gfx950_fp4_preshuffled" if target == "gfx950" else "row-major")
-    pool_kernels = {symbol for roles in manifest["kernels"]["per_node"] for symbol in roles.values()
+    from dsv4c.codegen.lowering import kernel_table
+    from dsv4c.frontend.trace import trace
+    from dsv4c.passes.pipeline import run_pipeline
+
+    program = run_pipeline(trace(preset("tiny")))
+    specs, _ = kernel_table(program, plan_for(preset("tiny"), target))
+    assert manifest["kernels"]["count"] == len(specs)  # the artifact built this table
+    pool_kernels = {symbol for symbol in specs
                     if symbol.startswith(("store_main_fp8", "store_rows", "index_score", "sparse_attn"))}
     assert len(pool_kernels) == 4
     assert all(geometry["pool_fp8_format"] in symbol.split("_") for symbol in pool_kernels)
@@ -89,7 +98,6 @@ def test_pool_geometry_per_target(artifact):
     assert geometry["index_row_bytes"] == want
     assert geometry["main_storage"] == "fp8"
     flash = {"gfx950": 68, "gfx942": 132, "sm90": 132}[target]
-    from dsv4c.passes.quant_plan import plan_for
     from dsv4c.runtime.kv_pool import PoolGeometry
     assert PoolGeometry.build(preset("flash"), plan_for(preset("flash"), target)).index_row_bytes == flash
 
