@@ -1199,6 +1199,14 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                 part[l] = part[l] + Q[t, h, c * lanes + l] * kv(pool, STEP, row, r, c, l)
 
     @T.macro
+    def row_score(Q, pool, STEP, part, acc, t, h, row, r):
+        """acc[1] = <q[t, h], kv row>: lane sums of the vector dot product, in lane order."""
+        row_dot(Q, pool, STEP, part, t, h, row, r)
+        acc[1] = T.float32(0)
+        for l in range(lanes):
+            acc[1] = acc[1] + part[l]
+
+    @T.macro
     def attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, t, h):
         acc = T.alloc_buffer((3,), F32, scope="local")
         part = T.alloc_buffer((lanes,), F32, scope="local")
@@ -1206,10 +1214,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
         for k in range(m):
             if ROWS[t, k] >= 0:
-                row_dot(Q, pool, STEP, part, t, h, ROWS[t, k], r)
-                acc[1] = T.float32(0)
-                for l in range(lanes):
-                    acc[1] = acc[1] + part[l]
+                row_score(Q, pool, STEP, part, acc, t, h, ROWS[t, k], r)
                 acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
         acc[2] = T.exp(SINK[h] - acc[0])
         for c in range(chunks):
@@ -1217,10 +1222,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                 o[c * lanes + l] = T.float32(0)
         for k in range(m):
             if ROWS[t, k] >= 0:
-                row_dot(Q, pool, STEP, part, t, h, ROWS[t, k], r)
-                acc[1] = T.float32(0)
-                for l in range(lanes):
-                    acc[1] = acc[1] + part[l]
+                row_score(Q, pool, STEP, part, acc, t, h, ROWS[t, k], r)
                 acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
                 acc[2] = acc[2] + acc[1]
                 for c in range(chunks):
