@@ -173,8 +173,9 @@ def main() -> None:
         better = ours[key] / ref[key] if key.endswith("tok_s") else ref[key] / ours[key]
         print(f"{key:<22}{ours[key]:>12.1f}{ref[key]:>14.1f}{better:>8.2f}x")
     # What bounds decode: bytes of weights each token touches vs measured bandwidth.
-    artifact = workdir / "artifact" / "weights.safetensors"
-    print(f"artifact weights: {artifact.stat().st_size / 2**30:.2f} GiB on disk")
+    artifact = workdir / "artifact"
+    files = json.loads((artifact / "manifest.json").read_text())["weights"]["files"]
+    print(f"artifact weights: {sum((artifact / f).stat().st_size for f in files) / 2**30:.2f} GiB on disk")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolExhausted, PoolGe
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.weights import open_weights
 
+from file_breakages import corrupt_header, flip_byte, offsets_past_the_end, truncate
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -109,24 +111,6 @@ def test_host_matches_the_python_engine(cpp, tmp_path, prompts, new_tokens, chun
 # --------------------------------------------------------------------------- errors
 
 
-def _tamper_weights(art: Path) -> None:
-    with open(art / "weights.safetensors", "r+b") as f:
-        f.seek(-3, os.SEEK_END)
-        f.write(b"\x01\x02\x03")
-
-
-def _truncate_weights(art: Path) -> None:
-    weights = art / "weights.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-100])
-
-
-def _corrupt_weights_header(art: Path) -> None:
-    weights = art / "weights.safetensors"
-    blob = bytearray(weights.read_bytes())
-    blob[8:10] = b"[}"  # same size: the header is no longer JSON
-    weights.write_bytes(bytes(blob))
-
-
 def _set_version(version):
     def edit(art: Path) -> None:
         manifest = json.loads((art / "manifest.json").read_text())
@@ -137,9 +121,9 @@ def _set_version(version):
 
 # Each breakage, and whether the run asks for the full sha256 check (--verify).
 BREAKAGES = {
-    "tampered-weights": _tamper_weights,
-    "truncated-weights": _truncate_weights,
-    "corrupt-weights-header": _corrupt_weights_header,
+    "tampered-weights": lambda art: flip_byte(art / "weights.safetensors"),
+    "truncated-weights": lambda art: truncate(art / "weights.safetensors"),
+    "corrupt-weights-header": lambda art: corrupt_header(art / "weights.safetensors"),
     "missing-file": lambda art: (art / "program.json").unlink(),
     "no-manifest": lambda art: (art / "manifest.json").unlink(),
     "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
@@ -213,7 +197,7 @@ def test_host_usage_errors_are_the_python_cli_errors(cpp, capsys, argv):
 def test_tampering_goes_unseen_without_verify_in_both(cpp, tmp_path, capsys):
     build, art = cpp
     target = Path(shutil.copytree(art, tmp_path / "art"))
-    _tamper_weights(target)
+    flip_byte(target / "weights.safetensors")
     assert cli(["generate", str(target), "--token-ids", "1,2", "--max-new-tokens", "2"]) == 0
     done = _host(build, target, "--token-ids", "1,2", "--max-new-tokens", "2")
     assert (done.returncode, done.stdout) == (0, capsys.readouterr().out)
@@ -253,18 +237,6 @@ def test_cpp_weights_are_the_python_loaders(cpp, sharded):
     assert all(a.ctypes.data % 64 == 0 for a in weights.values() if a.nbytes % 64 == 0)
 
 
-def _header_offsets_past_the_end(shard: Path) -> None:
-    blob = shard.read_bytes()
-    size = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + size])
-    name = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
-    begin, end = header[name]["data_offsets"]
-    header[name]["data_offsets"] = [begin + 64, end + 64]
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= size
-    shard.write_bytes(blob[:8] + text + b" " * (size - len(text)) + blob[8 + size:])
-
-
 def _drop_from_index(art: Path) -> None:
     index = json.loads((art / "weights.safetensors.index.json").read_text())
     index["weight_map"].pop("head.weight")
@@ -272,8 +244,8 @@ def _drop_from_index(art: Path) -> None:
 
 
 WEIGHT_BREAKAGES = {
-    "truncated-shard": lambda art, shard: shard.write_bytes(shard.read_bytes()[:-100]),
-    "offsets-past-the-end": lambda art, shard: _header_offsets_past_the_end(shard),
+    "truncated-shard": lambda art, shard: truncate(shard),
+    "offsets-past-the-end": lambda art, shard: offsets_past_the_end(shard),
     "index-not-json": lambda art, shard: (art / "weights.safetensors.index.json").write_text("{"),
     "tensor-missing-from-index": lambda art, shard: _drop_from_index(art),
     "no-weights": lambda art, shard: _set_manifest(art, has_weights=False),
