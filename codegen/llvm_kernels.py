@@ -34,6 +34,10 @@ def _u(x, dtype="int32"):
     return tirx.Cast(dtype, x)
 
 
+# The decoders select with Select (both sides are plain arithmetic), which vectorises; an
+# if_then_else there can leave a kernel's decode loop scalar.
+
+
 def decode_e4m3fn(code):
     """float32 value of an e4m3fn byte (0x7F/0xFF NaN never occur in weights)."""
     c = _u(code)
@@ -41,8 +45,8 @@ def decode_e4m3fn(code):
     normal = tirx.reinterpret(F32, tirx.shift_left(_u(exp + 120, "uint32"), tirx.const(23, "uint32"))
                               | tirx.shift_left(_u(man, "uint32"), tirx.const(20, "uint32")))
     subnormal = _u(man, F32) * tirx.const(2.0 ** -9, F32)
-    mag = tirx.if_then_else(exp == 0, subnormal, normal)
-    return tirx.if_then_else(c >= 128, -mag, mag)
+    mag = tirx.Select(exp == 0, subnormal, normal)
+    return tirx.Select(c >= 128, -mag, mag)
 
 
 def decode_e4m3fnuz(code):
@@ -52,8 +56,8 @@ def decode_e4m3fnuz(code):
     normal = tirx.reinterpret(F32, tirx.shift_left(_u(exp + 119, "uint32"), tirx.const(23, "uint32"))
                               | tirx.shift_left(_u(man, "uint32"), tirx.const(20, "uint32")))
     subnormal = _u(man, F32) * tirx.const(2.0 ** -10, F32)
-    mag = tirx.if_then_else(exp == 0, subnormal, normal)
-    return tirx.if_then_else(c >= 128, -mag, mag)
+    mag = tirx.Select(exp == 0, subnormal, normal)
+    return tirx.Select(c >= 128, -mag, mag)
 
 
 DECODE_FP8 = {"e4m3fn": decode_e4m3fn, "e4m3fnuz": decode_e4m3fnuz}  # by FP8 format (quant_plan.fp8_format)
@@ -66,8 +70,8 @@ def decode_e2m1(nibble):
     exp, man = (c >> 1) & 3, c & 1
     normal = (tirx.const(1.0, F32) + _u(man, F32) * tirx.const(0.5, F32)) * \
         tirx.reinterpret(F32, tirx.shift_left(_u(exp + 126, "uint32"), tirx.const(23, "uint32")))
-    mag = tirx.if_then_else(exp == 0, _u(man, F32) * tirx.const(0.5, F32), normal)
-    return tirx.if_then_else(c >= 8, -mag, mag)
+    mag = tirx.Select(exp == 0, _u(man, F32) * tirx.const(0.5, F32), normal)
+    return tirx.Select(c >= 8, -mag, mag)
 
 
 def decode_e8m0(code):
