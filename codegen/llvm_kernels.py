@@ -1032,14 +1032,14 @@ def ring_reset(width: int, ring_rows: int):
 
 
 def ring_update(width: int, ratio: int, overlap: bool):
-    """The compressor ring after this step's closed windows were pooled from it, per request
-    (``req`` rows as in step_kernels): with overlap, the ring's previous half [0, ratio) takes
-    the last window the step closed; then the step's tokens of the window still open go to the
-    current half at their slots pos % ratio. A request's copies run in that order on one thread
-    (the previous half may be read from the current half it then overwrites)."""
+    """The compressor ring after this step's closed windows were pooled from it: per request,
+    each of its last ``slots`` positions p of the step goes to ring row p mod slots (slots =
+    2 ratio with overlap: the previous window and the open one; else ratio). Every position
+    owns its row, so what a step writes depends only on the positions it feeds, never on how
+    the tokens were chunked, and taking a token back (speculative decoding) restores its rows
+    alone (``runtime.kv_pool.KVPool.position_rows``)."""
     read = _compressor_source(width, ratio)
     slots = 2 * ratio if overlap else ratio
-    cur = ratio if overlap else 0
 
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
@@ -1057,24 +1057,13 @@ def ring_update(width: int, ratio: int, overlap: bool):
         for q in T.parallel(nr):
             kv_val = T.alloc_buffer((1,), F32, scope="local")
             score_val = T.alloc_buffer((1,), F32, scope="local")
-            base = REQ[q, 0] * slots
-            first_pos = REQ[q, 3]
-            open_window = T.floordiv(first_pos + REQ[q, 2], ratio)
-            if overlap and open_window > T.floordiv(first_pos, ratio):
-                for j in range(ratio):
-                    p = (open_window - 1) * ratio + j
-                    for c in range(width):
-                        read(RKV, RSC, KV, GATE, POS, APE,
-                             T.if_then_else(p >= first_pos, REQ[q, 1] + p - first_pos, -(base + cur + j) - 1),
-                             c, kv_val, score_val, 0)
-                        RKV[base + j, c] = kv_val[0]
-                        RSC[base + j, c] = score_val[0]
-            for i in range(REQ[q, 2]):
-                if first_pos + i >= open_window * ratio:
-                    for c in range(width):
-                        read(RKV, RSC, KV, GATE, POS, APE, REQ[q, 1] + i, c, kv_val, score_val, 0)
-                        RKV[base + cur + T.floormod(first_pos + i, ratio), c] = kv_val[0]
-                        RSC[base + cur + T.floormod(first_pos + i, ratio), c] = score_val[0]
+            skip = T.max(REQ[q, 2] - slots, 0)  # positions a later one of this step overwrites
+            for i in range(REQ[q, 2] - skip):
+                row = REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skip + i, slots)
+                for c in range(width):
+                    read(RKV, RSC, KV, GATE, POS, APE, REQ[q, 1] + skip + i, c, kv_val, score_val, 0)
+                    RKV[row, c] = kv_val[0]
+                    RSC[row, c] = score_val[0]
     return f
 
 

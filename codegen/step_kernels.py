@@ -57,22 +57,18 @@ def compress_windows(ratio: int, overlap: bool):
     ratio, the position the compress rope uses) and the pool row the entry goes to (-1 for the
     unused tail of the ``nw`` slots, an upper bound of R + T // ratio).
 
-    A request's ring holds (overlap) the previous closed window in rows [0, ratio) and the open
-    window's pending tokens in rows [ratio, 2 ratio) of its slot; without overlap only the
-    latter, at [0, ratio). A position before the request's first position in this step is in
-    the ring; window -1 (before position 0) reads the previous half as ``ring_reset`` left it
-    (scores -inf: zero weight)."""
+    A request's ring holds its last ``2 ratio`` (overlap) or ``ratio`` positions, position p
+    at row p mod that (``llvm_kernels.ring_update``): a position before the request's first
+    position in this step is read there. Window -1 (before position 0) reads rows that
+    ``ring_reset`` emptied (scores -inf: zero weight)."""
     slots = 2 * ratio if overlap else ratio
     cur = ratio if overlap else 0
     entries_per_envelope = ENVELOPE_TOKENS // ratio
 
     @T.macro
     def source(POS0, FIRST, base, p, out, w, s):
-        # A step row when the position is in this step; the ring's current or previous half otherwise.
-        out[w, s] = T.if_then_else(
-            p >= POS0, FIRST + (p - POS0),
-            T.if_then_else(T.floordiv(p, ratio) == T.floordiv(POS0, ratio), -(base + cur + T.floormod(p, ratio)) - 1,
-                           -(base + T.floormod(p, ratio)) - 1))
+        # A step row when the position is in this step, its ring row otherwise.
+        out[w, s] = T.if_then_else(p >= POS0, FIRST + (p - POS0), -(base + T.floormod(p, slots)) - 1)
 
     @T.prim_func
     def f(req: T.handle, blocks: T.handle, rows_per_envelope: T.int64, layer_offset: T.int64, src: T.handle,
