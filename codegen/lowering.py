@@ -61,7 +61,7 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         return _k("store_main_fp8", width - cfg.rope_dim, cfg.rope_dim, plan.fp8_format)
 
     ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
-    window, window_rows = cfg.sliding_window, cfg.num_layers * cfg.sliding_window
+    window, window_rows = cfg.sliding_window, cfg.window_rows_per_request
     if op in UNSUPPORTED:
         raise UsageError(f"the llvm target does not compile op {op!r} yet (qat numerics / fused passes); "
                          "use --target reference or --numerics exact")
@@ -168,11 +168,18 @@ def kernel_factory(name: str):
     return getattr(llvm_kernels, name, None) or getattr(step_kernels, name)
 
 
+def compiled_nodes(program: Program) -> list:
+    """The nodes of every function the artifact compiles (``step``, then the MTP layers'), in
+    order: they share one kernel table, one params tuple and one weight layout."""
+    return [node for fn in program.functions.values() for node in fn.nodes]
+
+
 def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
-    """Distinct kernels of the step function, and per node the symbol of each role."""
+    """Distinct kernels of the compiled functions, and per node (``compiled_nodes``) the symbol
+    of each role."""
     specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
     per_node = []
-    for node in program.functions["step"].nodes:
+    for node in compiled_nodes(program):
         roles = node_kernels(node, program.config, plan)
         for spec in roles.values():
             specs[spec.symbol] = spec
@@ -280,7 +287,7 @@ def column_tiles(rows: np.ndarray, tile: int) -> np.ndarray:
 def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") -> dict[str, WeightLayout]:
     """The layout of every weight of every function, in program order. The reference target
     stores float32 / int64 as is; the others as the llvm kernels read them (the GPU targets
-    share the layout): the weights the step function multiplies in column tiles, FP8 128x128
+    share the layout): the weights the compiled functions multiply in column tiles, FP8 128x128
     blocks as e4m3 codes with per-column scales, FP4 experts packed with E8M0 scales per 32,
     BF16 matmul weights as BF16 bits, tid2eid as int32, everything else float32."""
     if target == "reference":
@@ -289,7 +296,7 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
     from dsv4c.codegen.llvm_kernels import column_tile
 
     matmul, fp8, fp4, bf16 = set(), set(), set(), set()
-    for node in program.functions["step"].nodes:
+    for node in compiled_nodes(program):
         q = node.attrs.get("quant") or ""
         reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
                  "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4], "grouped_linear": node.inputs[1:2],
@@ -301,7 +308,7 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
             fp4.update(v.name for v in reads)
         if node.op in ("linear", "linear_split", "lm_head") and dense_kernel_quant(q) == "bf16":
             bf16.update(v.name for v in reads)
-    groups = {n.inputs[1].name: n.attrs["groups"] for n in program.functions["step"].nodes if n.op == "grouped_linear"}
+    groups = {n.inputs[1].name: n.attrs["groups"] for n in compiled_nodes(program) if n.op == "grouped_linear"}
 
     out: dict[str, WeightLayout] = {}
     for fn in program.functions.values():

@@ -147,6 +147,11 @@ class ModelConfig:
         return len(self.layers)
 
     @property
+    def window_rows_per_request(self) -> int:
+        """Sliding-window rows of one request: every backbone layer's and the MTP layers'."""
+        return (len(self.layers) + len(self.mtp_layers)) * self.sliding_window
+
+    @property
     def nope_dim(self) -> int:
         return self.head_dim - self.rope_dim
 

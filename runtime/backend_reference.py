@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 
 from dsv4c.ir.interpreter import Interpreter
-from dsv4c.runtime.dense_cache import DenseCache
 from dsv4c.runtime.kv_pool import KVPool, PagedStore
 from dsv4c.runtime.weights import open_weights
 
@@ -16,7 +15,7 @@ class ReferenceBackend:
     def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool):
         # Reference artifacts store float32 and int64 weights, which the interpreter reads as they are.
         weights = open_weights(artifact, manifest)
-        self.interpreter = Interpreter(program, weights, PagedStore(pool, DenseCache(program.config)))
+        self.interpreter = Interpreter(program, weights, PagedStore(pool))
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logit_rows: np.ndarray | None = None) -> np.ndarray:

@@ -4,7 +4,8 @@
   holds, layer by layer, that layer's compressed rows (256/ratio each). They are allocated
   from row 0 upward.
 * **Slots** hold a live request's sliding windows (``W`` rows per layer, a ring indexed by
-  ``pos % W``); they are allocated from the top of the row space downward. The boundary
+  ``pos % W``; the backbone's layers, then the MTP layer's); they are allocated from the top
+  of the row space downward. The boundary
   between the two regions is a pair of counters.
 * **Planes**: a row number means the same row in every plane (FP8 NoPE + scales, BF16 rope;
   or one BF16 / FP32 plane). CSA index rows live in a separate index pool addressed by the
@@ -78,7 +79,7 @@ class PoolGeometry:
     rope_dim: int
     index_head_dim: int
     window: int
-    backbone_layers: int
+    window_rows_per_request: int  # ModelConfig.window_rows_per_request: the backbone's layers, then MTP's
     compressed: tuple[CompressedLayerRows, ...]
     states: tuple[StateShape, ...]
     rows_per_envelope: int
@@ -118,7 +119,7 @@ class PoolGeometry:
                 states.append(StateShape(layer.index, "index", c * r, c * cfg.index_head_dim))
         return cls(
             head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, index_head_dim=cfg.index_head_dim,
-            window=cfg.sliding_window, backbone_layers=cfg.num_layers, compressed=tuple(compressed),
+            window=cfg.sliding_window, window_rows_per_request=cfg.window_rows_per_request, compressed=tuple(compressed),
             states=tuple(states), rows_per_envelope=offset, index_rows_per_envelope=index_offset,
             main_storage=plan.main_kv.storage, index_storage=plan.index_kv.storage,
             main_row_bytes=plan.main_kv.row_bytes, index_row_bytes=plan.index_kv.row_bytes,
@@ -135,10 +136,6 @@ class PoolGeometry:
         return cls.build(cfg, view)
 
     # ----- derived numbers (one place each)
-    @property
-    def window_rows_per_request(self) -> int:
-        return self.backbone_layers * self.window
-
     @property
     def state_bytes_per_request(self) -> int:
         return sum(2 * s.rows * s.width * 4 for s in self.states)  # kv_state + score_state, fp32
@@ -444,6 +441,40 @@ class KVPool:
             return blocks[block_of] * self.geometry.index_rows_per_envelope + lr.index_offset + within
         return blocks[block_of] * self.geometry.rows_per_envelope + lr.offset + within
 
+    def position_state(self, seq: int, positions) -> list[tuple[np.ndarray, tuple]]:
+        """Every (array, index) of state that feeding ``positions`` of request ``seq`` writes:
+        their window rows in each layer, their compressor ring rows (position p owns row
+        p mod ring rows, see ``llvm_kernels.ring_update``), and the compressed and index entries
+        of the windows they close. Speculative decoding saves these before a verify step and
+        puts back those of the tokens it rejects, so the pool is what it would be had they
+        never been fed; that holds while no two of the positions share a row (the engine keeps
+        draft runs shorter than the window and the smallest ring)."""
+        g, positions = self.geometry, np.asarray(positions, np.int64)
+        slot = self._request(seq).slot
+        out = []
+        windows = (self.slot_rows(slot)[0] + np.arange(0, g.window_rows_per_request, g.window)[:, None]
+                   + positions[None, :] % g.window).reshape(-1)
+        out += [(plane, (windows,)) for plane in self.planes.values()]
+        for c in g.compressed:
+            closing = (positions + 1) % c.ratio == 0
+            entries = (positions[closing] + 1) // c.ratio - 1
+            out += [(plane, (self.entry_rows(seq, c.layer, entries),)) for plane in self.planes.values()]
+            if c.index_offset is not None:
+                out.append((self.index_plane, (self.entry_rows(seq, c.layer, entries, index=True),)))
+        for s in g.states:
+            out += [(ring, (slot, positions % s.rows)) for ring in self.state[(s.layer, s.stream)]]
+        return out
+
+    @staticmethod
+    def save(state: list[tuple[np.ndarray, tuple]]) -> list[tuple[np.ndarray, tuple, np.ndarray]]:
+        """A copy of the ``position_state`` rows, for :meth:`restore`."""
+        return [(array, index, array[index].copy()) for array, index in state]
+
+    @staticmethod
+    def restore(saved: list[tuple[np.ndarray, tuple, np.ndarray]]) -> None:
+        for array, index, values in saved:
+            array[index] = values
+
     def read_main(self, rows: np.ndarray) -> np.ndarray:
         return self._main.read(self.planes, rows)
 
@@ -461,25 +492,16 @@ class KVPool:
 
 
 class PagedStore:
-    """The :class:`~dsv4c.ir.kernels.KVStore` interface over a :class:`KVPool`.
+    """The :class:`~dsv4c.ir.kernels.KVStore` interface over a :class:`KVPool` (every layer with
+    a window, the MTP layer's included, has its rows in the request's slot)."""
 
-    Layers outside the pool (the MTP layer's window) fall back to ``side``, a dense store."""
-
-    def __init__(self, pool: KVPool, side):
-        self.pool, self.side = pool, side
-        self._compressed = {c.layer for c in pool.geometry.compressed}
-
-    def _pooled(self, layer: int) -> bool:
-        return layer < self.pool.geometry.backbone_layers
+    def __init__(self, pool: KVPool):
+        self.pool = pool
 
     def window_rows(self, layer, seq, start, stop):
-        if not self._pooled(layer):
-            return self.side.window_rows(layer, seq, start, stop)
         return self.pool.read_main(self.pool.window_row(seq, layer, np.arange(start, stop)))
 
     def write_window(self, layer, seq, positions, rows):
-        if not self._pooled(layer):
-            return self.side.write_window(layer, seq, positions, rows)
         self.pool.write_main(self.pool.window_row(seq, layer, np.asarray(positions)), rows)
 
     def ring(self, layer, stream, seq):

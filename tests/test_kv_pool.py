@@ -29,7 +29,7 @@ def test_pro_geometry_on_gfx950_matches_spec():
     assert g.main_row_bytes == 584 and g.index_row_bytes == 68
     assert sum(g.bytes_per_token().values()) <= 5032
     assert g.bytes_per_token()["index"] == 7.5 * 68
-    assert g.window_rows_per_request == 61 * 128 == 7808
+    assert g.window_rows_per_request == (61 + 1) * 128 == 7936  # 61 layers and the MTP layer
     # 64 KiB + 16 KiB per CSA layer, 512 KiB per HCA layer.
     assert g.state_bytes_per_request == 30 * (64 + 16) * 1024 + 31 * 512 * 1024
     assert abs(g.state_bytes_per_request / 2**20 - 17.8) < 0.1
@@ -48,7 +48,7 @@ def test_inspect_json_contract(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["rows_per_envelope"] == 1982
     assert report["bytes_per_token"] <= 5032
-    assert report["window_rows_per_request"] == 7808
+    assert report["window_rows_per_request"] == 7936
     assert abs(report["state_bytes_per_request"] / 2**20 - 17.8) < 0.1
     assert report["max_tokens"] > 1_000_000
     assert report["fp8_format"] == "e4m3fn" and report["expert_format"] == "fp4"
@@ -192,7 +192,7 @@ def test_paged_equals_dense_bit_for_bit(model):
     schedule = [[(0, 100)], [(0, 37)], [(0, 91)]] + [[(0, 1)]] * 20
     dense = _run(cfg, weights, DenseCache(cfg), schedule, tokens)
     pool = _pool_for(cfg)
-    paged = _run(cfg, weights, PagedStore(pool, DenseCache(cfg)), schedule, tokens, pool=pool)
+    paged = _run(cfg, weights, PagedStore(pool), schedule, tokens, pool=pool)
     assert np.array_equal(dense[0], paged[0])
 
 
@@ -204,7 +204,7 @@ def test_ragged_batches_match_requests_run_alone(model):
     schedule = [[(0, 70), (1, 5)], [(0, 1), (1, 60), (2, 33)], [(2, 1), (0, 1), (3, 130), (1, 1)],
                 [(3, 1), (2, 90), (0, 1)]] + [[(0, 1), (1, 1), (2, 1), (3, 1)]] * 12
     pool = _pool_for(cfg)
-    paged = _run(cfg, weights, PagedStore(pool, DenseCache(cfg)), schedule, tokens, pool=pool)
+    paged = _run(cfg, weights, PagedStore(pool), schedule, tokens, pool=pool)
     for seq in tokens:
         alone = [[(s, n)] for step in schedule for s, n in step if s == seq]
         dense = _run(cfg, weights, DenseCache(cfg), alone, tokens)
@@ -219,7 +219,7 @@ def test_qat_pool_in_storage_formats_reproduces_qat_exactly(tmp_path):
     pool = _pool_for(cfg, "qat")
     assert pool.geometry.main_storage == "fp8" and pool.geometry.index_storage == "fp4"
     dense = _run(cfg, weights, DenseCache(cfg), schedule, tokens, "qat")
-    paged = _run(cfg, weights, PagedStore(pool, DenseCache(cfg)), schedule, tokens, "qat", pool=pool)
+    paged = _run(cfg, weights, PagedStore(pool), schedule, tokens, "qat", pool=pool)
     assert np.array_equal(dense[0], paged[0])
 
 
@@ -229,7 +229,7 @@ def test_steady_state_decode_allocates_no_pool_arrays(model):
     arrays = [id(a) for a in pool.planes.values()] + [id(pool.index_plane)] + \
              [id(a) for pair in pool.state.values() for a in pair]
     tokens = {0: np.random.default_rng(4).integers(0, cfg.vocab_size, 80)}
-    _run(cfg, weights, PagedStore(pool, DenseCache(cfg)), [[(0, 40)]] + [[(0, 1)]] * 30, tokens, pool=pool)
+    _run(cfg, weights, PagedStore(pool), [[(0, 40)]] + [[(0, 1)]] * 30, tokens, pool=pool)
     after = [id(a) for a in pool.planes.values()] + [id(pool.index_plane)] + \
             [id(a) for pair in pool.state.values() for a in pair]
     assert arrays == after
@@ -270,7 +270,7 @@ def _attention_rows(pool, layer, seqs, pos, topk):
 def test_attention_rows_list_exactly_the_rows_attention_reads(model):
     cfg, weights = model
     pool = _pool_for(cfg)
-    store = PagedStore(pool, DenseCache(cfg))
+    store = PagedStore(pool)
     rng = np.random.default_rng(5)
     tokens = {s: rng.integers(0, cfg.vocab_size, 200) for s in range(2)}
     captured = []

@@ -9,6 +9,7 @@ ModelConfig model_config(const json::Fields& manifest) {
   ModelConfig c;
   c.vocab_size = model.integer("vocab_size");
   c.num_layers = model.integer("num_hidden_layers");
+  c.num_mtp_layers = model.integer("num_nextn_predict_layers");
   c.head_dim = model.integer("head_dim");
   c.rope_dim = model.integer("qk_rope_head_dim");
   c.index_head_dim = model.integer("index_head_dim");
@@ -22,7 +23,7 @@ PoolGeometry pool_geometry(const json::Fields& manifest, const ModelConfig& conf
   g.head_dim = config.head_dim;
   g.index_head_dim = config.index_head_dim;
   g.window = config.sliding_window;
-  g.backbone_layers = config.num_layers;
+  g.window_layers = config.num_layers + config.num_mtp_layers;  // the MTP layer has a window too
   g.rows_per_envelope = summary.integer("rows_per_envelope");
   g.index_rows_per_envelope = summary.integer("index_rows_per_envelope");
   for (const json::Value& item : summary.array("layers")) {

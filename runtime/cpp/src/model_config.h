@@ -16,6 +16,7 @@ namespace dsv4c {
 struct ModelConfig {
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
+  int64_t num_mtp_layers = 0;
   int64_t head_dim = 0;
   int64_t rope_dim = 0;
   int64_t index_head_dim = 0;

@@ -54,13 +54,13 @@ struct PoolGeometry {
   int64_t head_dim = 0;
   int64_t index_head_dim = 0;
   int64_t window = 0;
-  int64_t backbone_layers = 0;
+  int64_t window_layers = 0;  // the backbone's layers, then the MTP layers
   std::vector<CompressedLayerRows> compressed;
   std::vector<StateShape> states;
   int64_t rows_per_envelope = 0;
   int64_t index_rows_per_envelope = 0;
 
-  int64_t window_rows_per_request() const { return backbone_layers * window; }
+  int64_t window_rows_per_request() const { return window_layers * window; }
   /// Main rows for `requests` requests of up to `context_tokens` tokens each (envelopes for
   /// the context, plus each request's windows).
   int64_t rows_for(int64_t requests, int64_t context_tokens) const;
