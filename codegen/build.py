@@ -11,7 +11,7 @@ import tvm
 from tvm import relax, tirx
 
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
-from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, STEP_INPUTS, build_step_module
+from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
 from dsv4c.targets import target_info
 
@@ -86,7 +86,8 @@ def build_step(program: Program, plan, geometry, out_dir: Path, target_name: str
         executable.export_library(str(out_dir / LIBRARY))
     kernels = {"count": len(kernel_table(program, plan)[0]), "build_seconds": round(time.perf_counter() - start, 2),
                **info.library_facts(target)}
-    vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS), "params": step.params,
+    vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS),
+          "mtp_inputs": list(STEP_INPUTS + MTP_INPUTS), "outputs": ["logits", "streams"], "params": step.params,
           "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
           "cuda_graph": info.cuda_graph}

@@ -25,13 +25,28 @@ import tvm
 from tvm import relax, tirx
 
 from dsv4c.codegen.llvm_kernels import FP8_DECODERS, GEMM_ROWS
-from dsv4c.codegen.lowering import KernelSpec, node_kernels
+from dsv4c.codegen.lowering import KernelSpec, compiled_nodes, node_kernels
+from dsv4c.errors import UnsupportedModelError
 from dsv4c.ir.core import Program
 
 GEMV_MAX_ROWS = 4  # steps with at most this many tokens run the decode function
 I32, F32 = "int32", "float32"
 # The step's inputs, in the entry functions' argument order (before params and pool).
 STEP_INPUTS = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "entry_extents")
+# An MTP function's inputs after those: the streams it starts from (a step's, or its own output
+# when drafts chain) and which of their rows each token takes. Its ``tokens`` are the tokens
+# of the next positions (SPEC "MTP").
+MTP_INPUTS = ("streams", "stream_rows")
+
+
+def entry_functions(program: Program, max_step_tokens: int) -> dict[str, tuple[str, bool, int]]:
+    """Entry function -> (the IR function it runs, GEMV kernels?, its token bound): ``decode`` and
+    ``prefill`` run ``step``; an MTP layer ``mtp0`` gets ``mtp0_decode`` and ``mtp0_prefill``."""
+    out = {}
+    for source in program.functions:
+        for suffix, gemv, bound in (("decode", True, GEMV_MAX_ROWS), ("prefill", False, max_step_tokens)):
+            out[suffix if source == "step" else f"{source}_{suffix}"] = (source, gemv, bound)
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,7 @@ def _scaled(quant: str) -> bool:
 class _Emitter:
     """Emits one entry function: IR nodes in order, each as its kernel calls."""
 
-    def __init__(self, bb: relax.BlockBuilder, program: Program, geometry, gvars: dict, per_node: list,
+    def __init__(self, bb: relax.BlockBuilder, program: Program, geometry, gvars: dict, per_node: dict[str, list],
                  params: list[tuple[str, tuple, str]], gemv: bool, cuda_graph: bool):
         self.bb, self.program, self.cfg, self.geometry = bb, program, program.config, geometry
         self.gvars, self.per_node, self.gemv, self.cuda_graph = gvars, per_node, gemv, cuda_graph
@@ -147,9 +162,12 @@ class _Emitter:
         return self.view(y, [n] + lead + [out_dim])
 
     # ------------------------------------------------------------------ function
-    def function(self, name: str, max_tokens: int) -> None:
+    def function(self, name: str, source: str, max_tokens: int) -> None:
+        """Emit entry function ``name`` running IR function ``source``; it returns (the logits
+        of the requested rows, the last streams: the backbone's last layer for ``step``, the
+        MTP layer's own for an MTP function)."""
         cfg, bb = self.cfg, self.bb
-        t, r, b, lr = (tirx.Var(v, "int64") for v in ("T", "R", "B", "L"))
+        t, r, b, lr, s = (tirx.Var(v, "int64") for v in ("T", "R", "B", "L", "S"))
         self.ratios = sorted({layer.compress_ratio for layer in cfg.layers if layer.is_compressed})
         extents = [tirx.Var(f"E{ratio}", "int64") for ratio in self.ratios]
         self.entries = dict(zip(self.ratios, extents))
@@ -165,6 +183,10 @@ class _Emitter:
             "logit_rows": relax.Var("logit_rows", relax.TensorType([lr], I32)),
             "entry_extents": relax.Var("entry_extents", relax.ShapeType(extents)),
         }
+        fn = self.program.functions[source]
+        if source != "step":
+            inputs["streams"] = relax.Var("streams", relax.TensorType([s, cfg.hc_mult, cfg.hidden_size], F32))
+            inputs["stream_rows"] = relax.Var("stream_rows", relax.TensorType([t], I32))
         self.inputs = inputs
         self.params_var = relax.Var("params", relax.TupleType(
             [relax.TensorType(list(shape), dtype) for shape, dtype in self.param_types]))
@@ -173,7 +195,7 @@ class _Emitter:
         pool_var = relax.Var("pool", relax.TupleType(
             [relax.TensorType([rows_of[p.rows]] + list(p.shape) if p.rows != "slots" else [slots] + list(p.shape),
                               p.dtype) for p in self.pool_layout]))
-        bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens}
+        bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens, "S": max(max_tokens, GEMV_MAX_ROWS)}
         attrs = {"tir_var_upper_bound": bounds, "relax.force_pure": True}
         if self.gemv and self.cuda_graph:
             # Decode steps replay one CUDA graph per (tokens, requests, logit rows); regions that
@@ -187,18 +209,24 @@ class _Emitter:
                     v = self.view(v, [slots * p.shape[0], p.shape[1]])
                 self.pool[p.name] = v
             env: dict[int, relax.Var] = {}
-            fn = self.program.functions["step"]
-            for v, key in zip(fn.inputs, ("tokens", "positions")):
-                env[id(v)] = inputs[key]
+            if source == "step":
+                for v, key in zip(fn.inputs, ("tokens", "positions")):
+                    env[id(v)] = inputs[key]
+            else:  # streams, next tokens, positions (seq_ids: the kernels read token_request)
+                width = cfg.hc_mult * cfg.hidden_size
+                rows = self.call("gather_rows", [self.view(inputs["streams"], [s, width]), inputs["stream_rows"]],
+                                 ([t, width], F32))
+                env[id(fn.inputs[0])] = self.view(rows, [t, cfg.hc_mult, cfg.hidden_size])
+                env[id(fn.inputs[1])], env[id(fn.inputs[2])] = inputs["tokens"], inputs["positions"]
             logits = None
-            for node, roles in zip(fn.nodes, self.per_node):
+            for node, roles in zip(fn.nodes, self.per_node[source]):
                 args = [env.get(id(v)) for v in node.inputs]
                 outs = getattr(self, "op_" + node.op)(node, roles, args)
                 for o, val in zip(node.outputs, outs):
                     env[id(o)] = val
                 if node.op == "lm_head":
                     logits = outs[0]
-            bb.emit_func_output(logits)
+            bb.emit_func_output(relax.Tuple([logits, env[id(fn.outputs[1])]]))
 
     # ------------------------------------------------------------------ ops
     def op_embed(self, node, roles, args):
@@ -445,7 +473,7 @@ def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple
     from dsv4c.codegen.llvm_kernels import weight_storage
 
     out: dict[str, tuple[tuple, str]] = {}
-    for node, roles in zip(program.functions["step"].nodes, per_node):
+    for node, roles in zip(compiled_nodes(program), per_node):
         matmul = node.inputs[MATMUL_WEIGHTS[node.op]] if node.op in MATMUL_WEIGHTS else []
         for v in node.inputs:
             if v.kind != "weight" or v.name in out:
@@ -470,23 +498,29 @@ def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple
 def constant_names(program: Program) -> list[str]:
     """The constants of the params tuple: both rope tables, and a ones vector per width of an
     unweighted norm (those kernels share the weighted ones' signature)."""
-    dims = {n.inputs[0].type.shape[-1] for n in program.functions["step"].nodes
+    dims = {n.inputs[0].type.shape[-1] for n in compiled_nodes(program)
             if (n.op == "rmsnorm" and len(n.inputs) == 1) or (n.op == "rmsnorm_rope" and len(n.inputs) == 2)}
     return [f"const.rope.{t}" for t in ("main", "compress")] + [f"const.ones.{d}" for d in sorted(dims)]
 
 
 def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.PrimFunc],
                       max_step_tokens: int, cuda_graph: bool = False) -> StepModule:
-    """The IRModule of the entry functions (``decode``, ``prefill``) over ``kernels`` (symbol ->
+    """The IRModule of the entry functions (``entry_functions``) over ``kernels`` (symbol ->
     PrimFunc, already specialised for the target)."""
-    per_node = [node_kernels(node, program.config, plan) for node in program.functions["step"].nodes]
-    params = step_params(program, per_node)
+    for layer in program.config.mtp_layers:
+        if layer.is_compressed:
+            raise UnsupportedModelError(f"MTP layer {layer.index} is {layer.attention} (compress ratio "
+                                        f"{layer.compress_ratio}); dsv4c compiles sliding-window MTP layers, "
+                                        "as the official V4 checkpoints ship")
+    per_node = {name: [node_kernels(node, program.config, plan) for node in fn.nodes]
+                for name, fn in program.functions.items()}
+    params = step_params(program, [roles for name in program.functions for roles in per_node[name]])
     bb = relax.BlockBuilder()
     gvars = {symbol: bb.add_func(func, symbol) for symbol, func in kernels.items()}
-    functions = {"decode": (True, GEMV_MAX_ROWS), "prefill": (False, max_step_tokens)}
+    functions = entry_functions(program, max_step_tokens)
     pool, ratios = None, None
-    for name, (gemv, bound) in functions.items():
+    for name, (source, gemv, bound) in functions.items():
         emitter = _Emitter(bb, program, geometry, gvars, per_node, params, gemv, cuda_graph)
-        emitter.function(name, bound)
+        emitter.function(name, source, bound)
         pool, ratios = emitter.pool_layout, emitter.ratios
     return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens)

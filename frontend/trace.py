@@ -199,7 +199,9 @@ class Model:
         return fn
 
     def mtp(self, index: int) -> Function:
-        """MTP layer: streams of the backbone's last layer + the next token -> draft logits."""
+        """MTP layer (SPEC "MTP"): at position p, the backbone's last-layer streams of p and the
+        token of p + 1 -> draft logits for p + 2, and the layer's own output streams (the next
+        draft of a chain feeds them back as the streams of p + 1)."""
         c = self.cfg
         layer, prefix = c.mtp_layers[index], f"mtp.{index}."
         fn = Function(f"mtp{index}")
@@ -216,7 +218,7 @@ class Model:
         g = self._linear(b, g, f"{prefix}h_proj.weight", d, d, self.dense_quant, "mtp.h_proj")
         x = b.emit("add", [e, g], {}, "mtp.h0")
         x = self.block(b, layer, prefix, x, nxt, pos, seq)
-        fn.outputs = [self.head(b, x, prefix)]
+        fn.outputs = [self.head(b, x, prefix), x]
         return fn
 
 

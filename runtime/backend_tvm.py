@@ -38,6 +38,8 @@ class TvmBackend:
                                     "recompile the artifact on this machine")
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact / vm["library"])), device)
         self.functions = {name: self.vm[name] for name in vm["functions"]}
+        # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
+        self.has_mtp = "mtp0_decode" in self.functions
         self.decode_max_tokens, self.max_step_tokens = vm["decode_max_tokens"], vm["max_step_tokens"]
         self.entry_ratios = vm["entry_ratios"]
         self.pool = pool
@@ -56,6 +58,8 @@ class TvmBackend:
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
+        # The last streams of the last step and of the last draft, left on the device for the next draft.
+        self.step_streams = self.draft_streams = None
 
     def _pool_array(self, desc: dict) -> np.ndarray:
         kind, _, rest = desc["name"].partition(".")
@@ -84,9 +88,10 @@ class TvmBackend:
         return tvm.runtime.from_dlpack(a) if self.on_host else tvm.runtime.tensor(a, self.device)
 
     # ------------------------------------------------------------------ step
-    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None) -> np.ndarray:
-        """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
+    def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+             logit_rows: np.ndarray | None, extra: tuple = ()):
+        """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; (logits of ``logit_rows``,
+        the streams it returns, left on the device)."""
         n = len(tokens)
         if n > self.max_step_tokens:
             raise UsageError(f"a step of {n} tokens exceeds the artifact's max_step_tokens ({self.max_step_tokens})")
@@ -97,10 +102,33 @@ class TvmBackend:
         arrays = [np.asarray(tokens, np.int32), positions, *inputs[:3], rows if len(rows) else np.array([n - 1], np.int32)]
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
-        fn = self.functions["decode" if n <= self.decode_max_tokens else "prefill"]
-        logits = fn(*(self._upload(a) for a in arrays), tvm.runtime.ShapeTuple(inputs[3]), self.params,
-                    self.pool_tensors).numpy()[:len(rows)]
+        fn = self.functions[prefix + ("decode" if n <= self.decode_max_tokens else "prefill")]
+        logits, streams = fn(*(self._upload(a) for a in arrays), tvm.runtime.ShapeTuple(inputs[3]), *extra,
+                             self.params, self.pool_tensors)
+        logits = logits.numpy()[:len(rows)]
         self.read_back = logits.size
+        return logits, streams
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+             logit_rows: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
+        logits, self.step_streams = self._run("", tokens, positions, seq_ids, logit_rows)
+        return logits
+
+    def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
+              logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
+        """Run the MTP layer (SPEC "MTP") at ``positions``: token i reads row ``stream_rows[i]`` of
+        the last step's streams (``chain``: of the last draft's own output streams) and the
+        token of its next position, ``next_tokens[i]``; it writes the MTP layer's window rows.
+        The draft logits of ``logit_rows``."""
+        if not self.has_mtp:
+            raise UsageError("this artifact has no MTP layer (num_nextn_predict_layers is 0); "
+                             "speculative decoding with mtp needs one")
+        streams = self.draft_streams if chain else self.step_streams
+        if streams is None:
+            raise UsageError("draft() needs the streams of a step (or of a draft, to chain) first")
+        extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
+        logits, self.draft_streams = self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, extra)
         return logits
 
 

@@ -33,7 +33,9 @@ def tiny(tmp_path_factory):
 def test_manifest_names_a_vm_library_with_its_functions(tiny):
     vm_info = json.loads((tiny / "manifest.json").read_text())["vm"]
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(tiny / vm_info["library"])), tvm.cpu())
-    assert vm_info["functions"] == ["decode", "prefill"]
+    # The step's two functions, and the MTP layer's (the tiny model has one).
+    assert vm_info["functions"] == ["decode", "prefill", "mtp0_decode", "mtp0_prefill"]
+    assert vm_info["outputs"] == ["logits", "streams"] and vm_info["mtp_inputs"][-2:] == ["streams", "stream_rows"]
     for name in vm_info["functions"]:
         assert vm.module.implements_function(name)
     assert not (tiny / "kernels.so").exists()
@@ -93,7 +95,8 @@ def test_sm90_decode_runs_as_cuda_graphs():
     captures = set(re.findall(r"decode_cuda_graph_capture\d*", text))
     assert len(captures) >= 3
     assert not re.search(r"prefill_cuda_graph_capture", text)
-    assert step.functions == ["decode", "prefill"]
+    assert step.functions == ["decode", "prefill", "mtp0_decode", "mtp0_prefill"]
+    assert re.search(r"mtp0_decode_cuda_graph_capture", text)  # the MTP draft is a decode-sized call too
 
 
 @pytest.mark.parametrize("target", ["gfx942", "gfx950"])
@@ -102,7 +105,7 @@ def test_rocm_builds_get_the_same_functions_without_graphs(target):
     graph rewrite), so their lowered module holds no capture regions."""
     text, step = _lowered(target)
     assert "cuda_graph" not in text and "call_tir" not in text and "decode" in text
-    assert step.functions == ["decode", "prefill"]
+    assert step.functions == ["decode", "prefill", "mtp0_decode", "mtp0_prefill"]
 
 
 def test_the_runtime_imports_nothing_of_the_compiler():

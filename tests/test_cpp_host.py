@@ -128,7 +128,7 @@ BREAKAGES = {
     "no-manifest": lambda art: (art / "manifest.json").unlink(),
     "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
     "manifest-not-an-object": lambda art: (art / "manifest.json").write_text("[1]"),
-    **{f"version-{v!r}": _set_version(v) for v in (1, 3, True, 2.5, 1e16, "2", None, [1, 2], {"it's": "x"})},
+    **{f"version-{v!r}": _set_version(v) for v in (1, 2, 4, True, 2.5, 1e16, "3", None, [1, 2], {"it's": "x"})},
 }
 VERIFIED = {"tampered-weights"}  # found only by hashing
 

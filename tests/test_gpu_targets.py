@@ -67,7 +67,8 @@ def test_artifact_carries_device_code(artifact):
     else:
         machs = {flags & 0xFF for _, machine, flags in _embedded_elfs(blob) if machine == EM_AMDGPU}
         assert machs == {EF_AMDGPU_MACH[target]}, f"code objects for {machs}"
-    assert manifest["target"] == target and manifest["vm"]["functions"] == ["decode", "prefill"]
+    assert manifest["target"] == target
+    assert manifest["vm"]["functions"] == ["decode", "prefill", "mtp0_decode", "mtp0_prefill"]
     assert manifest["vm"]["cuda_graph"] == (target == "sm90")
     assert manifest["target"] == target and manifest["kernels"]["count"] > 10
 

@@ -51,9 +51,11 @@ CONFIGS = {"tiny": preset("tiny"), "tiny-fp32": with_weights(preset("tiny"), den
 
 def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
     """``codegen.lowering.weight_layout`` as of commit 708e335, verbatim: every weight in memory
-    as fp32, FP8 / FP4 re-quantized from the values."""
+    as fp32, FP8 / FP4 re-quantized from the values; one change since: the MTP function's
+    weights are laid out like the step's (it is compiled too), so all functions' nodes count."""
     matmul, fp8, fp4, bf16 = set(), set(), set(), set()
-    for node in program.functions["step"].nodes:
+    nodes = [node for fn in program.functions.values() for node in fn.nodes]
+    for node in nodes:
         q = node.attrs.get("quant") or ""
         reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
                  "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4], "grouped_linear": node.inputs[1:2],
@@ -65,7 +67,7 @@ def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
             fp4.update(v.name for v in reads)
         if node.op in ("linear", "linear_split", "lm_head") and dense_kernel_quant(q) == "bf16":
             bf16.update(v.name for v in reads)
-    groups = {n.inputs[1].name: n.attrs["groups"] for n in program.functions["step"].nodes if n.op == "grouped_linear"}
+    groups = {n.inputs[1].name: n.attrs["groups"] for n in nodes if n.op == "grouped_linear"}
 
     def tiles(a):
         lead, (o, i) = a.shape[:-2], a.shape[-2:]
@@ -209,9 +211,8 @@ def test_fp8_and_fp4_codes_reach_the_artifact_unchanged(models, tmp_path, target
         np.testing.assert_array_equal(_untile(codes), want_codes, err_msg=name)
         np.testing.assert_array_equal(_untile(got[name + ".scale"][1]), want_scale, err_msg=name)
         checked += len(parts)
-    # Every quantized tensor of the checkpoint but the MTP block's, which is stored fp32 (only
-    # the step function's weights get kernel layouts).
-    assert checked == sum(n.endswith(".scale") and not n.startswith("mtp.") for n in stored)
+    # Every quantized tensor of the checkpoint, the MTP layer's included (its function is compiled).
+    assert checked == sum(n.endswith(".scale") for n in stored)
 
 
 def test_column_tiles_matches_a_plain_transpose():

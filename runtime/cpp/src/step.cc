@@ -1,5 +1,6 @@
 #include "step.h"
 
+#include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/string.h>
 
@@ -172,10 +173,12 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
   // A step that needs no logits (a prefill chunk) still computes one row: no empty tensors.
   const std::vector<int32_t> rows = logit_rows.empty() ? std::vector<int32_t>{static_cast<int32_t>(n - 1)} : logit_rows;
   ffi::Function& fn = n <= decode_max_tokens_ ? decode_ : prefill_;
+  // The step returns (logits, the last layer's streams); the host has no MTP layer to feed them to.
   ffi::Tensor logits =
       fn(upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
          upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
          ffi::Shape(extents), params_, pool_tensors_)
+          .cast<ffi::Array<ffi::Any>>()[0]
           .cast<ffi::Tensor>();
   std::vector<float> out(static_cast<size_t>(logits.numel()));
   static const ffi::Function copy_out = global("runtime.TVMTensorCopyToBytes");
