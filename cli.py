@@ -154,6 +154,14 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=("mtp",),
+                   help="speculative decoding: draft with the model's MTP layer, verify in the decode step "
+                        "(outputs are those of plain decoding)")
+    p.add_argument("--num-draft-tokens", type=int, default=1,
+                   help="drafts per decode step with --speculative; more than 1 chains the MTP layer (default 1)")
+
+
 def _cmd_generate(args) -> int:
     import numpy as np
 
@@ -168,8 +176,11 @@ def _cmd_generate(args) -> int:
         raise UsageError("--top-p needs --temperature > 0")
     # Size the pool for this request: a text prompt has at most one token per character (+ specials).
     prompt_bound = len(args.token_ids) if args.token_ids is not None else len(args.prompt) + 16
+    if args.stats and args.speculative is None:
+        raise UsageError("--stats reports speculative decoding; add --speculative mtp")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
-                    max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify)
+                    max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
+                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
     prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
@@ -191,6 +202,12 @@ def _cmd_generate(args) -> int:
         print(" ".join(str(t) for t in result.tokens))
     if args.logits_out is not None:
         np.save(args.logits_out, result.logits)
+    if args.stats:
+        s = result.speculative
+        rate = "n/a" if s["acceptance_rate"] is None else f"{100 * s['acceptance_rate']:.1f}%"
+        print(f"speculative mtp: acceptance {rate} ({s['accepted_tokens']}/{s['draft_tokens']} drafts), "
+              f"{s['tokens_per_step'] or 0:.2f} tokens per verify step over {s['verify_steps']} steps",
+              file=sys.stderr)
     return 0
 
 
@@ -199,7 +216,8 @@ def _cmd_serve(args) -> int:
 
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
-                 shutdown_timeout=args.shutdown_timeout)
+                 shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
+                 num_draft_tokens=args.num_draft_tokens)
 
 
 def _cmd_verify(args) -> int:
@@ -272,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logits-out", help="save float32 logits [prompt_len + N, vocab] to this .npy file")
     p.add_argument("--verify", action="store_true",
                    help="check every artifact file against its sha256 first (reads every byte; `dsv4c verify` alone)")
+    _speculative_args(p)
+    p.add_argument("--stats", action="store_true",
+                   help="print speculative decoding's acceptance rate and tokens per step on stderr")
     p.set_defaults(run=_cmd_generate)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
@@ -287,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default 30)")
+    _speculative_args(p)
     p.set_defaults(run=_cmd_serve)
 
     p = sub.add_parser("verify", help="check every file of an artifact against the sha256 in its manifest")

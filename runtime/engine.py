@@ -3,6 +3,11 @@
 Every step packs decode tokens of running requests and prefill chunks of others into one
 call of the compiled ``step`` function; a request's tokens are contiguous in the step and
 at consecutive positions (what the kernels and the CSR index builder rely on).
+
+With ``speculative="mtp"`` a decoding request also feeds its pending drafts; the step's
+logits verify them (``runtime.speculative``), the pool rows of rejected tokens are put back
+(``KVPool.position_state``), and one batched call of the MTP layer per draft depth proposes
+the next drafts from the streams of every request's accepted positions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dsv4c.frontend.config import config_from_dict
 from dsv4c.runtime.artifact import ArtifactError, read_manifest
 from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolGeometry
 from dsv4c.runtime.sampling import Sampler, SamplingParams
+from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose
 from dsv4c.targets import target_info
 
 TokenCallback = Callable[[int, int], None]  # (request id, token id)
@@ -37,9 +43,16 @@ class Request:
     logits: list[np.ndarray] = field(default_factory=list)
     done_sampling: bool = False
     finished: bool = False
+    draft: Draft = field(default_factory=Draft)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self):
         self.sampler = Sampler(self.params)
+
+    @property
+    def decoding(self) -> bool:
+        """All but the last token of the sequence are fed: the next step feeds one (and drafts)."""
+        return self.fed == len(self.prompt) + len(self.generated) - 1
 
     @property
     def sequence(self) -> list[int]:
@@ -50,6 +63,7 @@ class Request:
 class Result:
     tokens: list[int]
     logits: np.ndarray | None  # [prompt_len + len(tokens), vocab] when recorded
+    speculative: dict | None = None  # SpecStats.to_json() when the engine speculates
 
 
 def load_backend(artifact: Path, manifest: dict, config, pool: KVPool):
@@ -71,9 +85,12 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool):
 
 class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
-                 max_requests: int = 8, max_context: int = 4096, verify: bool = False):
+                 max_requests: int = 8, max_context: int = 4096, verify: bool = False,
+                 speculative: str | None = None, num_draft_tokens: int = 1):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
-        without it loading checks the manifest, file sizes and weight headers only."""
+        without it loading checks the manifest, file sizes and weight headers only.
+        ``speculative="mtp"`` drafts ``num_draft_tokens`` tokens per decode step with the model's
+        MTP layer (chained on its own output when more than one) and verifies them in the step."""
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
         self.manifest = manifest
@@ -91,6 +108,10 @@ class Engine:
                              "lower it")
         self.backend = load_backend(self.path, manifest, self.config, self.pool)
         self.max_step_tokens, self.prefill_chunk, self.max_requests = max_step_tokens, prefill_chunk, max_requests
+        self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
+        self.spec_stats = SpecStats()  # over every request this engine verified drafts for
+        if speculative is not None:
+            self._check_speculative(geometry)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.tokenizer = None
@@ -98,6 +119,23 @@ class Engine:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+
+    def _check_speculative(self, geometry: PoolGeometry) -> None:
+        if self.speculative not in METHODS:
+            raise UsageError(f"speculative must be one of {', '.join(METHODS)} (or None), got {self.speculative!r}")
+        if not getattr(self.backend, "has_mtp", False):
+            why = ("has no MTP layer (num_nextn_predict_layers is 0)" if not self.config.mtp_layers else
+                   f"is a {self.manifest['target']} artifact")
+            raise UsageError(f"{self.path} {why}; speculative decoding with mtp needs a compiled MTP layer "
+                             "(compile a model with num_nextn_predict_layers >= 1)")
+        if not self.backend.on_host:
+            raise UsageError("speculative decoding puts rejected tokens' pool rows back on the host: it runs on "
+                             "llvm (CPU) artifacts for now")
+        # Positions of one verify step must own distinct window and ring rows (position_state).
+        longest = min([geometry.window] + [s.rows for s in geometry.states])
+        if not 1 <= self.num_draft_tokens < longest:
+            raise UsageError(f"num_draft_tokens must be in [1, {longest - 1}] for this model (its smallest window "
+                             f"or compressor ring holds {longest} positions), got {self.num_draft_tokens}")
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
@@ -108,6 +146,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
             raise UsageError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if record_logits and self.speculative:
+            raise UsageError("record_logits is not available with speculative decoding (rejected drafts have "
+                             "logits that are not the sequence's); run without speculative")
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise UsageError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"engine's max_context ({self.max_context})")
@@ -130,7 +171,11 @@ class Engine:
                 if len(self.pool.requests) >= self.max_requests:
                     continue
                 self.pool.admit(r.rid, reserve_tokens=len(r.prompt))
-            n = min(pending, budget, self.prefill_chunk or pending)
+            if r.decoding:  # its last token, and the drafts the budget leaves room for
+                del r.draft.tokens[budget - 1:], r.draft.probs[budget - 1:]
+                n = 1 + len(r.draft.tokens)
+            else:
+                n = min(pending, budget, self.prefill_chunk or pending)
             plan.append((r, n))
             budget -= n
         return plan
@@ -139,47 +184,128 @@ class Engine:
         plan = self._schedule()
         if not plan:
             return False
-        tokens, positions, seqs, logit_rows = [], [], [], []
+        tokens, positions, seqs, logit_rows, saved = [], [], [], [], {}
         for r, n in plan:
             self.pool.ensure(r.rid, r.fed + n)
             start = len(tokens)
-            tokens += r.sequence[r.fed:r.fed + n]
+            tokens += (r.sequence + r.draft.tokens)[r.fed:r.fed + n]
             positions += range(r.fed, r.fed + n)
             seqs += [r.rid] * n
-            # Only the logits the engine uses come back: every row when recorded, else the last
-            # row of a request whose sequence this step completes (it samples from it).
-            if r.record_logits:
+            # Only the logits the engine uses come back: every row when recorded or verifying
+            # drafts, else the last row of a request whose sequence this step completes.
+            if r.record_logits or r.draft.tokens:
                 logit_rows += range(start, start + n)
             elif r.fed + n == len(r.sequence):
                 logit_rows.append(start + n - 1)
+            if r.draft.tokens:  # what each draft's position overwrites, to put back those rejected
+                saved[r.rid] = [(p, self.pool.save(self.pool.position_state(r.rid, [p])))
+                                for p in range(r.fed + 1, r.fed + n)]
         logits = self.backend.step(np.array(tokens, np.int32), np.array(positions, np.int32),
                                    np.array(seqs, np.int32), np.array(logit_rows, np.int32))
-        offset = 0
+        offset, fed_before = 0, {r.rid: r.fed for r, _ in plan}
         for r, n in plan:
-            got = n if r.record_logits else int(r.fed + n == len(r.sequence))
+            got = n if (r.record_logits or r.draft.tokens) else int(r.fed + n == len(r.sequence))
             rows = logits[offset:offset + got]
             offset += got
+            if r.draft.tokens:
+                self._verify(r, rows, saved[r.rid])
+                continue
             r.fed += n
             if r.record_logits:
                 r.logits.extend(rows)
             if r.fed == len(r.sequence):
                 self._advance(r, rows[-1])
+        if self.speculative:
+            self._draft([(r, fed_before[r.rid], n) for r, n in plan])
         return True
+
+    def _verify(self, r: Request, rows: np.ndarray, saved: list) -> None:
+        """Accept drafts, take the tokens, and put back the pool rows of every position the step
+        fed that is not part of the sequence now (rejected drafts; accepted ones past a stop)."""
+        out, accepted = accept(r.sampler, rows, r.draft)
+        stats = SpecStats(1, len(r.draft.tokens), accepted)
+        r.spec.add(stats)
+        self.spec_stats.add(stats)
+        r.draft = Draft()
+        for token in out:
+            if r.done_sampling:
+                break
+            self._take(r, token)
+        r.fed = len(r.sequence) - 1  # as after plain decoding: every token but the last is fed
+        for position, state in saved:
+            if position >= r.fed:
+                self.pool.restore(state)
+        if r.done_sampling:
+            self._finish(r)
+
+    def _draft(self, plan: list[tuple[Request, int, int]]) -> None:
+        """The MTP layer over the positions each request of the step fed and kept (those its
+        window will read), from the step's streams; then drafts for the requests that decode
+        next, chained on the MTP layer's own streams up to ``num_draft_tokens``: one batched
+        call per draft depth."""
+        tokens, positions, seqs, rows, last = [], [], [], [], {}
+        step_row = 0
+        for r, first, n in plan:
+            if r.rid in self.requests and not r.finished:
+                # MTP at position p reads the token of p + 1. Its first draft reads the window
+                # of the prompt's last position: earlier prompt positions are never needed.
+                start = max(first, len(r.prompt) - self.config.sliding_window)
+                kept = range(start, r.fed)
+                tokens += r.sequence[start + 1:r.fed + 1]
+                positions += kept
+                seqs += [r.rid] * len(kept)
+                rows += range(step_row + start - first, step_row + r.fed - first)
+                if r.decoding and len(kept) and self._drafts_wanted(r):
+                    last[r.rid] = len(tokens) - 1
+            step_row += n
+        if not tokens:
+            return
+        drafting, stream_rows = [self.requests[rid] for rid in last], list(last.values())
+        logits = self.backend.draft(np.array(tokens, np.int32), np.array(positions, np.int32),
+                                    np.array(seqs, np.int32), np.array(rows, np.int32),
+                                    np.array(stream_rows, np.int32))
+        for depth in range(self.num_draft_tokens):
+            for r, row in zip(drafting, logits):
+                self._propose(r, row)
+            # Chain: the MTP layer at the next position, from its own streams at the last one.
+            stream_rows = [i if depth else stream_rows[i] for i, r in enumerate(drafting) if self._drafts_wanted(r)]
+            drafting = [r for r in drafting if self._drafts_wanted(r)]
+            if not drafting:
+                return
+            logits = self.backend.draft(
+                np.array([r.draft.tokens[-1] for r in drafting], np.int32),
+                np.array([r.fed + depth for r in drafting], np.int32), np.array([r.rid for r in drafting], np.int32),
+                np.array(stream_rows, np.int32), np.arange(len(drafting), dtype=np.int32), chain=True)
+
+    @staticmethod
+    def _propose(r: Request, logits: np.ndarray) -> None:
+        token, q = propose(r.sampler, logits)
+        r.draft.tokens.append(token)
+        if q is not None:
+            r.draft.probs.append(q)
+
+    def _drafts_wanted(self, r: Request) -> bool:
+        """Whether a decoding request wants another draft: one fewer than the tokens it may still
+        generate (the verify step adds one of its own), at most ``num_draft_tokens``."""
+        return len(r.draft.tokens) < min(self.num_draft_tokens, r.params.max_new_tokens - len(r.generated) - 1)
 
     def _advance(self, r: Request, last_logits: np.ndarray) -> None:
         if not r.done_sampling:
-            token = r.sampler(last_logits)
-            r.generated.append(token)
-            if r.on_token:
-                r.on_token(r.rid, token)
-            if len(r.generated) >= r.params.max_new_tokens or token in r.params.stop_token_ids:
-                r.done_sampling = True
-            if not (r.done_sampling and r.record_logits):
-                r.finished = r.done_sampling
-                if r.finished:
-                    self.pool.free(r.rid)
+            self._take(r, r.sampler(last_logits))
+            if r.done_sampling and not r.record_logits:
+                self._finish(r)
             return
         # Logits were requested for the last generated token too: it has now been fed.
+        self._finish(r)
+
+    def _take(self, r: Request, token: int) -> None:
+        r.generated.append(token)
+        if r.on_token:
+            r.on_token(r.rid, token)
+        if len(r.generated) >= r.params.max_new_tokens or token in r.params.stop_token_ids:
+            r.done_sampling = True
+
+    def _finish(self, r: Request) -> None:
         r.finished = True
         self.pool.free(r.rid)
 
@@ -195,7 +321,8 @@ class Engine:
     def result(self, rid: int) -> Result:
         r = self._request(rid)
         del self.requests[rid]
-        return Result(r.generated, np.stack(r.logits).astype(np.float32) if r.record_logits else None)
+        return Result(r.generated, np.stack(r.logits).astype(np.float32) if r.record_logits else None,
+                      r.spec.to_json() if self.speculative else None)
 
     def is_finished(self, rid: int) -> bool:
         """Whether the request is complete, so that ``result(rid)`` returns all of it."""

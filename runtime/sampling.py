@@ -36,9 +36,14 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return int(np.argmax(logits))  # the lowest id wins ties
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a non-greedy request samples from: softmax at the temperature,
+        restricted to the nucleus when top_p < 1 (float64)."""
+        p = self.params
         z = logits.astype(np.float64) / p.temperature
         probs = np.exp(z - z.max())
         probs /= probs.sum()
@@ -49,4 +54,10 @@ class Sampler:
             mask = np.zeros_like(probs)
             mask[keep] = probs[keep]
             probs = mask / mask.sum()
+        return probs
+
+    def draw(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(len(probs), p=probs))
+
+    def uniform(self) -> float:
+        return float(self.rng.random())

@@ -255,13 +255,15 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests: int = 8,
           max_context: int = 4096, max_waiting: int = 64, api_key: str | None = None,
-          shutdown_timeout: float = 30.0) -> int:
+          shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
-    to ``shutdown_timeout`` seconds, cancel the rest and return 0."""
+    to ``shutdown_timeout`` seconds, cancel the rest and return 0. ``speculative="mtp"``: every
+    request decodes speculatively with the model's MTP layer (``Engine``)."""
     if max_requests < 1 or max_context < 1 or max_waiting < 0 or shutdown_timeout < 0:
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
                          "--shutdown-timeout >= 0")
-    engine = Engine(artifact, max_requests=max_requests, max_context=max_context)
+    engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
+                    num_draft_tokens=num_draft_tokens)
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting)
     sock = _listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
@@ -282,7 +284,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
     print(f"dsv4c serve: {server.model} on {url} (up to {max_requests} running, "
-          f"{max_waiting} waiting, context {max_context}{', chat' if server.chat_template else ''})", flush=True)
+          f"{max_waiting} waiting, context {max_context}{', chat' if server.chat_template else ''}"
+          f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
     print("dsv4c serve: stopped", file=sys.stderr, flush=True)
     return 0
