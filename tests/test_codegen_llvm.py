@@ -5,7 +5,6 @@ import json
 import numpy as np
 import pytest
 
-from dsv4c.codegen.compile import compile_model
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
 from dsv4c.frontend.config import CSA, HCA, SLIDING, config_from_dict, preset
@@ -16,22 +15,15 @@ from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
 
 from parity_configs import PARITY_CONFIGS
+from conftest import compile_pair
 from reference_harness import fp32_checkpoint, run_hf
 
 TOL = 1e-4
 
 
-def _compile_pair(tmp, ckpt):
-    ref = compile_model(str(ckpt), "reference", tmp / "ref", progress=False, log=lambda *_: None)
-    cpu = compile_model(str(ckpt), "llvm", tmp / "cpu", progress=False, log=lambda *_: None)
-    return ref, cpu
-
-
-@pytest.fixture(scope="module", params=sorted(PARITY_CONFIGS))
-def artifacts(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    cfg = fp32_checkpoint(config_from_dict(PARITY_CONFIGS[request.param], request.param), tmp / "ckpt")
-    return cfg, tmp / "ckpt", *_compile_pair(tmp, tmp / "ckpt")
+@pytest.fixture
+def artifacts(parity_artifacts):
+    return parity_artifacts
 
 
 def _program(cfg):
@@ -88,7 +80,7 @@ def test_ragged_batch_of_eight_is_bit_identical_to_one_at_a_time(artifacts):
 def test_quantized_checkpoint_runs_native_fp8_fp4_kernels(tmp_path):
     cfg = preset("tiny")
     write_checkpoint(cfg, random_weights(cfg, 3), tmp_path / "ckpt")
-    ref, cpu = _compile_pair(tmp_path, tmp_path / "ckpt")
+    ref, cpu = compile_pair(tmp_path, tmp_path / "ckpt")
     specs, _ = kernel_table(_program(cfg), plan_for(cfg, "llvm"))
     assert any("fp8_b128" in s for s in specs) and any("fp4_g32" in s for s in specs)
     prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 40)
@@ -114,7 +106,7 @@ def test_official_spelling_with_hca_ratio_8_and_a_dropped_mtp_layer(tmp_path, ca
     raw = {**PARITY_CONFIGS["official_hc2"], "compress_ratios": [8, 4, 0, 8], "num_nextn_predict_layers": 0}
     cfg = fp32_checkpoint(config_from_dict(raw), tmp_path / "ckpt")
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(raw))  # as published, in the official spelling
-    ref, cpu = _compile_pair(tmp_path, tmp_path / "ckpt")
+    ref, cpu = compile_pair(tmp_path, tmp_path / "ckpt")
     warnings = capsys.readouterr().err.splitlines()
     assert len(warnings) == 3 and all("ignoring the last 1" in w for w in warnings)  # one per config load
     engine = Engine(cpu)

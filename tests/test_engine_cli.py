@@ -48,6 +48,24 @@ def test_generate_prints_ids_and_saves_logits(tiny, capsys):
     assert [int(t) for t in capsys.readouterr().out.split()] == ids
 
 
+def test_generate_speculative_prints_plain_tokens_and_acceptance(tiny, capsys):
+    args = ["generate", str(tiny / "cpu"), "--token-ids", "5,6,7,8", "--max-new-tokens", "20"]
+    assert cli(args) == 0
+    plain = capsys.readouterr().out
+    for k in ("1", "2"):
+        assert cli(args + ["--speculative", "mtp", "--num-draft-tokens", k, "--stats"]) == 0
+        out = capsys.readouterr()
+        assert out.out == plain
+        assert out.err.count("\n") == 1 and "acceptance" in out.err
+    # What speculation needs, refused in one line.
+    assert cli(args + ["--stats"]) == 2
+    assert "--speculative" in _one_line_error(capsys)
+    assert cli(args + ["--speculative", "mtp", "--num-draft-tokens", "0"]) == 2
+    assert "num_draft_tokens" in _one_line_error(capsys)
+    assert cli(["generate", str(tiny / "ref"), "--token-ids", "5,6", "--max-new-tokens", "2", "--speculative", "mtp"]) == 2
+    assert "MTP layer" in _one_line_error(capsys)
+
+
 def test_sampling_is_reproducible_per_seed(tiny, capsys):
     args = ["generate", str(tiny / "cpu"), "--token-ids", "1,2,3", "--max-new-tokens", "12", "--temperature",
             "1.5", "--top-p", "0.9"]

@@ -190,6 +190,17 @@ def test_sampling_is_reproducible_per_seed(client):
     assert sample(4) == sample(4) != sample(5)
 
 
+def test_a_speculative_server_answers_what_the_plain_one_does(artifacts, client):
+    with serving(artifacts / "cpu", "--speculative", "mtp", "--num-draft-tokens", "2") as spec:
+        fast = openai.OpenAI(base_url=f"{spec.url}/v1", api_key="none", max_retries=0)
+        for prompt in ([5, 6, 7, 8], [3, 4], [9] * 20):
+            plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            answer = fast.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            assert answer.choices[0].token_ids == plain.choices[0].token_ids
+            stream = fast.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+            assert [t for c in stream for t in c.choices[0].token_ids] == plain.choices[0].token_ids
+
+
 def test_concurrent_streams_get_the_tokens_they_get_alone(server, solo):
     prompts = [[(7 * i + j) % 500 + 6 for j in range(3 + i % 5)] for i in range(16)]
     lengths = [8 + (5 * i) % 17 for i in range(16)]
