@@ -103,7 +103,7 @@ def _cmd_compile(args) -> int:
     passes = PipelineOptions(disable=set(args.disable_pass or ()), print_ir_after_all=args.print_ir_after_all,
                              print_ir_after=set(args.print_ir_after or ()), verbose=args.verbose)
     compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights,
-                  passes=passes, kv_cache_dtype=args.kv_cache_dtype)
+                  passes=passes, kv_cache_dtype=args.kv_cache_dtype, cpu=args.cpu)
     return 0
 
 
@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
+    p.add_argument("--cpu", metavar="NAME",
+                   help="llvm: the CPU to build for, an LLVM name (x86-64-v3: any AVX2 CPU, x86-64-v4, znver4, "
+                        "skylake-avx512, ...) or native (this machine's, the default)")
     p.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (stderr)")
     p.add_argument("--print-ir-after", action="append", metavar="PASS", help="print the IR after this pass")
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip this pass")

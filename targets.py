@@ -6,9 +6,10 @@ TVM is imported lazily: looking up a target's facts costs nothing.
 
 from __future__ import annotations
 
+import difflib
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dsv4c.errors import UsageError
 
@@ -19,8 +20,18 @@ class TargetInfo:
     kind: str  # reference (numpy interpreter), cpu, cuda, rocm
     fp8_format: str  # how FP8 bytes are read there: e4m3fn, or e4m3fnuz (gfx942)
     fp4_math: bool  # native MX FP4 matmuls (gfx950)
-    tvm: dict = field(default_factory=dict)  # TVM target (llvm: mcpu filled in for this host)
+    tvm: dict = field(default_factory=dict)  # TVM target (llvm: mcpu filled in, see cpu)
     cuda_graph: bool = False  # the decode / prefill functions' static regions run as CUDA graphs
+    cpu: str | None = None  # llvm: the LLVM CPU name the kernels are built for; None: this host's
+
+    def for_cpu(self, cpu: str | None) -> TargetInfo:
+        """This target with its kernels built for ``cpu``: an LLVM CPU name (x86-64-v3, znver4,
+        ...) or ``native`` (this host's); None keeps the default, this host's. llvm only."""
+        if cpu is None:
+            return self
+        if self.kind != "cpu":
+            raise UsageError(f"--cpu applies to --target llvm only, not {self.name}")
+        return replace(self, cpu=host_cpu() if cpu == "native" else checked_cpu_name(cpu))
 
     @property
     def compiled(self) -> bool:
@@ -34,7 +45,7 @@ class TargetInfo:
         import tvm
 
         if self.kind == "cpu":
-            return tvm.target.Target({**self.tvm, "mcpu": host_cpu(), "num-cores": os.cpu_count() or 1})
+            return tvm.target.Target({**self.tvm, "mcpu": self.cpu or host_cpu(), "num-cores": os.cpu_count() or 1})
         return tvm.target.Target(self.tvm, host={"kind": "llvm"})
 
     def device(self):
@@ -79,9 +90,10 @@ class TargetInfo:
                     os.environ[k] = v
 
     def library_facts(self, target) -> dict:
-        """What the manifest records of a built library: the CPU it needs, or its device code."""
+        """What the manifest records of a built library: the CPU it was built for and the
+        instruction-set extensions that lets it use, or its device code."""
         if self.kind == "cpu":
-            return {"mcpu": str(target.attrs["mcpu"])}
+            return {"mcpu": str(target.attrs["mcpu"]), "cpu_features": cpu_features(target)}
         if self.kind == "cuda":
             return {"device_code": f"cuda {self.tvm['arch']}"}
         return {"device_code": f"amdgcn {self.tvm['mcpu']}"}
@@ -97,11 +109,13 @@ TARGETS: dict[str, TargetInfo] = {t.name: t for t in (
 COMPILED_TARGETS = tuple(name for name, t in TARGETS.items() if t.compiled)
 
 
-def target_info(name: str) -> TargetInfo:
+def target_info(name: str, cpu: str | None = None) -> TargetInfo:
+    """The target ``name``; with ``cpu`` (llvm only) its kernels built for that CPU."""
     try:
-        return TARGETS[name]
+        info = TARGETS[name]
     except KeyError:
         raise UsageError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}") from None
+    return info.for_cpu(cpu)
 
 
 def host_cpu() -> str:
@@ -109,3 +123,70 @@ def host_cpu() -> str:
     import tvm
 
     return tvm.target.codegen.llvm_get_system_cpu()
+
+
+CPU_EXAMPLES = ("x86-64-v3", "x86-64-v4", "znver3", "znver4", "skylake-avx512", "sapphirerapids")
+
+
+def checked_cpu_name(cpu: str) -> str:
+    """``cpu`` if LLVM knows it for this host's target triple, else a UsageError naming some it knows."""
+    import tvm
+
+    codegen = tvm.target.codegen
+    triple = codegen.llvm_get_system_triple()
+    if codegen.llvm_is_valid_cpu(cpu, triple):
+        return cpu
+    known = list(codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm", "mtriple": triple})))
+    examples = dict.fromkeys([*difflib.get_close_matches(cpu, known, 3), *(c for c in CPU_EXAMPLES if c in known)])
+    raise UsageError(f"unknown CPU {cpu!r} for --cpu; LLVM knows {len(known)} for {triple}, e.g. "
+                     f"{', '.join(list(examples)[:6])}, or native (this machine's)")
+
+
+# The x86 instruction-set extensions LLVM's code generator may use, in LLVM's spelling, and the
+# flag Linux lists in /proc/cpuinfo for each. An llvm artifact records those its CPU has (in
+# Linux's spelling, what the runtimes check); LLVM's other features are tuning hints or
+# system instructions that generated code does not use.
+X86_ISA_FLAGS = {
+    "cmov": "cmov", "cx8": "cx8", "mmx": "mmx", "fxsr": "fxsr", "sse": "sse", "sse2": "sse2", "sse3": "pni",
+    "ssse3": "ssse3", "cx16": "cx16", "sahf": "lahf_lm", "sse4.1": "sse4_1", "sse4.2": "sse4_2",
+    "sse4a": "sse4a", "popcnt": "popcnt", "lzcnt": "abm", "movbe": "movbe", "aes": "aes", "pclmul": "pclmulqdq",
+    "avx": "avx", "f16c": "f16c", "fma": "fma", "fma4": "fma4", "xop": "xop", "bmi": "bmi1", "bmi2": "bmi2",
+    "avx2": "avx2", "adx": "adx", "sha": "sha_ni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq", "gfni": "gfni",
+    "avxvnni": "avx_vnni", "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512cd": "avx512cd",
+    "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512ifma": "avx512ifma", "avx512vbmi": "avx512vbmi",
+    "avx512vbmi2": "avx512_vbmi2", "avx512vnni": "avx512_vnni", "avx512bitalg": "avx512_bitalg",
+    "avx512vpopcntdq": "avx512_vpopcntdq", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+    "amx-tile": "amx_tile", "amx-int8": "amx_int8", "amx-bf16": "amx_bf16",
+}
+
+
+def cpu_features(target) -> list[str]:
+    """The instruction-set extensions (Linux's flag names) code built for an llvm ``target`` may use."""
+    import tvm
+
+    implied = tvm.target.codegen.llvm_get_cpu_features(target)
+    return [flag for feature, flag in X86_ISA_FLAGS.items() if feature in implied]
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    model: str  # /proc/cpuinfo "model name", e.g. AMD EPYC 7B13
+    flags: frozenset[str]  # /proc/cpuinfo "flags": the instruction-set extensions Linux reports
+
+
+def host_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> HostCpu | None:
+    """This machine's CPU as Linux describes it (the first processor's entry); None where there
+    is no /proc/cpuinfo, or it lists no x86 flags (not Linux, not x86)."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if "flags" not in fields:
+        return None
+    return HostCpu(fields.get("model name", "unknown model"), frozenset(fields["flags"].split()))

@@ -7,7 +7,14 @@ same (dequantized) weights in fp32. Each system runs in its own child process wi
 thread count, so peak RSS is per system; the script prints ratios (ours / transformers),
 which is what to compare on a noisy shared machine.
 
-    python bench/flash_slice.py [--contexts 2048 8192] [--prefill 2048] [--decode-steps 8]
+It also prints what bounds decode: the weight bytes one decode token reads (from the
+artifact: every tensor the step takes in full, except the embedding's one row and the routed
+experts' top-k share), the GB/s decode achieves on them, and this machine's read bandwidth
+measured in the same run by a streaming-sum kernel that TVM builds for this CPU (the decode
+kernels' compiler and thread pool), with one thread and with the bench's threads; the
+fraction compares decode with the latter. ``--json PATH`` writes all of it.
+
+    python bench/flash_slice.py [--contexts 2048 8192] [--prefill 2048] [--decode-steps 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -71,6 +78,72 @@ def prepare(workdir: Path, stage: str) -> None:
         start = time.perf_counter()
         compile_model(str(workdir / "fp8"), "llvm", workdir / "artifact", progress=False)
         print(f"compile: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+def decode_weight_bytes(artifact: Path) -> dict[str, float]:
+    """Bytes of weights one decode token reads, by part: the tensors the compiled step takes
+    (the manifest's ``vm.params``, constants included) as the artifact stores them, each in
+    full except the embedding and hash-routing tables (one row per token) and the routed
+    experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``). KV pool reads,
+    which grow with context, are not weights and not counted."""
+    from dsv4c.frontend.safetensors_io import SafetensorsFile
+    from dsv4c.runtime.artifact import read_manifest
+    from dsv4c.runtime.weights import open_weights
+
+    manifest = read_manifest(artifact)
+    model, vm = manifest["model"], manifest["vm"]
+    tensors = dict(open_weights(artifact, manifest))  # memory-mapped: only headers are read
+    with SafetensorsFile(artifact / vm["constants"]) as st:
+        tensors.update((name, st.read_raw(name)) for name in st.names())
+    parts = dict.fromkeys(("dense", "head", "routed_experts", "embedding_rows"), 0.0)
+    for name in vm["params"]:
+        a = tensors[name]
+        if ".ffn.experts." in name:
+            assert a.shape[0] == model["n_routed_experts"], (name, a.shape)
+            parts["routed_experts"] += a.nbytes * model["num_experts_per_tok"] / a.shape[0]
+        elif name == "embed.weight" or name.endswith(".tid2eid"):
+            parts["embedding_rows"] += a.nbytes / a.shape[0]
+        else:
+            parts["head" if name.startswith("head.") else "dense"] += a.nbytes
+    return {"total": sum(parts.values()), **parts}
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of a streaming read: a vectorised, parallel sum over ``gib`` GiB (far beyond the
+    last-level cache), built by TVM for this CPU and run on its thread pool (TVM_NUM_THREADS
+    threads, as the decode kernels); the best of ``repeats``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from dsv4c.runtime.kv_pool import aligned_empty
+    from dsv4c.targets import target_info
+
+    chunks, lanes = 64, 16
+    per = int(gib * 2**30) // 4 // chunks // lanes
+
+    @T.prim_func
+    def stream_sum(a: T.Buffer((chunks, per, lanes), "float32"), out: T.Buffer((chunks, lanes), "float32")):
+        for c in T.parallel(chunks):
+            acc = T.alloc_buffer((lanes,), "float32", scope="local")
+            for l in T.vectorized(lanes):
+                acc[l] = T.float32(0)
+            for i in range(per):
+                for l in T.vectorized(lanes):
+                    acc[l] = acc[l] + a[c, i, l]
+            for l in T.vectorized(lanes):
+                out[c, l] = acc[l]
+
+    kernel = tvm.compile(tvm.IRModule({"main": stream_sum}), target=target_info("llvm").tvm_target())["main"]
+    buf = aligned_empty((chunks, per, lanes), np.float32)
+    buf[...] = 1.0  # touch every page before timing
+    a, out = tvm.runtime.from_dlpack(buf), tvm.runtime.tensor(np.zeros((chunks, lanes), np.float32))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel(a, out)
+        times.append(time.perf_counter() - start)
+    assert float(out.numpy().sum()) == buf.size  # every element was read
+    return buf.nbytes / min(times) / 1e9
 
 
 def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], steps: int, threads: int) -> dict:
@@ -144,11 +217,15 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--workdir", type=Path)
-    p.add_argument("--system", choices=["dsv4c", "transformers"], help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    p.add_argument("--system", choices=["dsv4c", "transformers", "bandwidth"], help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=["make", "fp32", "compile"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage:
         prepare(args.workdir, args.stage)
+        return
+    if args.system == "bandwidth":  # child process, with TVM_NUM_THREADS set
+        print(json.dumps({"read_gb_s": read_bandwidth()}))
         return
     if args.system:  # child process
         print(json.dumps(run_system(args.system, args.workdir, args.prefill, args.contexts, args.decode_steps,
@@ -158,24 +235,49 @@ def main() -> None:
     for stage, done in (("make", "fp8"), ("fp32", "fp32"), ("compile", "artifact")):
         if not (workdir / done).exists():
             subprocess.run([sys.executable, __file__, "--stage", stage, "--workdir", str(workdir)], check=True)
-    results = {}
-    for system in ("dsv4c", "transformers"):
+    def child(system: str, threads: int) -> dict:
         cmd = [sys.executable, __file__, "--system", system, "--workdir", str(workdir), "--prefill", str(args.prefill),
-               "--decode-steps", str(args.decode_steps), "--threads", str(args.threads), "--contexts",
+               "--decode-steps", str(args.decode_steps), "--threads", str(threads), "--contexts",
                *map(str, args.contexts)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TVM_NUM_THREADS": str(args.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TVM_NUM_THREADS": str(threads)}
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-        results[system] = json.loads(done.stdout.strip().splitlines()[-1])
-    ours, ref = results["dsv4c"], results["transformers"]
-    print(f"flash slice, {args.threads} threads (ratios: higher is better for tok/s, lower for ms and MiB)")
-    print(f"{'metric':<22}{'dsv4c':>12}{'transformers':>14}{'ratio':>9}")
-    for key in ours:
-        better = ours[key] / ref[key] if key.endswith("tok_s") else ref[key] / ours[key]
-        print(f"{key:<22}{ours[key]:>12.1f}{ref[key]:>14.1f}{better:>8.2f}x")
-    # What bounds decode: bytes of weights each token touches vs measured bandwidth.
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    from dsv4c.targets import host_cpu, host_cpu_flags
+
     artifact = workdir / "artifact"
-    files = json.loads((artifact / "manifest.json").read_text())["weights"]["files"]
-    print(f"artifact weights: {sum((artifact / f).stat().st_size for f in files) / 2**30:.2f} GiB on disk")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    host = host_cpu_flags()
+    report = {"cpu": {"model": host.model if host else None, "llvm_cpu": host_cpu(),
+                      "artifact_cpu": manifest["kernels"]["mcpu"]}, "threads": args.threads}
+    report.update((system, child(system, args.threads)) for system in ("dsv4c", "transformers"))
+    # Each thread count in its own process (TVM sizes its pool once); one after the other, alone.
+    report["read_gb_s"] = {str(t): child("bandwidth", t)["read_gb_s"] for t in dict.fromkeys((1, args.threads))}
+    ours, ref = report["dsv4c"], report["transformers"]
+    cpu = report["cpu"]
+    print(f"flash slice on {cpu['model']} (LLVM {cpu['llvm_cpu']}; artifact built for {cpu['artifact_cpu']}), "
+          f"{args.threads} threads (ratios: higher is better for tok/s, lower for ms and MiB)")
+    print(f"{'metric':<22}{'dsv4c':>12}{'transformers':>14}{'ratio':>9}")
+    report["ratios"] = {}
+    for key in ours:
+        better = report["ratios"][key] = ours[key] / ref[key] if key.endswith("tok_s") else ref[key] / ours[key]
+        print(f"{key:<22}{ours[key]:>12.1f}{ref[key]:>14.1f}{better:>8.2f}x")
+    # What bounds decode: bytes of weights each token reads against the measured read bandwidth.
+    weights = report["decode_weight_bytes"] = decode_weight_bytes(artifact)
+    on_disk = sum((artifact / f).stat().st_size for f in manifest["weights"]["files"])
+    print(f"weights a decode token reads: {weights['total'] / 1e9:.3f} GB (dense {weights['dense'] / 1e9:.3f}, head "
+          f"{weights['head'] / 1e9:.3f}, routed experts' top-k share {weights['routed_experts'] / 1e9:.3f}, embedding "
+          f"rows {weights['embedding_rows'] / 1e3:.1f} KB) of {on_disk / 1e9:.2f} GB on disk")
+    bandwidth = report["read_gb_s"][str(args.threads)]
+    print("read bandwidth (TVM streaming sum over 1 GiB, best of 5): "
+          + ", ".join(f"{gb_s:.1f} GB/s with {t} thread(s)" for t, gb_s in report["read_gb_s"].items()))
+    report["decode_gb_s"], report["decode_fraction_of_read"] = {}, {}
+    for ctx in args.contexts:
+        gb_s = report["decode_gb_s"][str(ctx)] = weights["total"] / (ours[f"decode_ms_at_{ctx}"] / 1e3) / 1e9
+        fraction = report["decode_fraction_of_read"][str(ctx)] = gb_s / bandwidth
+        print(f"decode at {ctx}: {gb_s:.2f} GB/s of weights = {fraction:.1%} of the {args.threads}-thread read bandwidth")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

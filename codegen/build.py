@@ -13,7 +13,7 @@ from tvm import relax, tirx
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
-from dsv4c.targets import target_info
+from dsv4c.targets import TargetInfo
 
 LIBRARY = "model.so"
 DEFAULT_MAX_STEP_TOKENS = 2048  # the prefill function's memory bound (Engine max_step_tokens)
@@ -52,10 +52,9 @@ def serial_when_single(func: tirx.PrimFunc) -> tirx.PrimFunc:
         tirx.IfThenElse(body.extent > 1, body, inline))}))["main"]
 
 
-def lower_step(program: Program, plan, geometry, target_name: str, max_step_tokens: int, progress: bool = False):
+def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_tokens: int, progress: bool = False):
     """(the Relax module after our pipeline, the step description, the TVM target): what
     ``build_step`` compiles. Tests inspect the lowered module (e.g. for CUDA graphs)."""
-    info = target_info(target_name)
     specs, _ = kernel_table(program, plan)
     target = info.tvm_target()
     items = list(specs.items())
@@ -75,12 +74,11 @@ def lower_step(program: Program, plan, geometry, target_name: str, max_step_toke
     return lowered, step, target
 
 
-def build_step(program: Program, plan, geometry, out_dir: Path, target_name: str,
+def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo,
                max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS, progress: bool = False) -> tuple[dict, dict]:
     """Compile the step into ``out_dir / LIBRARY``; the manifest's ``kernels`` and ``vm`` sections."""
-    info = target_info(target_name)
     start = time.perf_counter()
-    lowered, step, target = lower_step(program, plan, geometry, target_name, max_step_tokens, progress)
+    lowered, step, target = lower_step(program, plan, geometry, info, max_step_tokens, progress)
     with info.toolchain():
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
         executable.export_library(str(out_dir / LIBRARY))

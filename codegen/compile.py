@@ -68,11 +68,12 @@ def _peak_rss_gib() -> float:
 
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
-                  kv_cache_dtype: str = "auto", shard_bytes: int | None = None) -> Path:
+                  kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None) -> Path:
     """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
     in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
-    caps each weight file (default 4 GiB)."""
-    info = target_info(target)
+    caps each weight file (default 4 GiB); ``cpu`` (llvm only) is the LLVM CPU name to build
+    for, or native (the default: this machine's)."""
+    info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
     program = run_pipeline(trace(cfg, numerics), passes)
@@ -103,7 +104,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                     write_safetensors(tmp / CONSTANTS, step_constants(program))
                     # Alongside the weights: the build spends most of its time in TVM / LLVM,
                     # which release the GIL. Only one progress bar: the weights' when there are any.
-                    building = builder.submit(build_step, program, plan, geometry, tmp, target,
+                    building = builder.submit(build_step, program, plan, geometry, tmp, info,
                                               progress=progress and sources is None)
                 report = None
                 if sources is not None:
@@ -128,7 +129,8 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 "kernels": kernels,
                 **({"vm": {**vm, "constants": CONSTANTS}} if vm else {}),
             })
-    summary = f"compiled {cfg.name} for {target} ({numerics}) -> {out}"
+    built_for = f"{kernels['mcpu']}, " if "mcpu" in kernels else ""
+    summary = f"compiled {cfg.name} for {target} ({built_for}{numerics}) -> {out}"
     if report is not None:
         summary += (f": weights {report.bytes_written / 1e9:.2f} GB in {len(report.files)} file(s), "
                     f"{report.seconds:.1f} s ({report.bytes_written / 1e9 / max(report.seconds, 1e-9):.2f} GB/s)")

@@ -17,10 +17,11 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from dsv4c import targets
 from dsv4c.errors import UsageError
 from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.ir.kernels import request_groups
-from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.runtime.artifact import MANIFEST, ArtifactError
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights
 
@@ -31,11 +32,7 @@ class TvmBackend:
         self.on_host = device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
         vm = manifest["vm"]
         if self.on_host:
-            built_for, here = manifest["kernels"]["mcpu"], tvm.target.codegen.llvm_get_system_cpu()
-            if built_for != here:
-                # Vector instructions of another CPU would crash the process, not raise.
-                raise ArtifactError(f"{artifact}: kernels were built for CPU {built_for!r}, this host is {here!r}; "
-                                    "recompile the artifact on this machine")
+            check_cpu(artifact, manifest["kernels"])
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact / vm["library"])), device)
         self.functions = {name: self.vm[name] for name in vm["functions"]}
         # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
@@ -130,6 +127,24 @@ class TvmBackend:
         extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
         logits, self.draft_streams = self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, extra)
         return logits
+
+
+def check_cpu(artifact: Path, kernels: dict) -> None:
+    """Refuse an llvm artifact whose code uses instructions this CPU lacks: running it would
+    kill the process (SIGILL), not raise. C++ twin: step.cc, check_cpu."""
+    mcpu, needs = kernels.get("mcpu"), kernels.get("cpu_features")
+    for key, ok, kind in (("mcpu", isinstance(mcpu, str), "a string"),
+                          ("cpu_features", isinstance(needs, list) and all(isinstance(f, str) for f in needs), "a list")):
+        if not ok:
+            raise ArtifactError(f"{artifact / MANIFEST}: 'kernels.{key}' is missing or not {kind}; recompile")
+    host = targets.host_cpu_flags()
+    if host is None:
+        return  # no /proc/cpuinfo flags to check against (not Linux on x86)
+    missing = [f for f in needs if f not in host.flags]
+    if missing:
+        raise ArtifactError(f"{artifact}: compiled for CPU {mcpu}, which needs {', '.join(missing)} "
+                            f"that this CPU ({host.model}) lacks; recompile with --cpu native (this CPU) or "
+                            "--cpu x86-64-v3 (any AVX2 CPU)")
 
 
 def step_inputs(pool: KVPool, positions: np.ndarray, seq_ids: np.ndarray, entry_ratios: list[int]):

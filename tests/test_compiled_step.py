@@ -20,6 +20,7 @@ from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.kv_pool import PoolGeometry
 from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.targets import target_info
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def _lowered(target):
     cfg = preset("tiny")
     program = run_pipeline(trace(cfg))
     plan = plan_for(cfg, target)
-    lowered, step, _ = lower_step(program, plan, PoolGeometry.build(cfg, plan), target, 256)
+    lowered, step, _ = lower_step(program, plan, PoolGeometry.build(cfg, plan), target_info(target), 256)
     return lowered.script(), step
 
 

@@ -119,6 +119,14 @@ def _set_version(version):
     return edit
 
 
+def _edit_kernels(edit):
+    def breakage(art: Path) -> None:
+        manifest = json.loads((art / "manifest.json").read_text())
+        edit(manifest["kernels"])
+        (art / "manifest.json").write_text(json.dumps(manifest))
+    return breakage
+
+
 # Each breakage, and whether the run asks for the full sha256 check (--verify).
 BREAKAGES = {
     "tampered-weights": lambda art: flip_byte(art / "weights.safetensors"),
@@ -129,6 +137,12 @@ BREAKAGES = {
     "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
     "manifest-not-an-object": lambda art: (art / "manifest.json").write_text("[1]"),
     **{f"version-{v!r}": _set_version(v) for v in (1, 2, 4, True, 2.5, 1e16, "3", None, [1, 2], {"it's": "x"})},
+    # An instruction set no CPU has (so this CPU lacks it, AVX-512 or not), and manifests from
+    # before the CPU check.
+    "cpu-lacks-an-instruction-set": _edit_kernels(lambda k: k["cpu_features"].append("dsv4c_no_such_isa")),
+    "no-cpu-features": _edit_kernels(lambda k: k.pop("cpu_features")),
+    "cpu-features-not-strings": _edit_kernels(lambda k: k.update(cpu_features=["avx2", 1])),
+    "no-mcpu": _edit_kernels(lambda k: k.pop("mcpu")),
 }
 VERIFIED = {"tampered-weights"}  # found only by hashing
 

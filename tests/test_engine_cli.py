@@ -134,6 +134,67 @@ def test_compile_refuses_existing_output_and_weightless_presets(tiny, capsys):
     assert "--no-weights" in _one_line_error(capsys)
 
 
+def test_an_artifact_for_x86_64_v3_records_its_cpu_and_runs_here(tiny, capsys):
+    """--cpu x86-64-v3 builds for any AVX2 CPU: the manifest names it and the AVX2-level
+    instructions it needs (no AVX-512), and it generates what the native build does."""
+    art = tiny / "v3"
+    assert cli(["compile", "--model", str(tiny / "model"), "--target", "llvm", "--cpu", "x86-64-v3", "-o", str(art)]) == 0
+    kernels = json.loads((art / "manifest.json").read_text())["kernels"]
+    assert kernels["mcpu"] == "x86-64-v3"
+    assert {"sse4_2", "avx", "avx2", "fma", "bmi2"} <= set(kernels["cpu_features"])
+    assert not any(f.startswith("avx512") for f in kernels["cpu_features"])
+    prompt, params = [3, 4, 5], SamplingParams(max_new_tokens=8)
+    ours, native = (Engine(a).generate(prompt, params, record_logits=True) for a in (art, tiny / "cpu"))
+    assert ours.tokens == native.tokens
+    assert float(np.abs(ours.logits - native.logits).max()) <= 1e-4
+
+
+def test_a_cpu_that_lacks_the_artifacts_instructions_is_refused(tiny, capsys, monkeypatch):
+    """Loading checks the manifest's instruction sets against /proc/cpuinfo's flags before any
+    kernel runs (a missing instruction would kill the process). The C++ host's twin of this
+    check is in test_cpp_host's breakages."""
+    from dsv4c import targets
+
+    host = targets.host_cpu_flags()
+    if host is None:
+        pytest.skip("no /proc/cpuinfo flags on this machine")
+    needs = json.loads((tiny / "cpu" / "manifest.json").read_text())["kernels"]["cpu_features"]
+    monkeypatch.setattr(targets, "host_cpu_flags", lambda: targets.HostCpu("Test CPU 9000", host.flags - {"avx2"}))
+    assert "avx2" in needs
+    assert cli(["generate", str(tiny / "cpu"), "--token-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    err = _one_line_error(capsys)
+    assert "which needs avx2 that this CPU (Test CPU 9000) lacks; recompile with --cpu native" in err
+    with pytest.raises(ArtifactError, match="lacks"):
+        Engine(tiny / "cpu")
+
+
+def test_host_cpu_flags_reads_the_first_processor(tmp_path):
+    from dsv4c.targets import host_cpu_flags
+
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Some CPU @ 3 GHz\nflags\t\t: fpu sse2 avx2\n\n"
+                                      "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n")
+    host = host_cpu_flags(str(tmp_path / "cpuinfo"))
+    assert (host.model, host.flags) == ("Some CPU @ 3 GHz", {"fpu", "sse2", "avx2"})
+    (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert host_cpu_flags(str(tmp_path / "arm")) is None and host_cpu_flags(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("target, cpu, fragment", [
+    ("llvm", "znver9", "unknown CPU 'znver9' for --cpu; LLVM knows"),
+    ("llvm", "", "unknown CPU ''"),
+    ("sm90", "znver4", "--cpu applies to --target llvm only, not sm90"),
+    ("reference", "native", "--cpu applies to --target llvm only, not reference"),
+])
+def test_compile_refuses_a_bad_cpu_and_writes_nothing(tiny, tmp_path, capsys, target, cpu, fragment):
+    out = tmp_path / "out" / "art"
+    assert cli(["compile", "--model", str(tiny / "model"), "--target", target, "--cpu", cpu, "-o", str(out)]) == 2
+    err = _one_line_error(capsys)
+    assert fragment in err
+    if target == "llvm":
+        assert "x86-64-v3" in err and "native" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_engine_api_errors(tiny):
     engine = Engine(tiny / "ref")
     with pytest.raises(UsageError, match="empty"):

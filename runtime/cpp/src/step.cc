@@ -5,7 +5,10 @@
 #include <tvm/ffi/string.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
+#include <set>
+#include <sstream>
 
 #include "artifact.h"
 #include "dsv4c/errors.h"
@@ -49,9 +52,49 @@ ffi::Tensor share(const Tensor& t) {
   return ffi::Tensor::FromDLPack(managed, 64);
 }
 
-// The device an artifact's target runs on (Python: TargetInfo.device), or an ArtifactError.
-DLDevice device_for(const std::string& path, const std::string& target) {
-  if (target == "llvm") return DLDevice{kDLCPU, 0};
+std::string trimmed(const std::string& s) {
+  size_t first = s.find_first_not_of(" \t"), last = s.find_last_not_of(" \t");
+  return first == std::string::npos ? "" : s.substr(first, last - first + 1);
+}
+
+// Refuses an llvm artifact whose code uses instructions this CPU lacks, as Linux lists them in
+// /proc/cpuinfo (Python: backend_tvm.check_cpu and targets.host_cpu_flags).
+void check_cpu(const std::string& path, const json::Fields& kernels) {
+  std::string mcpu = kernels.string("mcpu");
+  std::vector<std::string> needs;
+  for (const json::Value& f : kernels.array("cpu_features")) {
+    if (!json::as_string(f)) kernels.fail("cpu_features", "a list");
+    needs.push_back(*json::as_string(f));
+  }
+  std::map<std::string, std::string> fields;  // the first processor's entry
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line) && !trimmed(line).empty();) {
+    size_t colon = line.find(':');
+    fields.emplace(trimmed(line.substr(0, colon)), colon == std::string::npos ? "" : trimmed(line.substr(colon + 1)));
+  }
+  if (!fields.count("flags")) return;  // nothing to check against (not Linux on x86)
+  std::set<std::string> flags;
+  std::istringstream words(fields["flags"]);
+  for (std::string w; words >> w;) flags.insert(w);
+  std::string missing;
+  for (const std::string& f : needs) {
+    if (!flags.count(f)) missing += (missing.empty() ? "" : ", ") + f;
+  }
+  if (!missing.empty()) {
+    std::string model = fields.count("model name") ? fields["model name"] : "unknown model";
+    throw ArtifactError(path + ": compiled for CPU " + mcpu + ", which needs " + missing + " that this CPU (" + model +
+                        ") lacks; recompile with --cpu native (this CPU) or --cpu x86-64-v3 (any AVX2 CPU)");
+  }
+}
+
+// The device an artifact's target runs on (Python: TargetInfo.device, and on the CPU
+// backend_tvm.check_cpu), or an ArtifactError.
+DLDevice device_for(const std::string& path, const json::Fields& manifest) {
+  const std::string target = manifest.string("target");
+  if (target == "llvm") {
+    check_cpu(path, manifest.object("kernels"));
+    return DLDevice{kDLCPU, 0};
+  }
   DLDevice device{target == "sm90" ? kDLCUDA : kDLROCM, 0};
   bool exists = false;
   if (auto attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr")) {
@@ -81,7 +124,7 @@ ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevic
 
 CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool)
     : pool_(pool),
-      device_(device_for(artifact, manifest.string("target"))),
+      device_(device_for(artifact, manifest)),
       vm_(load_vm(artifact, manifest.object("vm"), device_)) {
   json::Fields vm = manifest.object("vm");
   decode_ = vm_->GetFunction("decode").value();
