@@ -85,7 +85,8 @@ def decode_weight_bytes(artifact: Path) -> dict[str, float]:
     (the manifest's ``vm.params``, constants included) as the artifact stores them, each in
     full except the embedding and hash-routing tables (one row per token) and the routed
     experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``). KV pool reads,
-    which grow with context, are not weights and not counted."""
+    which grow with context, are not weights and not counted. The MTP layer's own weights
+    (which only its draft function reads) are ``mtp``, outside the step's ``total``."""
     from dsv4c.frontend.safetensors_io import SafetensorsFile
     from dsv4c.runtime.artifact import read_manifest
     from dsv4c.runtime.weights import open_weights
@@ -95,17 +96,18 @@ def decode_weight_bytes(artifact: Path) -> dict[str, float]:
     tensors = dict(open_weights(artifact, manifest))  # memory-mapped: only headers are read
     with SafetensorsFile(artifact / vm["constants"]) as st:
         tensors.update((name, st.read_raw(name)) for name in st.names())
-    parts = dict.fromkeys(("dense", "head", "routed_experts", "embedding_rows"), 0.0)
+    parts = dict.fromkeys(("dense", "head", "routed_experts", "embedding_rows", "mtp"), 0.0)
     for name in vm["params"]:
         a = tensors[name]
         if ".ffn.experts." in name:
             assert a.shape[0] == model["n_routed_experts"], (name, a.shape)
-            parts["routed_experts"] += a.nbytes * model["num_experts_per_tok"] / a.shape[0]
+            size, part = a.nbytes * model["num_experts_per_tok"] / a.shape[0], "routed_experts"
         elif name == "embed.weight" or name.endswith(".tid2eid"):
-            parts["embedding_rows"] += a.nbytes / a.shape[0]
+            size, part = a.nbytes / a.shape[0], "embedding_rows"
         else:
-            parts["head" if name.startswith("head.") else "dense"] += a.nbytes
-    return {"total": sum(parts.values()), **parts}
+            size, part = a.nbytes, "head" if name.startswith("head.") else "dense"
+        parts["mtp" if name.startswith("mtp.") else part] += size
+    return {"total": sum(v for k, v in parts.items() if k != "mtp"), **parts}
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
