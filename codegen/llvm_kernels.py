@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import struct
 
-from tvm import s_tir, te, tirx
+from tvm import te, tirx
 from tvm.script import tirx as T
 
 from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, FP8_FORMATS, FP8_SCALE_FACTOR
