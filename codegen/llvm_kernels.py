@@ -385,14 +385,17 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 for ki in range(kc):
                     for c in T.vectorized(tile):
                         panel[ki, c] = weight_value(quant, parts, (w,), a, kb * kc + ki, c)
-            for cs in range(tile // cols):
-                # Row blocks of rb, then one of rb / 2 if that many are left, then single rows.
-                for b in range(count // rb):
+            # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
+            # block's x (rows x k block) stays in L1 across the tile's column strips.
+            for b in range(count // rb):
+                for cs in range(tile // cols):
                     micro(X, panel, parts, Y, w, g, a, first + b * rb, cs, kb, rb)
-                if half > 0:
-                    if count % rb >= half:
+            if half > 0:
+                if count % rb >= half:
+                    for cs in range(tile // cols):
                         micro(X, panel, parts, Y, w, g, a, first + count // rb * rb, cs, kb, half)
-                    for r in range(count % rb % half):
+                for r in range(count % rb % half):
+                    for cs in range(tile // cols):
                         micro(X, panel, parts, Y, w, g, a, first + count - count % rb % half + r, cs, kb, 1)
 
     return direct_rows, panel_rows
