@@ -320,7 +320,10 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     of rows over it, its accumulators loaded from and stored to y around the block."""
     tile = column_tile(out_dim)
     decoded = quant != "fp32"
-    unroll = next(u for u in (4, 2, 1) if in_dim % u == 0)
+    # The direct loop runs k in scale groups (FP8 blocks of 128, FP4 groups of 32), so the
+    # group's scales are loaded and decoded once, then k unrolled by up to 4 inside a group.
+    group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if quant in FP8_DECODERS else 4))
+    unroll = math.gcd(group, 4)
     kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if in_dim % b == 0 and b * tile <= max(PANEL_FLOATS, tile))
     rb, cols = register_tile(tile) if columns is T.vectorized else (1, 1)
     half = rb // 2
@@ -335,12 +338,13 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
         for r in T.unroll(R):
             for c in columns(tile):
                 acc[r, c] = T.float32(0)
-        for ko in range(in_dim // unroll):
-            for u in T.unroll(unroll):
-                for r in T.unroll(R):
-                    for c in columns(tile):
-                        acc[r, c] = acc[r, c] + X[at(first + r, g, ko * unroll + u)] * \
-                            weight_value(quant, parts, (w,), a, ko * unroll + u, c)
+        for kg in range(in_dim // group):
+            for ko in range(group // unroll):
+                for u in T.unroll(unroll):
+                    for r in T.unroll(R):
+                        for c in columns(tile):
+                            acc[r, c] = acc[r, c] + X[at(first + r, g, kg * group + ko * unroll + u)] * \
+                                weight_value(quant, parts, (w,), a, kg * group + ko * unroll + u, c)
         for r in T.unroll(R):
             for c in columns(tile):
                 Y[at(first + r, g, a * tile + c)] = acc[r, c]
