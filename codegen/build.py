@@ -10,6 +10,7 @@ from pathlib import Path
 import tvm
 from tvm import relax, tirx
 
+from dsv4c.codegen.llvm_kernels import CPU_PASS_CONFIG
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
@@ -63,7 +64,8 @@ def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_toke
 
         items = tqdm(items, desc="generating kernels", unit="kernel", leave=False)
     if info.kind == "cpu":
-        kernels = {symbol: serial_when_single(kernel_factory(spec.factory)(*spec.params)) for symbol, spec in items}
+        with target:  # the CPU kernels read its vector width (llvm_kernels.cpu_vector)
+            kernels = {symbol: serial_when_single(kernel_factory(spec.factory)(*spec.params)) for symbol, spec in items}
     else:
         from dsv4c.codegen.gpu import gpu_kernel
 
@@ -79,7 +81,8 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
     """Compile the step into ``out_dir / LIBRARY``; the manifest's ``kernels`` and ``vm`` sections."""
     start = time.perf_counter()
     lowered, step, target = lower_step(program, plan, geometry, info, max_step_tokens, progress)
-    with info.toolchain():
+    config = CPU_PASS_CONFIG if info.kind == "cpu" else {}
+    with info.toolchain(), tvm.transform.PassContext(config=config):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
         executable.export_library(str(out_dir / LIBRARY))
     kernels = {"count": len(kernel_table(program, plan)[0]), "build_seconds": round(time.perf_counter() - start, 2),

@@ -14,9 +14,10 @@ written here holds the same bytes as one written by ``runtime.kv_pool``'s numpy 
 
 from __future__ import annotations
 
+import math
 import struct
 
-from tvm import s_tir, te, tirx
+from tvm import te, tirx
 from tvm.script import tirx as T
 
 from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, FP8_FORMATS, FP8_SCALE_FACTOR
@@ -34,44 +35,58 @@ def _u(x, dtype="int32"):
     return tirx.Cast(dtype, x)
 
 
-# The decoders select with Select (both sides are plain arithmetic), which vectorises; an
-# if_then_else there can leave a kernel's decode loop scalar.
+# The low-bit decoders place a code's sign and magnitude bits in a float16, whose exponent field
+# takes the code's exponent: the float16 -> float32 conversion is exact, subnormal codes included
+# (float16 subnormals; one vcvtph2ps per vector with F16C, whatever the MXCSR denormal flags),
+# and a power of two then fixes the exponent bias. A handful of vector operations per code, and
+# no selects.
+
+
+def _i16(value: int):
+    return tirx.const(value - 0x10000 if value >= 0x8000 else value, "int16")
+
+
+def _f16_scaled(bits, power: int):
+    """float32 of the float16 with int16 ``bits``, times 2**power (exact)."""
+    return tirx.Cast(F32, tirx.reinterpret("float16", bits)) * tirx.const(2.0 ** power, F32)
+
+
+def _decode_e4m3(code, bias: int):
+    """float32 value of an e4m3 byte with exponent bias ``bias``: the sign-extended byte shifted so
+    its 7 magnitude bits land on float16 bits 7..13 (sign on 15), then times 2**(15 - bias)."""
+    c = tirx.Cast("int16", tirx.reinterpret("int8", code))  # code: a uint8 load
+    return _f16_scaled(tirx.shift_left(c, _i16(7)) & _i16(0xBF80), 15 - bias)
 
 
 def decode_e4m3fn(code):
-    """float32 value of an e4m3fn byte (0x7F/0xFF NaN never occur in weights)."""
-    c = _u(code)
-    exp, man = (c >> 3) & 15, c & 7
-    normal = tirx.reinterpret(F32, tirx.shift_left(_u(exp + 120, "uint32"), tirx.const(23, "uint32"))
-                              | tirx.shift_left(_u(man, "uint32"), tirx.const(20, "uint32")))
-    subnormal = _u(man, F32) * tirx.const(2.0 ** -9, F32)
-    mag = tirx.Select(exp == 0, subnormal, normal)
-    return tirx.Select(c >= 128, -mag, mag)
+    """float32 value of an e4m3fn byte (0x7F / 0xFF, NaN, decode as +-480; never in weights)."""
+    return _decode_e4m3(code, 7)
 
 
 def decode_e4m3fnuz(code):
-    """float32 value of an e4m3fnuz byte (gfx942): bias 8, no negative zero (0x80 is NaN)."""
-    c = _u(code)
-    exp, man = (c >> 3) & 15, c & 7
-    normal = tirx.reinterpret(F32, tirx.shift_left(_u(exp + 119, "uint32"), tirx.const(23, "uint32"))
-                              | tirx.shift_left(_u(man, "uint32"), tirx.const(20, "uint32")))
-    subnormal = _u(man, F32) * tirx.const(2.0 ** -10, F32)
-    mag = tirx.Select(exp == 0, subnormal, normal)
-    return tirx.Select(c >= 128, -mag, mag)
+    """float32 value of an e4m3fnuz byte (gfx942): bias 8, no negative zero (0x80, NaN, decodes as -0)."""
+    return _decode_e4m3(code, 8)
 
 
 DECODE_FP8 = {"e4m3fn": decode_e4m3fn, "e4m3fnuz": decode_e4m3fnuz}  # by FP8 format (quant_plan.fp8_format)
 FP8_DECODERS = {"fp8_b128": DECODE_FP8["e4m3fn"], "fp8fnuz_b128": DECODE_FP8["e4m3fnuz"]}  # by dense weight quant
 
 
+def decode_e2m1_high(bits):
+    """float32 value of the e2m1 code in bits 12..15 of int16 ``bits`` (lower bits ignored): an
+    arithmetic shift puts the magnitude on float16 bits 9..11 and keeps the sign, times 2**14."""
+    return _f16_scaled(tirx.shift_right(bits, _i16(3)) & _i16(0x8E00), 14)
+
+
 def decode_e2m1(nibble):
     """float32 value of an e2m1 code (0..15): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    c = _u(nibble)
-    exp, man = (c >> 1) & 3, c & 1
-    normal = (tirx.const(1.0, F32) + _u(man, F32) * tirx.const(0.5, F32)) * \
-        tirx.reinterpret(F32, tirx.shift_left(_u(exp + 126, "uint32"), tirx.const(23, "uint32")))
-    mag = tirx.Select(exp == 0, _u(man, F32) * tirx.const(0.5, F32), normal)
-    return tirx.Select(c >= 8, -mag, mag)
+    return decode_e2m1_high(tirx.shift_left(tirx.Cast("int16", nibble), _i16(12)))
+
+
+def decode_fp4_packed(byte, high):
+    """float32 value of one e2m1 code of a packed byte: the high nibble when ``high`` (0 / 1, may be
+    an expression) is 1, else the low one."""
+    return decode_e2m1_high(tirx.shift_left(tirx.Cast("int16", byte), tirx.Cast("int16", 12 - 4 * high)))
 
 
 def decode_e8m0(code):
@@ -215,7 +230,16 @@ def bf16_bits(x):
 # --------------------------------------------------------------------------- GEMM / GEMV
 
 
-GEMM_ROWS = 8  # prefill GEMMs run on row blocks of 8 (the compiled step pads the rows)
+GEMM_ROWS = 8  # the prefill function pads a matmul's rows to blocks of 8 (see relax_step.matmul)
+GEMV_ROWS = 4  # rows the decode loop accumulates together, each weight decoded once for all of them
+PANEL_FLOATS = 4096  # a decoded weight panel (column tile x k block): 16 KiB, L1-resident
+# Scratch buffers of the matmul loops live on the thread's stack, where LLVM keeps accumulators
+# in registers: TVM would otherwise allocate any of 1 KiB or more from its workspace pool, per
+# parallel job, and its StorageRewrite pass merges the buffers of different branches into one
+# (dropping this annotation), so CPU builds run without it (CPU_PASS_CONFIG). Python assignments
+# inside TVMScript kernels would become such buffers too.
+ON_STACK = {"disable_lower_builtin": True}
+CPU_PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 
 def column_tile(out_dim: int) -> int:
@@ -224,45 +248,33 @@ def column_tile(out_dim: int) -> int:
     return next(t for t in (64, 16, 8, 1) if out_dim % t == 0)
 
 
-def _schedule_matmul(func, block: str, out_dim: int, gemv: bool, grouped: bool):
-    """CPU schedules over a weight stored transposed ([in, out], contiguous along out).
+def cpu_vector() -> tuple[int, int]:
+    """(float32 lanes, vector registers) of the CPU the kernels are built for: the current TVM
+    target (the builder enters it), else this host's. AVX-512: 16 lanes and 32 registers; AVX /
+    AVX2: 8 and 16; any other CPU is taken as 4 lanes and 16 registers."""
+    import tvm
+    from tvm.target import codegen
 
-    GEMV (decode, a few rows): bandwidth-bound, so stream the weight once: parallel over
-    64-wide output tiles, vectorised along the contiguous output axis. GEMM (prefill): 8-row x
-    64-column register tiles (accumulated in a local cache) over 256-deep k blocks, so each
-    weight tile is reused by 8 rows; the rows arrive padded to blocks of 8 because TVM cannot
-    cache-write a tile of a symbolic extent. Grouped weights parallelise over (group, tile)."""
-    sch = s_tir.Schedule(func)
-    blk = sch.get_sblock(block)
-    nb = column_tile(out_dim)
-    loops = list(sch.get_loops(blk))
-    g = loops.pop(-3) if grouped else None
-    if gemv:
-        i, j, k = loops
-        jo, ji = sch.split(j, [None, nb])
-        ko, ki = sch.split(k, [None, 4])
-        sch.reorder(*([g] if grouped else []), jo, i, ko, ki, ji)
-        outer = i
-        sch.unroll(ki)
-    else:
-        b, r, j, k = loops
-        jo, ji = sch.split(j, [None, nb])
-        ko, ki = sch.split(k, [None, 256])
-        sch.reorder(*([g] if grouped else []), jo, b, ko, ki, r, ji)
-        outer = b
-    cw = sch.cache_write(blk, 0, "local")
-    sch.reverse_compute_at(cw, outer)
-    sch.parallel(sch.fuse(g, jo) if grouped else jo)
-    if not gemv:
-        sch.unroll(r)
-    if nb > 1:
-        sch.vectorize(ji)
-        sch.vectorize(sch.get_loops(cw)[-1])
-    sch.decompose_reduction(blk, ko)
-    return sch.mod["main"]
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "llvm":
+        from dsv4c.targets import target_info
+
+        target = target_info("llvm").tvm_target()
+    if codegen.target_has_features("avx512f", target):
+        return 16, 32
+    return (8 if codegen.target_has_features("avx", target) else 4), 16
 
 
-# Kernels built with TE as compute definitions: CPU schedules them here, GPU targets with dlight.
+def register_tile(tile: int) -> tuple[int, int]:
+    """(rows, columns) of the GEMM micro-kernel's accumulators, which stay in vector registers:
+    two vectors of columns (at most the weight tile) by as many rows as fill half the registers,
+    leaving the rest to weight vectors and broadcasts (AVX2: 4 x 16, AVX-512: 8 x 32)."""
+    lanes, registers = cpu_vector()
+    return registers // 4, math.gcd(tile, 2 * lanes)
+
+
+# Kernels built with TE as compute definitions: CPU kernels are written out below, GPU targets
+# schedule these definitions with dlight.
 COMPUTE_DEFINITIONS = frozenset({"linear"})
 
 
@@ -288,11 +300,109 @@ def weight_value(quant: str, parts, lead: tuple, a, kk, c):
     if quant in FP8_DECODERS:
         return FP8_DECODERS[quant](w[lead + (a, kk, c)]) * parts[1][lead + (a, kk // 128, c)]
     if quant == "fp4_g32":
-        return decode_e2m1((_u(w[lead + (a, kk // 2, c)]) >> ((kk % 2) * 4)) & 15) * \
-            decode_e8m0(parts[1][lead + (a, kk // 32, c)])
+        return decode_fp4_packed(w[lead + (a, kk // 2, c)], kk % 2) * decode_e8m0(parts[1][lead + (a, kk // 32, c)])
     if quant == "bf16":
         return decode_bf16(w[lead + (a, kk, c)])  # BF16 bits: the float32 with the same top half
     return w[lead + (a, kk, c)]
+
+
+def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized):
+    """The CPU matmul's loops over a range of rows of x [P, (G,) I] -> y [P, (G,) O] for one column
+    tile ``a`` of weight ``w`` (a group or an expert: the parts' leading index), shared by
+    ``linear`` and ``expert_linear``. Every output is summed from zero in input order with one
+    accumulator, whichever loop runs it and however many rows there are, so results do not
+    depend on the step's size (the decode and prefill functions agree bit for bit).
+
+    ``direct``: up to GEMV_ROWS rows at a time, the weight tile streamed once in memory order
+    and decoded in registers, a vector of columns per accumulator (decode steps).
+    ``panel``: for each k block, the tile's block is decoded once into an L1 panel (fp32 weights
+    are read in place), then a register-tiled micro-kernel (``register_tile``) runs every block
+    of rows over it, its accumulators loaded from and stored to y around the block."""
+    tile = column_tile(out_dim)
+    decoded = quant != "fp32"
+    # The direct loop runs k in scale groups (FP8 blocks of 128, FP4 groups of 32), so the
+    # group's scales are loaded and decoded once, then k unrolled by up to 4 inside a group.
+    group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if quant in FP8_DECODERS else 4))
+    unroll = math.gcd(group, 4)
+    kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if in_dim % b == 0 and b * tile <= max(PANEL_FLOATS, tile))
+    rb, cols = register_tile(tile) if columns is T.vectorized else (1, 1)
+    half = rb // 2
+    at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
+
+    def weight(panel, parts, w, a, k0, ki, c):
+        return panel[ki, c] if decoded else weight_value(quant, parts, (w,), a, k0 + ki, c)
+
+    @T.macro
+    def direct(X, parts, Y, w, g, a, first, R):
+        acc = T.alloc_buffer((R, tile), F32, scope="local", annotations=ON_STACK)
+        for r in T.unroll(R):
+            for c in columns(tile):
+                acc[r, c] = T.float32(0)
+        for kg in range(in_dim // group):
+            for ko in range(group // unroll):
+                for u in T.unroll(unroll):
+                    for r in T.unroll(R):
+                        for c in columns(tile):
+                            acc[r, c] = acc[r, c] + X[at(first + r, g, kg * group + ko * unroll + u)] * \
+                                weight_value(quant, parts, (w,), a, kg * group + ko * unroll + u, c)
+        for r in T.unroll(R):
+            for c in columns(tile):
+                Y[at(first + r, g, a * tile + c)] = acc[r, c]
+
+    @T.macro
+    def direct_rows(X, parts, Y, w, g, a, first, count):
+        for b in range((count + GEMV_ROWS - 1) // GEMV_ROWS):
+            if count - b * GEMV_ROWS >= 4:
+                direct(X, parts, Y, w, g, a, first + b * GEMV_ROWS, 4)
+            elif count - b * GEMV_ROWS == 3:
+                direct(X, parts, Y, w, g, a, first + b * GEMV_ROWS, 3)
+            elif count - b * GEMV_ROWS == 2:
+                direct(X, parts, Y, w, g, a, first + b * GEMV_ROWS, 2)
+            else:
+                direct(X, parts, Y, w, g, a, first + b * GEMV_ROWS, 1)
+
+    @T.macro
+    def micro(X, panel, parts, Y, w, g, a, row, cs, kb, R):
+        acc = T.alloc_buffer((R, cols), F32, scope="local", annotations=ON_STACK)
+        if kb == 0:
+            for r in T.unroll(R):
+                for c in T.vectorized(cols):
+                    acc[r, c] = T.float32(0)
+        else:
+            for r in T.unroll(R):
+                for c in T.vectorized(cols):
+                    acc[r, c] = Y[at(row + r, g, a * tile + cs * cols + c)]
+        for ki in range(kc):
+            for r in T.unroll(R):
+                for c in T.vectorized(cols):
+                    acc[r, c] = acc[r, c] + X[at(row + r, g, kb * kc + ki)] * \
+                        weight(panel, parts, w, a, kb * kc, ki, cs * cols + c)
+        for r in T.unroll(R):
+            for c in T.vectorized(cols):
+                Y[at(row + r, g, a * tile + cs * cols + c)] = acc[r, c]
+
+    @T.macro
+    def panel_rows(X, parts, Y, w, g, a, first, count):
+        panel = T.alloc_buffer((kc, tile) if decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
+        for kb in range(in_dim // kc):
+            if decoded:
+                for ki in range(kc):
+                    for c in T.vectorized(tile):
+                        panel[ki, c] = weight_value(quant, parts, (w,), a, kb * kc + ki, c)
+            # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
+            # block's x (rows x k block) stays in L1 across the tile's column strips.
+            for b in range(count // rb):
+                for cs in range(tile // cols):
+                    micro(X, panel, parts, Y, w, g, a, first + b * rb, cs, kb, rb)
+            if half > 0:
+                if count % rb >= half:
+                    for cs in range(tile // cols):
+                        micro(X, panel, parts, Y, w, g, a, first + count // rb * rb, cs, kb, half)
+                for r in range(count % rb % half):
+                    for cs in range(tile // cols):
+                        micro(X, panel, parts, Y, w, g, a, first + count - count % rb % half + r, cs, kb, 1)
+
+    return direct_rows, panel_rows
 
 
 def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, schedule: bool = True):
@@ -301,7 +411,13 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
     [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); FP4; or
     BF16 (half the bytes of fp32 for the BF16 tensors of the checkpoint, such as the head).
     GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8).
-    ``groups`` > 0: G independent projections, x [..., G, I], weights [G, O / tile, I, tile]."""
+    ``groups`` > 0: G independent projections, x [..., G, I], weights [G, O / tile, I, tile].
+
+    The CPU kernel (``schedule``) runs ``_matmul_loops`` in parallel over (group, column tile):
+    the direct loop for GEMV, the panel loop for GEMM. ``schedule=False`` gives the compute
+    definition, which GPU targets schedule."""
+    if schedule:
+        return _cpu_linear(out_dim, in_dim, quant, gemv, groups)
     if gemv:
         n = te.var("N")
         rows = (n,)
@@ -314,82 +430,82 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
     args = [te.placeholder(lead + shape, dtype, name=name)
             for (shape, dtype), name in zip(weight_storage(out_dim, in_dim, quant), ("w", "s"))]
     tiled = lambda *i: weight_value(quant, args, i[:-3], *i[-3:])  # noqa: E731
-    quantized = quant != "fp32"
-    if quantized and not gemv:
+    if quant != "fp32" and not gemv:
         # Prefill decodes each weight tile once into a scratch tile that every row block reuses.
         decoded = te.compute(lead + (out_dim // tile, in_dim, tile), tiled, name="w_decoded")
         tiled = lambda *i: decoded[i]  # noqa: E731
     k = te.reduce_axis((0, in_dim), "k")
     y = te.compute(rows + lead + (out_dim,), lambda *idx: te.sum(
         x[idx[:-1] + (k,)] * tiled(*idx[len(rows):-1], idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
-    func = te.create_prim_func([x] + args + [y])
-    if not schedule:
-        return func
-    if quantized and not gemv:
-        return _schedule_decoded_gemm(func, tile, bool(groups))
-    return _schedule_matmul(func, "y", out_dim, gemv, bool(groups))
+    return te.create_prim_func([x] + args + [y])
 
 
-def _schedule_decoded_gemm(func, tile: int, grouped: bool):
-    """GEMM over a low-bit weight: per (column tile, 128-deep k block) decode the weight block
-    once, then run every 8-row block over it, accumulating straight into y."""
-    sch = s_tir.Schedule(func)
-    blk = sch.get_sblock("y")
-    loops = list(sch.get_loops(blk))
-    g = loops.pop(-3) if grouped else None
-    b, r, j, k = loops
-    jo, ji = sch.split(j, [None, tile])
-    ko, ki = sch.split(k, [None, 128])
-    sch.reorder(*([g] if grouped else []), jo, ko, b, ki, r, ji)
-    sch.parallel(sch.fuse(g, jo) if grouped else jo)
-    sch.unroll(r)
-    if tile > 1:
-        sch.vectorize(ji)
-    decoded = sch.get_sblock("w_decoded")
-    sch.compute_at(decoded, ko)
-    if tile > 1:
-        sch.vectorize(sch.get_loops(decoded)[-1])
-    sch.decompose_reduction(blk, ko)
-    return sch.mod["main"]
+def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
+    g = max(groups, 1)
+    tiles = out_dim // column_tile(out_dim)
+    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, True)
+    run = direct_rows if gemv else panel_rows
+    lead = (groups,) if groups else ()
+    outer = (lambda n: (n,)) if gemv else (lambda n: (n, GEMM_ROWS))  # noqa: E731
+    rows = (lambda n: n) if gemv else (lambda n: n * GEMM_ROWS)  # noqa: E731
+    storage = weight_storage(out_dim, in_dim, quant)
+    (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
+
+    if len(storage) == 2:
+        @T.prim_func
+        def f(x: T.handle, w: T.handle, s: T.handle, y: T.handle):
+            n = T.int32()
+            X0 = T.match_buffer(x, outer(n) + lead + (in_dim,), F32)
+            W0 = T.match_buffer(w, lead + w_shape, w_dtype)
+            S0 = T.match_buffer(s, lead + s_shape, s_dtype)
+            Y0 = T.match_buffer(y, outer(n) + lead + (out_dim,), F32)
+            X = T.decl_buffer((rows(n), g, in_dim), F32, data=X0.data)
+            W = T.decl_buffer((g,) + w_shape, w_dtype, data=W0.data)
+            S = T.decl_buffer((g,) + s_shape, s_dtype, data=S0.data)
+            Y = T.decl_buffer((rows(n), g, out_dim), F32, data=Y0.data)
+            for job in T.parallel(g * tiles):
+                run(X, (W, S), Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
+        return f
+
+    @T.prim_func
+    def f(x: T.handle, w: T.handle, y: T.handle):
+        n = T.int32()
+        X0 = T.match_buffer(x, outer(n) + lead + (in_dim,), F32)
+        W0 = T.match_buffer(w, lead + w_shape, w_dtype)
+        Y0 = T.match_buffer(y, outer(n) + lead + (out_dim,), F32)
+        X = T.decl_buffer((rows(n), g, in_dim), F32, data=X0.data)
+        W = T.decl_buffer((g,) + w_shape, w_dtype, data=W0.data)
+        Y = T.decl_buffer((rows(n), g, out_dim), F32, data=Y0.data)
+        for job in T.parallel(g * tiles):
+            run(X, (W,), Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
+    return f
 
 
-# The expert kernels' decoded weight panel holds at most this many floats: 1 KiB, what TVM's CPU
-# code keeps on the stack (a larger local buffer is a workspace allocation per (expert, tile)).
-EXPERT_PANEL = 256
-
-
-def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lanes: int = 64):
+def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lanes: int = 0):
     """y[p] = x[p] @ W[e].T for the rows p of each expert e's group, offsets[e] <= p <
     offsets[e + 1] (rows sorted by expert, see step_kernels.moe_group); weights stacked
-    [E, O / tile, I, tile] in any ``linear`` format. One kernel for decode and prefill: per
-    (expert, column tile, k block) the weight block is decoded once into a local panel that
-    every row of the group reuses; an expert without rows costs nothing. Each output is summed
-    in input order from zero, like ``linear``, whatever the group's size."""
+    [E, O / tile, I, tile] in any ``linear`` format. One kernel for decode and prefill, in
+    parallel over (column tile, expert), tile-major so both halves of the jobs hold every
+    expert: a group of up to GEMV_ROWS rows runs ``_matmul_loops``' direct loop, a larger one
+    the panel loop; an expert without rows costs nothing. Summed like ``linear``, so an
+    expert's rows get the same bits whatever the group's size. GPU builds (``max_lanes``) run
+    the direct loop, with column vectors of at most ``max_lanes``."""
     tile = column_tile(out_dim)
     tiles = out_dim // tile
-    kb = next(b for b in (64, 32, 16, 8, 4, 2, 1) if in_dim % b == 0 and b * tile <= max(EXPERT_PANEL, tile))
-    columns = T.vectorized if tile <= max_lanes else T.serial  # GPU threads: one column at a time
+    columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
+    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns)
+    cpu = not max_lanes
     storage = [((n_experts,) + shape, dtype) for shape, dtype in weight_storage(out_dim, in_dim, quant)]
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 
     @T.macro
-    def body(X, OFF, parts, Y, job):
-        e = job // tiles
-        a = job % tiles
-        if OFF[e + 1] > OFF[e]:  # most experts have no rows in a decode step: no work, no panel
-            panel = T.alloc_buffer((kb, tile), F32, scope="local")
-            for row in range(OFF[e + 1] - OFF[e]):
-                for c in columns(tile):
-                    Y[OFF[e] + row, a * tile + c] = T.float32(0)
-            for ko in range(in_dim // kb):
-                for ki in range(kb):
-                    for c in columns(tile):
-                        panel[ki, c] = weight_value(quant, parts, (e,), a, ko * kb + ki, c)
-                for row in range(OFF[e + 1] - OFF[e]):
-                    for ki in range(kb):
-                        for c in columns(tile):
-                            Y[OFF[e] + row, a * tile + c] = Y[OFF[e] + row, a * tile + c] + \
-                                X[OFF[e] + row, ko * kb + ki] * panel[ki, c]
+    def body(X, OFF, parts, Y, job):  # expert job % E, column tile job // E
+        if cpu and OFF[job % n_experts + 1] - OFF[job % n_experts] > GEMV_ROWS:
+            panel_rows(X, parts, Y, job % n_experts, 0, job // n_experts, OFF[job % n_experts],
+                       OFF[job % n_experts + 1] - OFF[job % n_experts])
+        else:
+            direct_rows(X, parts, Y, job % n_experts, 0, job // n_experts, OFF[job % n_experts],
+                        OFF[job % n_experts + 1] - OFF[job % n_experts])
 
     if len(storage) == 2:
         @T.prim_func

@@ -1,0 +1,157 @@
+"""Benchmark: the CPU matmul kernels alone against the machine's read bandwidth and torch.
+
+GEMV (decode, one row): GB/s of weight bytes streamed, against a plain parallel read of the same
+number of bytes (torch ``sum`` of a uint8 view, the machine's read bandwidth as this process sees
+it) in the same run. GEMM (prefill rows): GFLOP/s against torch's fp32 matmul on the same shapes
+(its BLAS) in the same run. Flash widths: hidden 4096, FP8 128x128 blocks, FP4 experts (inter
+2048, 16 experts, 6 routed rows per token), the BF16 head. Weights are sized past the last-level
+cache so GEMV numbers are memory numbers.
+
+    python bench/matmul.py [--rows 512] [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import time
+
+import numpy as np
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    import tvm
+
+    return f"{model} (LLVM {tvm.target.codegen.llvm_get_system_cpu()}, {os.cpu_count()} cores)"
+
+
+def _best(fn, repeat: int, before=None) -> float:
+    """Fastest of ``repeat`` timed calls (after one warm-up), ``before`` run untimed before each."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _weights(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()) -> list[np.ndarray]:
+    from dsv4c.codegen.llvm_kernels import weight_storage
+
+    parts = []
+    for shape, dtype in weight_storage(out_dim, in_dim, quant):
+        shape = lead + shape
+        if dtype == "float32" and quant in ("fp8_b128", "fp8fnuz_b128"):  # block scales
+            parts.append(rng.uniform(1e-3, 2e-3, shape).astype(np.float32))
+        elif dtype == "float32":
+            parts.append(rng.standard_normal(shape, np.float32))
+        elif quant == "fp4_g32" and len(parts) == 1:  # E8M0 scales near 2**-6
+            parts.append(rng.integers(118, 124, shape, dtype=np.uint8))
+        elif dtype == "uint16":  # BF16 bits of normal values
+            parts.append((rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        else:
+            codes = rng.integers(0, 256, shape, dtype=np.uint8)
+            parts.append(np.where((codes & 0x7F) == 0x7F, 0, codes).astype(np.uint8))  # no NaN codes
+    return parts
+
+
+def _compile(func):
+    import tvm
+
+    from dsv4c.codegen.build import serial_when_single
+    from dsv4c.codegen.llvm_kernels import CPU_PASS_CONFIG
+    from dsv4c.targets import target_info
+
+    with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
+        return tvm.compile(tvm.IRModule({"k": serial_when_single(func).with_attr("global_symbol", "k")}),
+                           target=target_info("llvm").tvm_target())["k"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=512, help="GEMM rows (prefill tokens)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="fewer, smaller shapes")
+    args = p.parse_args()
+    os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
+    import torch
+    import tvm
+
+    from dsv4c.codegen.llvm_kernels import GEMM_ROWS, expert_linear, linear
+
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    print(f"CPU: {cpu_model()}; {args.threads} threads")
+
+    # GEMV weights come from memory: a read of a buffer 8x the last-level cache evicts them before
+    # each timed call, and its own time is the machine's read bandwidth (torch sums in parallel).
+    evict = torch.ones(2**28 // 8, dtype=torch.int64)
+    flush = lambda: evict.sum()  # noqa: E731
+    read = evict.numel() * 8 / _best(flush, args.repeat) / 1e9
+    print(f"\nGEMV, one row (decode): weight GB/s vs a parallel read of {evict.numel() * 8 >> 20} MiB: {read:.1f} GB/s")
+    print(f"{'kernel':<34}{'MB':>8}{'ms':>9}{'GB/s':>8}{'ratio':>8}")
+    gemv = [("fp8_b128", 32768, 4096), ("fp4_g32 experts 6/16", 2048, 4096), ("bf16", 32000, 4096),
+            ("fp32", 8192, 4096)]
+    for name, out_dim, in_dim in gemv[:2] if args.quick else gemv:
+        quant = name.split()[0]
+        x = rng.standard_normal((6 if "experts" in name else 1, in_dim), np.float32)
+        if "experts" in name:
+            experts = 16
+            parts = _weights(rng, out_dim, in_dim, quant, (experts,))
+            offsets = np.array([0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 6, 6, 6, 6], np.int32)  # 6 experts, a row each
+            kernel = _compile(expert_linear(out_dim, in_dim, quant, experts))
+            args_nd = [x, offsets, *parts, np.zeros((6, out_dim), np.float32)]
+            nbytes = sum(part.nbytes for part in parts) * 6 // experts
+        else:
+            parts = _weights(rng, out_dim, in_dim, quant)
+            kernel = _compile(linear(out_dim, in_dim, quant, True))
+            args_nd = [x, *parts, np.zeros((1, out_dim), np.float32)]
+            nbytes = sum(part.nbytes for part in parts)
+        tensors = [tvm.runtime.tensor(a) for a in args_nd]
+        t_ours = _best(lambda: kernel(*tensors), args.repeat, flush)
+        ours = nbytes / t_ours / 1e9
+        print(f"{name:<34}{nbytes / 1e6:>8.1f}{t_ours * 1e3:>9.2f}{ours:>8.1f}{ours / read:>7.2f}x")
+
+    print(f"\nGEMM, {args.rows} rows (prefill): GFLOP/s vs torch fp32 matmul (weights dequantized)")
+    print(f"{'kernel':<34}{'ms':>9}{'GFLOP/s':>9}{'torch':>9}{'ratio':>8}")
+    gemm = [("fp8_b128", 4096, 4096), ("fp4_g32 experts", 2048, 4096), ("fp32", 4096, 1024), ("bf16", 8192, 4096)]
+    rows = -(-args.rows // GEMM_ROWS) * GEMM_ROWS
+    for name, out_dim, in_dim in gemm[:2] if args.quick else gemm:
+        quant = name.split()[0]
+        experts = 16 if "experts" in name else 0
+        m = rows * 6 // experts if experts else rows  # an expert's share of the routed rows
+        x = rng.standard_normal((m, in_dim), np.float32)
+        if experts:
+            parts = _weights(rng, out_dim, in_dim, quant, (experts,))
+            offsets = np.minimum(np.arange(experts + 1) * m, m * experts).astype(np.int32)
+            xs = np.tile(x, (experts, 1))
+            kernel = _compile(expert_linear(out_dim, in_dim, quant, experts))
+            tensors = [tvm.runtime.tensor(a) for a in (xs, offsets, *parts, np.zeros((m * experts, out_dim), np.float32))]
+            flops = 2 * m * experts * out_dim * in_dim
+        else:
+            parts = _weights(rng, out_dim, in_dim, quant)
+            kernel = _compile(linear(out_dim, in_dim, quant, False))
+            tensors = [tvm.runtime.tensor(a) for a in (x.reshape(-1, GEMM_ROWS, in_dim), *parts,
+                                                       np.zeros((m // GEMM_ROWS, GEMM_ROWS, out_dim), np.float32))]
+            flops = 2 * m * out_dim * in_dim
+        t_ours = _best(lambda: kernel(*tensors), args.repeat)
+        xt = torch.from_numpy(x)
+        wt = torch.from_numpy(rng.standard_normal((in_dim, out_dim), np.float32))
+        t_torch = _best(lambda: xt @ wt, args.repeat) * (experts or 1)
+        ours, ref = flops / t_ours / 1e9, flops / t_torch / 1e9
+        print(f"{name:<34}{t_ours * 1e3:>9.1f}{ours:>9.1f}{ref:>9.1f}{ours / ref:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

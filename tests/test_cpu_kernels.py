@@ -1,0 +1,182 @@
+"""The CPU matmul kernels (``llvm_kernels.linear`` GEMV / GEMM, ``expert_linear``) against numpy
+on edge shapes, in every weight format: rows that fill no register block, outputs that are not
+a multiple of 64 (smaller column tiles), inputs that are not a multiple of the k block, groups,
+experts with 0, 1, a few and many rows. Decode (GEMV), prefill (GEMM) and the expert kernel give
+every row the same bits however many rows run together: the compiled step relies on it."""
+
+import functools
+
+import numpy as np
+import pytest
+import tvm
+
+from dsv4c.codegen import llvm_kernels as K
+from dsv4c.frontend import lowbit
+from dsv4c.targets import target_info
+
+QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp4_g32", "bf16")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(factory: str, *params):
+    func = getattr(K, factory)(*params)
+    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
+        return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}),
+                           target=target_info("llvm").tvm_target())["k"]
+
+
+def _call(kernel, *arrays):
+    tensors = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
+    kernel(*tensors)
+    return tensors[-1].numpy()
+
+
+def _stored(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()):
+    """Random stored weight parts (``weight_storage``) and the float64 matrix [*lead, O, I] they hold."""
+    parts = []
+    for shape, dtype in K.weight_storage(out_dim, in_dim, quant):
+        shape = lead + shape
+        if dtype == "float32":
+            parts.append((rng.uniform(0.5, 2, shape) if parts else rng.standard_normal(shape)).astype(np.float32))
+        elif dtype == "uint16":
+            parts.append((rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        elif parts:  # E8M0 scales of FP4 groups
+            parts.append(rng.integers(120, 134, shape, dtype=np.uint8))
+        else:
+            codes = rng.integers(0, 256, shape, dtype=np.uint8)
+            if quant == "fp8_b128":
+                codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes
+            elif quant == "fp8fnuz_b128":
+                codes[codes == 0x80] = 0
+            parts.append(codes)
+    w = parts[0]
+    if quant in ("fp8_b128", "fp8fnuz_b128"):
+        decode = lowbit.decode_e4m3fn if quant == "fp8_b128" else lowbit.decode_e4m3fnuz
+        values = decode(w).astype(np.float32) * np.repeat(parts[1], 128, axis=-2)[..., :in_dim, :]
+    elif quant == "fp4_g32":
+        pairs = np.stack([lowbit.decode_e2m1(w & 15), lowbit.decode_e2m1(w >> 4)], axis=-2)
+        values = pairs.reshape(w.shape[:-2] + (in_dim, w.shape[-1])) * \
+            np.repeat(np.ldexp(np.float32(1), parts[1].astype(np.int32) - 127), 32, axis=-2)
+    elif quant == "bf16":
+        values = (w.astype(np.uint32) << 16).view(np.float32)
+    else:
+        values = w
+    # [*, O / tile, I, tile] -> [*, O, I]
+    values = np.moveaxis(values, -1, -2)
+    return parts, values.reshape(lead + (out_dim, in_dim)).astype(np.float64)
+
+
+def _close(got, want):
+    scale = np.abs(want).max() + 1e-30
+    assert np.abs(got - want).max() <= 1e-5 * scale
+
+
+def _gemm(out_dim, in_dim, quant, x, parts, groups=0):
+    """GEMM over x [n, (G,) I] zero-padded to blocks of GEMM_ROWS, as the prefill function calls it."""
+    n = x.shape[0]
+    blocks = -(-n // K.GEMM_ROWS)
+    padded = np.zeros((blocks * K.GEMM_ROWS,) + x.shape[1:], np.float32)
+    padded[:n] = x
+    y = np.zeros((blocks, K.GEMM_ROWS) + x.shape[1:-1] + (out_dim,), np.float32)
+    kernel = _kernel("linear", out_dim, in_dim, quant, False, groups)
+    return _call(kernel, padded.reshape((blocks, K.GEMM_ROWS) + x.shape[1:]), *parts, y).reshape(
+        (-1,) + x.shape[1:-1] + (out_dim,))[:n]
+
+
+def _gemv(out_dim, in_dim, quant, x, parts, groups=0):
+    kernel = _kernel("linear", out_dim, in_dim, quant, True, groups)
+    return _call(kernel, x, *parts, np.zeros(x.shape[:-1] + (out_dim,), np.float32))
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (80, 96), (24, 160)])
+def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim):
+    """Tiles of 64, 16 and 8 columns; k not a multiple of the scale block or of the panel's k
+    block; 1 to 4 decode rows, and prefill rows filling no register block (3, 13) or many (37)."""
+    if quant == "fp4_g32" and in_dim % 32:
+        pytest.skip("FP4 groups are 32 inputs")
+    rng = np.random.default_rng(out_dim + in_dim)
+    parts, w = _stored(rng, out_dim, in_dim, quant)
+    x = rng.standard_normal((37, in_dim)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T
+    prefill = _gemm(out_dim, in_dim, quant, x, parts)
+    _close(prefill, want)
+    for n in (3, 13):
+        assert np.array_equal(_gemm(out_dim, in_dim, quant, x[:n], parts), prefill[:n])
+    for n in (1, 2, 3, 4):
+        decode = _gemv(out_dim, in_dim, quant, x[:n], parts)
+        _close(decode, want[:n])
+        assert np.array_equal(decode, prefill[:n])  # decode and prefill give the same bits
+    # The GEMV kernel takes any row count (GEMV_ROWS at a time).
+    assert np.array_equal(_gemv(out_dim, in_dim, quant, x[:9], parts), prefill[:9])
+
+
+@pytest.mark.parametrize("quant", ["fp32", "fp8_b128"])
+def test_grouped_linear(quant):
+    rng = np.random.default_rng(5)
+    groups, out_dim, in_dim = 3, 64, 256
+    parts, w = _stored(rng, out_dim, in_dim, quant, (groups,))
+    x = rng.standard_normal((11, groups, in_dim)).astype(np.float32)
+    want = np.einsum("ngi,goi->ngo", x.astype(np.float64), w)
+    prefill = _gemm(out_dim, in_dim, quant, x, parts, groups)
+    _close(prefill, want)
+    decode = _gemv(out_dim, in_dim, quant, x[:2], parts, groups)
+    assert np.array_equal(decode, prefill[:2])
+
+
+@pytest.mark.parametrize("quant", ["fp32", "fp4_g32", "fp8_b128"])
+def test_expert_linear_groups_of_every_size(quant):
+    """Experts with 0, 1, 4 (the decode loop), 5, 13 and 30 rows (the panel loop, with a partial
+    register block); each row equals the dense GEMV of its expert bit for bit."""
+    rng = np.random.default_rng(9)
+    experts, out_dim, in_dim = 6, 80, 256
+    parts, w = _stored(rng, out_dim, in_dim, quant, (experts,))
+    sizes = [5, 0, 1, 13, 4, 30]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    x = rng.standard_normal((offsets[-1], in_dim)).astype(np.float32)
+    kernel = _kernel("expert_linear", out_dim, in_dim, quant, experts)
+    y = _call(kernel, x, offsets, *parts, np.zeros((offsets[-1], out_dim), np.float32))
+    for e in np.flatnonzero(sizes):
+        rows = slice(offsets[e], offsets[e + 1])
+        _close(y[rows], x[rows].astype(np.float64) @ w[e].T)
+        assert np.array_equal(y[rows], _gemv(out_dim, in_dim, quant, x[rows], [p[e] for p in parts]))
+
+
+def test_register_tile_fits_the_vector_registers():
+    """AVX2 (16 registers of 8 floats) and AVX-512 (32 of 16): the accumulators take half the
+    registers; a column tile narrower than two vectors is one block of its own width."""
+    for mcpu, lanes, tile in (("haswell", 8, (4, 16)), ("znver3", 8, (4, 16)), ("skylake-avx512", 16, (8, 32))):
+        with tvm.target.Target({"kind": "llvm", "mcpu": mcpu}):
+            assert K.cpu_vector()[0] == lanes
+            assert K.register_tile(64) == tile
+            assert K.register_tile(8) == (tile[0], 8)
+
+
+def test_decoders_match_lowbit_on_every_code():
+    """The float16-based decoders give lowbit's values for all 256 FP8 codes of both formats
+    (subnormals included) and all 16 e2m1 codes, low and high nibble."""
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def decode(codes: T.handle, out: T.handle):
+        C = T.match_buffer(codes, (256,), "uint8")
+        OUT = T.match_buffer(out, (256, 4), "float32")
+        for i in T.serial(256):
+            OUT[i, 0] = K.decode_e4m3fn(C[i])
+            OUT[i, 1] = K.decode_e4m3fnuz(C[i])
+            OUT[i, 2] = K.decode_fp4_packed(C[i], 0)
+            OUT[i, 3] = K.decode_fp4_packed(C[i], 1)
+
+    kernel = tvm.compile(tvm.IRModule({"k": decode.with_attr("global_symbol", "k")}),
+                         target=target_info("llvm").tvm_target())["k"]
+    codes = np.arange(256, dtype=np.uint8)
+    out = _call(kernel, codes, np.zeros((256, 4), np.float32))
+    fn = lowbit.decode_e4m3fn(codes)
+    finite = (codes & 0x7F) != 0x7F
+    np.testing.assert_array_equal(out[finite, 0], fn[finite])
+    np.testing.assert_array_equal(np.signbit(out[:, 0]), codes >= 128)
+    fnuz = lowbit.decode_e4m3fnuz(codes)
+    np.testing.assert_array_equal(out[codes != 0x80, 1], fnuz[codes != 0x80])
+    np.testing.assert_array_equal(out[:, 2], lowbit.decode_e2m1(codes & 15))
+    np.testing.assert_array_equal(out[:, 3], lowbit.decode_e2m1(codes >> 4))
+    np.testing.assert_array_equal(np.signbit(out[:, 2]), (codes & 8) > 0)
