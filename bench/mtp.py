@@ -140,6 +140,17 @@ def main() -> None:
           f"({draft_bytes / slice_step:.2f} of the slice step; {draft_bytes / flash_step:.3f} of a V4-Flash step "
           f"of {FLASH_LAYERS} such layers, {flash_step / 1e9:.2f} GB, projected by bytes)")
     draft_share_flash = draft_bytes / flash_step
+    # A second token of a verify step brings its own routed experts: at batch 1 a 2-token
+    # step reads the dense weights once but on average k + k (E - k) / E experts' weights.
+    k = MTP_SLICE["num_experts_per_tok"]
+    floors = []
+    for experts, step_bytes, layers_bytes in ((MTP_SLICE["n_routed_experts"], slice_step, b["routed_experts"]),
+                                              (256, flash_step, FLASH_LAYERS * b["routed_experts"] /
+                                               MTP_SLICE["num_hidden_layers"])):
+        more = (experts - k) / experts  # expected share of the second token's experts the first lacks
+        floors.append((step_bytes + layers_bytes * more) / step_bytes)
+    print(f"a 2-token verify step's floor by weight bytes (its experts): {floors[0]:.2f}x a step on the slice "
+          f"(16 experts), {floors[1]:.2f}x at V4-Flash depth (256 experts)")
     for k, verify, drafts in ((1, r["verify2"], r["draft"]), (2, r["verify3"], r["draft"] + r["chain"])):
         rounds_ms = verify + drafts + r["rollback"]
         line = []
