@@ -344,7 +344,9 @@ def test_a_model_without_tokenizer_serves_token_ids_and_stops_on_sigterm(artifac
         while True:
             try:
                 httpx.get(f"{served.url}/health", timeout=1)
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.ReadError):
+                # Refused, or reset: a connection that reached the backlog just as the listening
+                # socket closed (seen on a loaded machine) is dropped, not served.
                 break
             assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
             time.sleep(0.05)
