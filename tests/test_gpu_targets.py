@@ -122,8 +122,10 @@ def test_gpu_artifact_is_refused_on_this_host(artifact):
         Engine(path)
 
 
-@pytest.mark.parametrize("model", ["pro", "flash"])
-@pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])
+# Every target and both models, without every pair: a full-structure GPU compile takes 30-50 s
+# on the CI machines, and the suite has to stay within its time budget.
+@pytest.mark.parametrize("target, model", [("sm90", "pro"), ("sm90", "flash"), ("gfx942", "flash"),
+                                           ("gfx950", "pro")])
 def test_full_structure_compiles_without_weights(tmp_path, model, target):
     _require(target)
     out = compile_model(model, target, tmp_path / "art", no_weights=True, progress=False, log=lambda *_: None)
