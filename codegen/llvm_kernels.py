@@ -232,7 +232,8 @@ def bf16_bits(x):
 
 GEMM_ROWS = 8  # the prefill function pads a matmul's rows to blocks of 8 (see relax_step.matmul)
 GEMV_ROWS = 4  # rows the decode loop accumulates together, each weight decoded once for all of them
-PANEL_FLOATS = 4096  # a decoded weight panel (column tile x k block): 16 KiB, L1-resident
+PANEL_FLOATS = 4096  # a decoded weight panel (columns x k block): 16 KiB, L1-resident
+ACC_VECTORS = 8  # vector registers of the direct loop's accumulators: half of AVX2's
 # Scratch buffers of the matmul loops live on the thread's stack, where LLVM keeps accumulators
 # in registers: TVM would otherwise allocate any of 1 KiB or more from its workspace pool, per
 # parallel job, and its StorageRewrite pass merges the buffers of different branches into one
@@ -306,31 +307,110 @@ def weight_value(quant: str, parts, lead: tuple, a, kk, c):
     return w[lead + (a, kk, c)]
 
 
-def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized):
+# The CPU matmul kernels decode low-bit codes more cheaply than the decoders above: a code's
+# sign and magnitude bits go straight into a float32 (exponent field = the code's exponent),
+# whose value is the code's times 2**-RAW_POWER ("raw"; subnormal codes become float32
+# subnormals, exact). No scale touches a weight: each scale group's products are summed raw and
+# the sum is scaled once (``_matmul_loops``), which halves the vector operations per weight.
+# Raw values are tiny, so the products are taken with x times 2**X_BOOST (exact): the GEMV
+# boosts each x once for a whole row of weights, the GEMM's panel boosts the raw weights once
+# for all rows, which gives the same products bit for bit; either way they stay far from
+# float32's subnormal range, and the sums keep full precision. Float32 subnormals must not be
+# flushed to zero (DAZ) in the threads that run the kernels: ``runtime.backend_tvm`` refuses a
+# process that flushes them.
+RAW_POWER = {"fp8_b128": 127 - 7, "fp8fnuz_b128": 127 - 8, "fp4_g32": 126}
+X_BOOST = 64
+
+
+def raw_e4m3(code):
+    """float32 with an e4m3 byte's sign and 7 magnitude bits on bits 31 and 20..26: the byte
+    sign-extended, shifted, masked."""
+    bits = tirx.shift_left(tirx.Cast("int32", tirx.reinterpret("int8", code)), tirx.const(20, "int32"))
+    return tirx.reinterpret(F32, bits & tirx.const(0x87F00000 - (1 << 32), "int32"))
+
+
+def raw_e2m1(byte, high):
+    """float32 with the sign and 3 magnitude bits of one e2m1 code of a packed byte (the high
+    nibble when ``high`` is 1) on bits 31 and 22..24: the nibble shifted to the top, shifted back
+    arithmetically (the sign spreads over the exponent field), masked."""
+    top = tirx.shift_left(tirx.Cast("int32", byte), tirx.Cast("int32", 28 - 4 * high))
+    bits = tirx.shift_right(top, tirx.const(6, "int32")) & tirx.const(0x81C00000 - (1 << 32), "int32")
+    return tirx.reinterpret(F32, bits)
+
+
+def weight_raw(quant: str, parts, lead: tuple, a, kk, c):
+    """What the CPU matmul loops multiply x by, for a weight stored as ``weight_value`` reads it:
+    the value itself (fp32, BF16), or for scaled formats (value / scale) * 2**-RAW_POWER."""
+    w = parts[0]
+    if quant in FP8_DECODERS:
+        return raw_e4m3(w[lead + (a, kk, c)])
+    if quant == "fp4_g32":
+        return raw_e2m1(w[lead + (a, kk // 2, c)], kk % 2)
+    if quant == "bf16":
+        return decode_bf16(w[lead + (a, kk, c)])
+    return w[lead + (a, kk, c)]
+
+
+def boosted(value):
+    """x (in the GEMV) or a raw weight (in the GEMM panel) times 2**X_BOOST, exact."""
+    return value * tirx.const(2.0 ** X_BOOST, F32)
+
+
+def scaled_sum(quant: str, parts, lead: tuple, a, kk, c, raw_sum):
+    """A sum of boosted raw products over one scale group (the group holding input kk) as a sum
+    of x times weight values: times 2**(RAW_POWER - X_BOOST) (exact), times the group's scale."""
+    if quant in FP8_DECODERS:
+        scale = parts[1][lead + (a, kk // 128, c)]
+    else:
+        scale = decode_e8m0(parts[1][lead + (a, kk // 32, c)])
+    return raw_sum * tirx.const(2.0 ** (RAW_POWER[quant] - X_BOOST), F32) * scale
+
+
+def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized, cpu: bool = True):
     """The CPU matmul's loops over a range of rows of x [P, (G,) I] -> y [P, (G,) O] for one column
     tile ``a`` of weight ``w`` (a group or an expert: the parts' leading index), shared by
-    ``linear`` and ``expert_linear``. Every output is summed from zero in input order with one
-    accumulator, whichever loop runs it and however many rows there are, so results do not
-    depend on the step's size (the decode and prefill functions agree bit for bit).
+    ``linear`` and ``expert_linear``. Every output is summed in input order the same way, whichever
+    loop runs it and however many rows there are, so results do not depend on the step's size
+    (the decode and prefill functions agree bit for bit): from zero with one accumulator; for
+    scaled formats (FP8, FP4), the boosted raw products (``weight_raw``, ``boosted``) of each
+    group of ``group`` inputs (within one scale group) are summed from zero, and each group's
+    sum, scaled (``scaled_sum``), is added to the output's total in group order.
 
     ``direct``: up to GEMV_ROWS rows at a time, the weight tile streamed once in memory order
-    and decoded in registers, a vector of columns per accumulator (decode steps).
-    ``panel``: for each k block, the tile's block is decoded once into an L1 panel (fp32 weights
-    are read in place), then a register-tiled micro-kernel (``register_tile``) runs every block
-    of rows over it, its accumulators loaded from and stored to y around the block."""
+    and decoded in registers (decode steps). For each group, the tile's columns go in chunks
+    whose accumulators (rows x chunk) fill ``ACC_VECTORS`` vector registers; the group's bytes
+    are re-read from L1 by the later chunks.
+    ``panel``: for each k block of whole groups and each panel of columns, the weights are
+    decoded once into an L1 panel (fp32 weights are read in place), then a register-tiled
+    micro-kernel (``register_tile``) runs every block of rows over it, adding each group's sum
+    (or, unscaled, its running sums) to y.
+
+    GPU builds (not ``cpu``) run the direct loop on weight values (``weight_value``): their
+    float32 arithmetic may flush the raw codes' subnormals."""
     tile = column_tile(out_dim)
     decoded = quant != "fp32"
-    # The direct loop runs k in scale groups (FP8 blocks of 128, FP4 groups of 32), so the
-    # group's scales are loaded and decoded once, then k unrolled by up to 4 inside a group.
-    group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if quant in FP8_DECODERS else 4))
+    scaled = cpu and quant in RAW_POWER
+    decode = weight_raw if cpu else weight_value
+    # Groups: FP8 blocks of 128, FP4 scale groups of 32 (k unrolled by up to 4 inside a group).
+    group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if scaled else 4))
     unroll = math.gcd(group, 4)
-    kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if in_dim % b == 0 and b * tile <= max(PANEL_FLOATS, tile))
-    rb, cols = register_tile(tile) if columns is T.vectorized else (1, 1)
+    # The panel: kc inputs (whole groups when scaled) x pw columns, at most PANEL_FLOATS floats.
+    pw = next(w for w in (tile, tile // 2, tile // 4) if w * group <= PANEL_FLOATS or w == tile // 4) if scaled else tile
+    kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+              if in_dim % b == 0 and b * pw <= max(PANEL_FLOATS, pw * group) and (not scaled or b % group == 0))
+    rb, cols = register_tile(pw) if columns is T.vectorized else (1, 1)
     half = rb // 2
+    lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
 
-    def weight(panel, parts, w, a, k0, ki, c):
-        return panel[ki, c] if decoded else weight_value(quant, parts, (w,), a, k0 + ki, c)
+    x_value = boosted if scaled else (lambda x: x)  # noqa: E731  (the direct loop's x)
+    panel_value = boosted if scaled else (lambda w: w)  # noqa: E731  (the panel's decoded weights)
+
+    def chunk(R):  # the direct loop's columns per chunk for R rows
+        return math.gcd(tile, max(lanes, ACC_VECTORS * lanes // R))
+
+    def total(previous, raw_sum, parts, w, a, kk, c):  # a group's sum added to the total
+        return previous + scaled_sum(quant, parts, (w,), a, kk, c, raw_sum) if scaled else raw_sum
 
     @T.macro
     def direct(X, parts, Y, w, g, a, first, R):
@@ -339,12 +419,22 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             for c in columns(tile):
                 acc[r, c] = T.float32(0)
         for kg in range(in_dim // group):
-            for ko in range(group // unroll):
-                for u in T.unroll(unroll):
-                    for r in T.unroll(R):
-                        for c in columns(tile):
-                            acc[r, c] = acc[r, c] + X[at(first + r, g, kg * group + ko * unroll + u)] * \
-                                weight_value(quant, parts, (w,), a, kg * group + ko * unroll + u, c)
+            for cc in range(tile // chunk(R)):
+                # This chunk's accumulators, which LLVM keeps in registers over the group.
+                part = T.alloc_buffer((R, chunk(R)), F32, scope="local", annotations=ON_STACK)
+                for r in T.unroll(R):
+                    for c in columns(chunk(R)):
+                        part[r, c] = T.float32(0) if scaled else acc[r, cc * chunk(R) + c]
+                for ko in range(group // unroll):
+                    for u in T.unroll(unroll):
+                        for r in T.unroll(R):
+                            for c in columns(chunk(R)):
+                                part[r, c] = part[r, c] + x_value(X[at(first + r, g, kg * group + ko * unroll + u)]) * \
+                                    decode(quant, parts, (w,), a, kg * group + ko * unroll + u, cc * chunk(R) + c)
+                for r in T.unroll(R):
+                    for c in columns(chunk(R)):
+                        acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], parts, w, a,
+                                                          kg * group, cc * chunk(R) + c)
         for r in T.unroll(R):
             for c in columns(tile):
                 Y[at(first + r, g, a * tile + c)] = acc[r, c]
@@ -361,46 +451,65 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             else:
                 direct(X, parts, Y, w, g, a, first + b * GEMV_ROWS, 1)
 
+    def weight(panel, parts, w, a, k, ki, pb, pc):  # input k (ki in the k block), panel pb's column pc
+        return panel[ki, pc] if decoded else weight_raw(quant, parts, (w,), a, k, pb * pw + pc)
+
     @T.macro
-    def micro(X, panel, parts, Y, w, g, a, row, cs, kb, R):
+    def micro(X, panel, parts, Y, w, g, a, row, pb, cs, kb, R):
         acc = T.alloc_buffer((R, cols), F32, scope="local", annotations=ON_STACK)
-        if kb == 0:
-            for r in T.unroll(R):
-                for c in T.vectorized(cols):
-                    acc[r, c] = T.float32(0)
-        else:
-            for r in T.unroll(R):
-                for c in T.vectorized(cols):
-                    acc[r, c] = Y[at(row + r, g, a * tile + cs * cols + c)]
-        for ki in range(kc):
-            for r in T.unroll(R):
-                for c in T.vectorized(cols):
-                    acc[r, c] = acc[r, c] + X[at(row + r, g, kb * kc + ki)] * \
-                        weight(panel, parts, w, a, kb * kc, ki, cs * cols + c)
-        for r in T.unroll(R):
-            for c in T.vectorized(cols):
-                Y[at(row + r, g, a * tile + cs * cols + c)] = acc[r, c]
+        for kg in range(kc // group if scaled else 1):
+            if scaled or kb == 0:
+                for r in T.unroll(R):
+                    for c in T.vectorized(cols):
+                        acc[r, c] = T.float32(0)
+            else:
+                for r in T.unroll(R):
+                    for c in T.vectorized(cols):
+                        acc[r, c] = Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)]
+            for ki in range(group if scaled else kc):
+                for r in T.unroll(R):
+                    for c in T.vectorized(cols):
+                        acc[r, c] = acc[r, c] + X[at(row + r, g, kb * kc + kg * group + ki)] * \
+                            weight(panel, parts, w, a, kb * kc + kg * group + ki, kg * group + ki, pb, cs * cols + c)
+            if scaled:
+                # The output's total so far: zero before the first group, then y.
+                if kb * kc + kg * group == 0:
+                    for r in T.unroll(R):
+                        for c in T.vectorized(cols):
+                            Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = total(
+                                T.float32(0), acc[r, c], parts, w, a, 0, pb * pw + cs * cols + c)
+                else:
+                    for r in T.unroll(R):
+                        for c in T.vectorized(cols):
+                            Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = total(
+                                Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)], acc[r, c], parts, w, a,
+                                kb * kc + kg * group, pb * pw + cs * cols + c)
+            else:
+                for r in T.unroll(R):
+                    for c in T.vectorized(cols):
+                        Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = acc[r, c]
 
     @T.macro
     def panel_rows(X, parts, Y, w, g, a, first, count):
-        panel = T.alloc_buffer((kc, tile) if decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
+        panel = T.alloc_buffer((kc, pw) if decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
         for kb in range(in_dim // kc):
-            if decoded:
-                for ki in range(kc):
-                    for c in T.vectorized(tile):
-                        panel[ki, c] = weight_value(quant, parts, (w,), a, kb * kc + ki, c)
-            # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
-            # block's x (rows x k block) stays in L1 across the tile's column strips.
-            for b in range(count // rb):
-                for cs in range(tile // cols):
-                    micro(X, panel, parts, Y, w, g, a, first + b * rb, cs, kb, rb)
-            if half > 0:
-                if count % rb >= half:
-                    for cs in range(tile // cols):
-                        micro(X, panel, parts, Y, w, g, a, first + count // rb * rb, cs, kb, half)
-                for r in range(count % rb % half):
-                    for cs in range(tile // cols):
-                        micro(X, panel, parts, Y, w, g, a, first + count - count % rb % half + r, cs, kb, 1)
+            for pb in range(tile // pw):
+                if decoded:
+                    for ki in range(kc):
+                        for c in T.vectorized(pw):
+                            panel[ki, c] = panel_value(weight_raw(quant, parts, (w,), a, kb * kc + ki, pb * pw + c))
+                # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
+                # block's x (rows x k block) stays in L1 across the panel's column strips.
+                for b in range(count // rb):
+                    for cs in range(pw // cols):
+                        micro(X, panel, parts, Y, w, g, a, first + b * rb, pb, cs, kb, rb)
+                if half > 0:
+                    if count % rb >= half:
+                        for cs in range(pw // cols):
+                            micro(X, panel, parts, Y, w, g, a, first + count // rb * rb, pb, cs, kb, half)
+                    for r in range(count % rb % half):
+                        for cs in range(pw // cols):
+                            micro(X, panel, parts, Y, w, g, a, first + count - count % rb % half + r, pb, cs, kb, 1)
 
     return direct_rows, panel_rows
 
@@ -493,8 +602,8 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lan
     tile = column_tile(out_dim)
     tiles = out_dim // tile
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
-    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns)
     cpu = not max_lanes
+    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu)
     storage = [((n_experts,) + shape, dtype) for shape, dtype in weight_storage(out_dim, in_dim, quant)]
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 

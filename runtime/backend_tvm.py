@@ -33,6 +33,7 @@ class TvmBackend:
         vm = manifest["vm"]
         if self.on_host:
             check_cpu(artifact, manifest["kernels"])
+            check_subnormals(artifact)
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact / vm["library"])), device)
         self.functions = {name: self.vm[name] for name in vm["functions"]}
         # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
@@ -145,6 +146,19 @@ def check_cpu(artifact: Path, kernels: dict) -> None:
         raise ArtifactError(f"{artifact}: compiled for CPU {mcpu}, which needs {', '.join(missing)} "
                             f"that this CPU ({host.model}) lacks; recompile with --cpu native (this CPU) or "
                             "--cpu x86-64-v3 (any AVX2 CPU)")
+
+
+def check_subnormals(artifact: Path) -> None:
+    """Refuse a process whose float32 arithmetic flushes subnormals to zero (MXCSR DAZ / FTZ, as
+    a library built with -ffast-math may set when it loads): the CPU kernels decode FP8 / FP4
+    codes through float32 subnormals (``codegen.llvm_kernels.RAW_POWER``) and would silently
+    drop the small weights. Threads inherit the flags of the thread that starts them.
+    C++ twin: step.cc, check_subnormals."""
+    tiny = np.array([2.0 ** -140], np.float32)
+    if not (tiny * np.float32(2.0))[0] > 0:
+        raise UsageError(f"{artifact}: this process flushes float32 subnormals to zero (DAZ / FTZ, set by a library "
+                         "built with -ffast-math?); the CPU kernels need them: load the artifact before importing "
+                         "that library, or in another process")
 
 
 def step_inputs(pool: KVPool, positions: np.ndarray, seq_ids: np.ndarray, entry_ratios: list[int]):

@@ -111,6 +111,20 @@ def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim)
     assert np.array_equal(_gemv(out_dim, in_dim, quant, x[:9], parts), prefill[:9])
 
 
+@pytest.mark.parametrize("quant", QUANTS)
+def test_small_inputs_keep_full_precision(quant):
+    """Tiny activations times small weights: each output within 1e-5 of the sum of its terms'
+    magnitudes, so no product or partial sum loses bits in float32's subnormal range (the
+    low-bit kernels sum raw codes, whose float32 values are tiny, see ``llvm_kernels.X_BOOST``)."""
+    rng = np.random.default_rng(3)
+    out_dim, in_dim = 64, 256
+    parts, w = _stored(rng, out_dim, in_dim, quant)
+    x = (rng.standard_normal((5, in_dim)) * 1e-8).astype(np.float32)
+    want, magnitude = x.astype(np.float64) @ w.T, np.abs(x.astype(np.float64)) @ np.abs(w).T
+    for got in (_gemv(out_dim, in_dim, quant, x[:1], parts), _gemm(out_dim, in_dim, quant, x, parts)):
+        assert np.all(np.abs(got - want[:len(got)]) <= 1e-5 * magnitude[:len(got)])
+
+
 @pytest.mark.parametrize("quant", ["fp32", "fp8_b128"])
 def test_grouped_linear(quant):
     rng = np.random.default_rng(5)

@@ -87,12 +87,23 @@ void check_cpu(const std::string& path, const json::Fields& kernels) {
   }
 }
 
+// Refuses a process that flushes float32 subnormals to zero (DAZ / FTZ): the CPU kernels decode
+// FP8 / FP4 codes through them (Python: backend_tvm.check_subnormals).
+void check_subnormals(const std::string& path) {
+  volatile float tiny = 0x1p-140f;
+  if (!(tiny * 2.0f > 0.0f)) {
+    throw ArtifactError(path + ": this process flushes float32 subnormals to zero (DAZ / FTZ, set by a library built "
+                        "with -ffast-math?); the CPU kernels need them: load the artifact before that library");
+  }
+}
+
 // The device an artifact's target runs on (Python: TargetInfo.device, and on the CPU
-// backend_tvm.check_cpu), or an ArtifactError.
+// backend_tvm.check_cpu and check_subnormals), or an ArtifactError.
 DLDevice device_for(const std::string& path, const json::Fields& manifest) {
   const std::string target = manifest.string("target");
   if (target == "llvm") {
     check_cpu(path, manifest.object("kernels"));
+    check_subnormals(path);
     return DLDevice{kDLCPU, 0};
   }
   DLDevice device{target == "sm90" ? kDLCUDA : kDLROCM, 0};
