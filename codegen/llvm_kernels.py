@@ -406,8 +406,9 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     x_value = boosted if scaled else (lambda x: x)  # noqa: E731  (the direct loop's x)
     panel_value = boosted if scaled else (lambda w: w)  # noqa: E731  (the panel's decoded weights)
 
-    def chunk(R):  # the direct loop's columns per chunk for R rows
-        return math.gcd(tile, max(lanes, ACC_VECTORS * lanes // R))
+    def chunk(R):  # the direct loop's columns per chunk for R rows: a power-of-two count of vectors
+        vectors = max(1, ACC_VECTORS // R)
+        return math.gcd(tile, (1 << (vectors.bit_length() - 1)) * lanes)
 
     def total(previous, raw_sum, parts, w, a, kk, c):  # a group's sum added to the total
         return previous + scaled_sum(quant, parts, (w,), a, kk, c, raw_sum) if scaled else raw_sum
@@ -675,11 +676,27 @@ def rmsnorm(dim: int, eps: float, weighted: bool):
     return f
 
 
+ROPE_HEAD_BLOCK = 8  # heads per parallel job of the rope kernels, which share one token's cos / sin
+
+
+def _rotation(half: int):
+    """A macro that fills trig[p] = (cos, sin) of the angle of pair p at token i's position."""
+    @T.macro
+    def rotation(POS, INV, i, trig):
+        for p in range(half):
+            trig[p, 0] = T.cos(T.Cast(F32, POS[i]) * INV[p])
+            trig[p, 1] = T.sin(T.Cast(F32, POS[i]) * INV[p])
+    return rotation
+
+
 def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
-    """GPT-J rotation of the trailing rope_dim channels of x [N, heads, dim] at positions [N]."""
+    """GPT-J rotation of the trailing rope_dim channels of x [N, heads, dim] at positions [N], in
+    parallel over (token, block of heads)."""
     half = rope_dim // 2
     nope = dim - rope_dim
     sign = -1.0 if inverse else 1.0
+    hb = math.gcd(heads, ROPE_HEAD_BLOCK)
+    rotation = _rotation(half)
 
     @T.prim_func
     def f(x: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
@@ -688,24 +705,30 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
         POS = T.match_buffer(pos, (n,), "int32")
         INV = T.match_buffer(inv, (half,), F32)
         OUT = T.match_buffer(out, (n, heads, dim), F32)
-        for i in T.parallel(n):
-            for h in range(heads):
+        for ib in T.parallel(n * (heads // hb)):
+            trig = T.alloc_buffer((half, 2), F32, scope="local")
+            i = ib // (heads // hb)
+            rotation(POS, INV, i, trig)
+            for hh in range(hb):
+                h = ib % (heads // hb) * hb + hh
                 for j in range(nope):
                     OUT[i, h, j] = X[i, h, j]
                 for p in range(half):
-                    ang = T.Cast(F32, POS[i]) * INV[p]
-                    c = T.cos(ang)
-                    s = T.sin(ang) * T.float32(sign)
-                    OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * c - X[i, h, nope + 2 * p + 1] * s
-                    OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * c + X[i, h, nope + 2 * p] * s
+                    OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * trig[p, 0] - \
+                        X[i, h, nope + 2 * p + 1] * (trig[p, 1] * T.float32(sign))
+                    OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * trig[p, 0] + \
+                        X[i, h, nope + 2 * p] * (trig[p, 1] * T.float32(sign))
     return f
 
 
 def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool):
     """rmsnorm over each head's ``dim`` channels (times w when weighted), then the GPT-J rotation
-    of the trailing ``rope_dim`` channels at the token's position."""
+    of the trailing ``rope_dim`` channels at the token's position; in parallel over (token,
+    block of heads)."""
     half = rope_dim // 2
     nope = dim - rope_dim
+    hb = math.gcd(heads, ROPE_HEAD_BLOCK)
+    rotation = _rotation(half)
 
     @T.prim_func
     def f(x: T.handle, w: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
@@ -715,9 +738,13 @@ def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool
         POS = T.match_buffer(pos, (n,), "int32")
         INV = T.match_buffer(inv, (half,), F32)
         OUT = T.match_buffer(out, (n, heads, dim), F32)
-        for i in T.parallel(n):
+        for ib in T.parallel(n * (heads // hb)):
             acc = T.alloc_buffer((1,), F32, scope="local")
-            for h in range(heads):
+            trig = T.alloc_buffer((half, 2), F32, scope="local")
+            i = ib // (heads // hb)
+            rotation(POS, INV, i, trig)
+            for hh in range(hb):
+                h = ib % (heads // hb) * hb + hh
                 acc[0] = T.float32(0)
                 for j in range(dim):
                     acc[0] = acc[0] + X[i, h, j] * X[i, h, j]
@@ -725,12 +752,11 @@ def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool
                 for j in range(nope):
                     OUT[i, h, j] = X[i, h, j] * acc[0] * T.if_then_else(weighted, W[j], T.float32(1))
                 for p in range(half):
-                    ang = T.Cast(F32, POS[i]) * INV[p]
                     a = X[i, h, nope + 2 * p] * acc[0] * T.if_then_else(weighted, W[nope + 2 * p], T.float32(1))
                     b = X[i, h, nope + 2 * p + 1] * acc[0] * T.if_then_else(weighted, W[nope + 2 * p + 1],
                                                                              T.float32(1))
-                    OUT[i, h, nope + 2 * p] = a * T.cos(ang) - b * T.sin(ang)
-                    OUT[i, h, nope + 2 * p + 1] = b * T.cos(ang) + a * T.sin(ang)
+                    OUT[i, h, nope + 2 * p] = a * trig[p, 0] - b * trig[p, 1]
+                    OUT[i, h, nope + 2 * p + 1] = b * trig[p, 0] + a * trig[p, 1]
     return f
 
 
@@ -748,17 +774,20 @@ def add(dim: int):
 
 
 def swiglu(dim: int, limit: float):
+    """In parallel over (row, block of 256 columns): a decode step's few rows still use every core."""
+    cb = math.gcd(dim, 256)
+
     @T.prim_func
     def f(g: T.handle, u: T.handle, out: T.handle):
         n = T.int32()
         G = T.match_buffer(g, (n, dim), F32)
         U = T.match_buffer(u, (n, dim), F32)
         OUT = T.match_buffer(out, (n, dim), F32)
-        for i in T.parallel(n):
-            for j in range(dim):
-                gv = T.min(G[i, j], T.float32(limit))
-                OUT[i, j] = gv / (T.float32(1) + T.exp(-gv)) * T.max(T.min(U[i, j], T.float32(limit)),
-                                                                      T.float32(-limit))
+        for ib in T.parallel(n * (dim // cb)):
+            for jj in range(cb):
+                gv = T.min(G[ib // (dim // cb), ib % (dim // cb) * cb + jj], T.float32(limit))
+                OUT[ib // (dim // cb), ib % (dim // cb) * cb + jj] = gv / (T.float32(1) + T.exp(-gv)) * T.max(
+                    T.min(U[ib // (dim // cb), ib % (dim // cb) * cb + jj], T.float32(limit)), T.float32(-limit))
     return f
 
 
@@ -773,6 +802,7 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
     flat = hc * dim
     mix = hc if head else (2 + hc) * hc
     n_scale = 1 if head else 3
+    rows = math.gcd(mix, 8)  # mixing rows summed together (8 chains hide the FMA latency)
 
     @T.macro
     def streams(O, H, POST, COMB, H_OUT, t):
@@ -785,6 +815,7 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
     @T.macro
     def coefficients(SRC, FN, BASE, SCALE, Y, PRE_OUT, POST_OUT, COMB_OUT, t):
         acc = T.alloc_buffer((2,), F32, scope="local")
+        part = T.alloc_buffer((rows,), F32, scope="local")
         m = T.alloc_buffer((mix,), F32, scope="local")
         pre = T.alloc_buffer((hc,), F32, scope="local")
         c = T.alloc_buffer((hc, hc), F32, scope="local")
@@ -792,11 +823,15 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
         for i in range(flat):
             acc[0] = acc[0] + SRC[t, i // dim, i % dim] * SRC[t, i // dim, i % dim]
         acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(flat) + T.float32(norm_eps))
-        for r in range(mix):
-            acc[1] = T.float32(0)
-            for i in range(flat):
-                acc[1] = acc[1] + SRC[t, i // dim, i % dim] * FN[r, i]
-            m[r] = acc[1] * acc[0]
+        for rr in range(mix // rows):  # rows of fn together: independent sums, each in input order
+            for u in T.unroll(rows):
+                part[u] = T.float32(0)
+            for k in range(hc):
+                for d in range(dim):
+                    for u in T.unroll(rows):
+                        part[u] = part[u] + SRC[t, k, d] * FN[rr * rows + u, k * dim + d]
+            for u in T.unroll(rows):
+                m[rr * rows + u] = part[u] * acc[0]
         for j in range(hc):
             pre[j] = T.float32(1) / (T.float32(1) + T.exp(-(m[j] * SCALE[0] + BASE[j]))) + T.float32(hc_eps)
         if not head:
@@ -1339,14 +1374,23 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     return f
 
 
-def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, layout=None):
+INDEX_ENTRY_BLOCK = 32  # index entries scored together on the CPU: 4 AVX2 / 2 AVX-512 accumulators
+
+
+def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, layout=None, max_lanes: int = 0):
     """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0.
     The key rows are index pool rows in ``storage`` (fp32, or fp8 / fp4 bytes in the pool's
     ``fp8_format`` and ``layout``, decoded value by value exactly as _IndexCodec.read does, see
-    index_key)."""
+    index_key).
+
+    In parallel over (query, block of entries): the block's keys are decoded once into an L1
+    panel [dim, block], then every head's dot products with the block run as one vector per
+    input (the entries are the lanes), each summed in input order as a single dot product
+    would be. GPU builds (``max_lanes``) take blocks of at most that many entries."""
     scale = (heads ** -0.5) * (dim ** -0.5)
     width, dtype = index_plane_row(dim, storage)
     _check_index_format(storage, fp8_format, layout)
+    block = min(INDEX_ENTRY_BLOCK, max_lanes) if max_lanes else INDEX_ENTRY_BLOCK
 
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
@@ -1358,33 +1402,53 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
         PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n, e), "int32")
         OUT = T.match_buffer(out, (n, e), F32)
-        for i in T.parallel(n * e):  # one (query, entry) pair each: decode scores thousands at once
-            acc = T.alloc_buffer((2,), F32, scope="local")
-            if ROWS[i // e, i % e] < 0:
-                OUT[i // e, i % e] = T.float32(NEG_INF)
-            else:
-                acc[0] = T.float32(0)
-                for h in range(heads):
-                    acc[1] = T.float32(0)
-                    for d in range(dim):
-                        acc[1] = acc[1] + Q[i // e, h, d] * index_key(PLANE, ROWS[i // e, i % e], d, dim, storage,
-                                                                                 fp8_format, layout)
-                    acc[0] = acc[0] + T.max(acc[1], T.float32(0)) * (W[i // e, h] * T.float32(scale))
-                OUT[i // e, i % e] = acc[0]
+        for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
+            keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
+            part = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
+            acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
+            t = i // ((e + block - 1) // block)
+            first = i % ((e + block - 1) // block) * block
+            for j in range(block):  # entries past e or without a row decode row 0; their score is dropped
+                for d in range(dim):
+                    keys[d, j] = index_key(PLANE, T.max(T.if_then_else(first + j < e, ROWS[t, first + j], 0), 0), d,
+                                           dim, storage, fp8_format, layout)
+            for j in T.vectorized(block):
+                acc[j] = T.float32(0)
+            for h in range(heads):
+                for j in T.vectorized(block):
+                    part[j] = T.float32(0)
+                for d in range(dim):
+                    for j in T.vectorized(block):
+                        part[j] = part[j] + Q[t, h, d] * keys[d, j]
+                for j in T.vectorized(block):
+                    acc[j] = acc[j] + T.max(part[j], T.float32(0)) * (W[t, h] * T.float32(scale))
+            for j in range(block):
+                if first + j < e:
+                    OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
     return f
 
 
 # Kernels with explicit vector loops, and the widest vector GPU code generators accept.
-VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear"})
+VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score"})
 GPU_MAX_LANES = 4
 
 
+ATTN_HEAD_BLOCK = 8  # heads that share each KV row read on the CPU (MQA: every head reads the same rows)
+ATTN_ROW_BLOCK = 8  # KV rows decoded together into an L1 panel, one online-softmax update each
+
+
 def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
-                fp8_format=None, max_lanes: int = 16):
+                fp8_format=None, max_lanes: int = 0):
     """Softmax attention over each query's row list (``rows [N, M]``, -1 = none, see
     ``step_kernels.attention_rows``); rows >= R are this step's fresh KV.
-    The per-head sink enters the denominator only. Dot products and the weighted sum run on
-    ``lanes``-wide vectors along the head dim (the row loop stays scalar: its length is data).
+    The per-head sink enters the denominator only.
+
+    In parallel over (query, block of ATTN_HEAD_BLOCK heads); the query's rows go in blocks of
+    ATTN_ROW_BLOCK, each decoded once into an L1 panel that every head of the block reads twice:
+    for its scores (vector dot products along the head dim) and, after an online-softmax update
+    of the running max, denominator and output (rescaled when the max grows), for its weighted
+    sum. GPU builds (``max_lanes``) take one head and one row at a time, in vectors of at most
+    ``max_lanes`` along the head dim.
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
     planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the
@@ -1393,62 +1457,90 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     out) or (q, nope_plane, rope_plane, step, sink, rows, out)."""
     nope_dim = dim - rope_dim
     # A vector chunk never straddles the NoPE / rope boundary (nor, lanes dividing 64, a scale group).
-    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= max_lanes)
+    widest = max_lanes or cpu_vector()[0]
+    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= widest)
     chunks = dim // lanes
+    hb, rb = (1, 1) if max_lanes else (math.gcd(heads, ATTN_HEAD_BLOCK), ATTN_ROW_BLOCK)
+    strip = math.gcd(dim, 8 * lanes)  # 8 accumulator vectors
+    wide = T.serial if max_lanes else T.vectorized  # loops wider than a vector (GPU code generators refuse them)
     if main_storage == "fp8":
         _check_main_fp8(nope_dim, fp8_format)
     elif main_storage != "fp32":
         raise ValueError(f"sparse_attn reads fp32 or fp8 main pools, not {main_storage!r}")
 
-    def kv(pool, STEP, row, r, c, l):
-        """Value c * lanes + l of KV row ``row``: the pool's (decoded) below R, else this step's."""
+    def stored(pool, row, c, l):
+        """Value c * lanes + l of pool row ``row`` (decoded)."""
         if main_storage == "fp32":
-            stored = pool[0][T.min(row, r - 1), c * lanes + l]
-        else:
-            stored = main_fp8_value(pool[0], pool[1], T.min(row, r - 1), c * lanes, l, nope_dim, fp8_format)
-        return T.if_then_else(row < r, stored, STEP[T.max(row - r, 0), c * lanes + l])
+            return pool[0][row, c * lanes + l]
+        return main_fp8_value(pool[0], pool[1], row, c * lanes, l, nope_dim, fp8_format)
 
     @T.macro
-    def row_dot(Q, pool, STEP, part, t, h, row, r):
-        for l in T.vectorized(lanes):
-            part[l] = T.float32(0)
-        for c in range(chunks):
-            for l in T.vectorized(lanes):
-                part[l] = part[l] + Q[t, h, c * lanes + l] * kv(pool, STEP, row, r, c, l)
-
-    @T.macro
-    def row_score(Q, pool, STEP, part, acc, t, h, row, r):
-        """acc[1] = <q[t, h], kv row>: lane sums of the vector dot product, in lane order."""
-        row_dot(Q, pool, STEP, part, t, h, row, r)
-        acc[1] = T.float32(0)
-        for l in range(lanes):
-            acc[1] = acc[1] + part[l]
-
-    @T.macro
-    def attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, t, h):
-        acc = T.alloc_buffer((3,), F32, scope="local")
-        part = T.alloc_buffer((lanes,), F32, scope="local")
-        o = T.alloc_buffer((dim,), F32, scope="local")
-        acc[0] = SINK[h]  # running max (the sink takes part in it for stability)
-        for k in range(m):
-            if ROWS[t, k] >= 0:
-                row_score(Q, pool, STEP, part, acc, t, h, ROWS[t, k], r)
-                acc[0] = T.max(acc[0], acc[1] * T.float32(scale))
-        acc[2] = T.exp(SINK[h] - acc[0])
-        for c in range(chunks):
-            for l in T.vectorized(lanes):
-                o[c * lanes + l] = T.float32(0)
-        for k in range(m):
-            if ROWS[t, k] >= 0:
-                row_score(Q, pool, STEP, part, acc, t, h, ROWS[t, k], r)
-                acc[1] = T.exp(acc[1] * T.float32(scale) - acc[0])
-                acc[2] = acc[2] + acc[1]
-                for c in range(chunks):
+    def attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, t, h0):
+        panel = T.alloc_buffer((rb, dim), F32, scope="local", annotations=ON_STACK)  # the block's KV rows
+        o = T.alloc_buffer((hb, dim), F32, scope="local", annotations=ON_STACK)  # running weighted sums
+        score = T.alloc_buffer((hb, rb), F32, scope="local", annotations=ON_STACK)  # scaled, then weights
+        state = T.alloc_buffer((hb, 4), F32, scope="local", annotations=ON_STACK)  # max, denominator, new max, factor
+        part = T.alloc_buffer((rb, lanes), F32, scope="local", annotations=ON_STACK)
+        acc = T.alloc_buffer((strip,), F32, scope="local", annotations=ON_STACK)
+        for h in range(hb):
+            state[h, 0] = SINK[h0 + h]  # the sink takes part in the max (for stability)
+            state[h, 1] = T.float32(1)  # and in the denominator: exp(sink - max)
+            for d in wide(dim):
+                o[h, d] = T.float32(0)
+        for kb in range((m + rb - 1) // rb):
+            for j in range(rb):
+                # Zeros where there is no row: its weight is 0, and 0 times stale bits could be NaN.
+                if T.if_then_else(kb * rb + j < m, ROWS[t, kb * rb + j], -1) < 0:
+                    for d in wide(dim):
+                        panel[j, d] = T.float32(0)
+                elif ROWS[t, kb * rb + j] >= r:  # this step's fresh KV
+                    for d in wide(dim):
+                        panel[j, d] = STEP[ROWS[t, kb * rb + j] - r, d]
+                else:
+                    for c in range(chunks):
+                        for l in T.vectorized(lanes):
+                            panel[j, c * lanes + l] = stored(pool, ROWS[t, kb * rb + j], c, l)
+            for h in range(hb):
+                # The head's scores against the block's rows, a vector accumulator per row.
+                for j in T.unroll(rb):
                     for l in T.vectorized(lanes):
-                        o[c * lanes + l] = o[c * lanes + l] + acc[1] * kv(pool, STEP, ROWS[t, k], r, c, l)
-        for c in range(chunks):
-            for l in T.vectorized(lanes):
-                OUT[t, h, c * lanes + l] = o[c * lanes + l] / acc[2]
+                        part[j, l] = T.float32(0)
+                for c in range(chunks):
+                    for j in T.unroll(rb):
+                        for l in T.vectorized(lanes):
+                            part[j, l] = part[j, l] + Q[t, h0 + h, c * lanes + l] * panel[j, c * lanes + l]
+                state[h, 2] = state[h, 0]
+                for j in range(rb):
+                    score[h, j] = T.float32(NEG_INF)
+                    if kb * rb + j < m:
+                        if ROWS[t, kb * rb + j] >= 0:
+                            score[h, j] = T.float32(0)
+                            for l in range(lanes):
+                                score[h, j] = score[h, j] + part[j, l]
+                            score[h, j] = score[h, j] * T.float32(scale)
+                            state[h, 2] = T.max(state[h, 2], score[h, j])
+                if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
+                    state[h, 3] = T.exp(state[h, 0] - state[h, 2])
+                    state[h, 1] = state[h, 1] * state[h, 3]
+                    for d in wide(dim):
+                        o[h, d] = o[h, d] * state[h, 3]
+                    state[h, 0] = state[h, 2]
+                for j in range(rb):
+                    score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
+                                                 T.exp(score[h, j] - state[h, 0]))
+                    state[h, 1] = state[h, 1] + score[h, j]
+                # The weighted sum, in strips of the head dim that stay in registers over the rows.
+                for cs in range(dim // strip):
+                    for u in wide(strip):
+                        acc[u] = o[h, cs * strip + u]
+                    for j in T.unroll(rb):
+                        for u in wide(strip):
+                            acc[u] = acc[u] + score[h, j] * panel[j, cs * strip + u]
+                    for u in wide(strip):
+                        o[h, cs * strip + u] = acc[u]
+        for h in range(hb):
+            for d in wide(dim):
+                OUT[t, h0 + h, d] = o[h, d] / state[h, 1]
 
     if main_storage == "fp8":
         @T.prim_func
@@ -1465,8 +1557,8 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
             SINK = T.match_buffer(sink, (heads,), F32)
             ROWS = T.match_buffer(rows, (n, m), "int32")
             OUT = T.match_buffer(out, (n, heads, dim), F32)
-            for i in T.parallel(n * heads):  # one (query, head) pair each: a decode step has 64 of them
-                attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, r, m, i // heads, i % heads)
+            for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
+                attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, r, m, i // (heads // hb), i % (heads // hb) * hb)
         return f
 
     @T.prim_func
@@ -1481,6 +1573,6 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         SINK = T.match_buffer(sink, (heads,), F32)
         ROWS = T.match_buffer(rows, (n, m), "int32")
         OUT = T.match_buffer(out, (n, heads, dim), F32)
-        for i in T.parallel(n * heads):  # one (query, head) pair each: a decode step has 64 of them
-            attend(Q, (POOL,), STEP, SINK, ROWS, OUT, r, m, i // heads, i % heads)
+        for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
+            attend(Q, (POOL,), STEP, SINK, ROWS, OUT, r, m, i // (heads // hb), i % (heads // hb) * hb)
     return f

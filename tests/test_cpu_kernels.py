@@ -5,6 +5,7 @@ experts with 0, 1, a few and many rows. Decode (GEMV), prefill (GEMM) and the ex
 every row the same bits however many rows run together: the compiled step relies on it."""
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,3 +195,21 @@ def test_decoders_match_lowbit_on_every_code():
     np.testing.assert_array_equal(out[:, 2], lowbit.decode_e2m1(codes & 15))
     np.testing.assert_array_equal(out[:, 3], lowbit.decode_e2m1(codes >> 4))
     np.testing.assert_array_equal(np.signbit(out[:, 2]), (codes & 8) > 0)
+
+
+def test_a_process_that_flushes_subnormals_is_refused():
+    """The low-bit kernels decode codes through float32 subnormals; a thread with MXCSR's DAZ / FTZ
+    set (here by torch, as -ffast-math libraries do when they load) would drop small weights, so
+    loading refuses it with a one-line error instead."""
+    import torch
+
+    from dsv4c.errors import UsageError
+    from dsv4c.runtime.backend_tvm import check_subnormals
+
+    check_subnormals(Path("model"))  # this process keeps subnormals
+    torch.set_flush_denormal(True)
+    try:
+        with pytest.raises(UsageError, match="flushes float32 subnormals to zero"):
+            check_subnormals(Path("model"))
+    finally:
+        torch.set_flush_denormal(False)
