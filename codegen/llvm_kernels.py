@@ -106,6 +106,21 @@ def decode_f32_le(plane, row, first):
     return tirx.reinterpret(F32, word)
 
 
+def vector_exp(x):
+    """e**x for float32 x in plain arithmetic, so a vectorized loop keeps it in vectors (LLVM calls
+    libm's expf once per lane for T.exp): Cephes' expf, x = n ln2 + f with |f| <= ln2 / 2 (ln2 in
+    two parts), a degree-6 polynomial for e**f, 2**n built in the exponent field; within ~2 ulp
+    of expf. x is clamped to [-87.3, 88.4], where 2**n stays a normal float (e**x of less is ~0)."""
+    x = tirx.max(tirx.min(x, tirx.const(88.3762626647949, F32)), tirx.const(-87.3365447505531, F32))
+    n = tirx.floor(x * tirx.const(1.44269504088896341, F32) + tirx.const(0.5, F32))
+    f = x - n * tirx.const(0.693359375, F32) - n * tirx.const(-2.12194440e-4, F32)
+    p = tirx.const(1.9875691500e-4, F32)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * f + tirx.const(c, F32)
+    two_n = tirx.reinterpret(F32, tirx.shift_left(tirx.Cast("int32", n) + 127, tirx.const(23, "int32")))
+    return (p * f * f + f + tirx.const(1.0, F32)) * two_n
+
+
 # --------------------------------------------------------------------------- low-bit encoding (TIR exprs)
 #
 # Mirrors of ``frontend.lowbit``'s encoders in int32 arithmetic on float32 bit patterns, exact
@@ -773,9 +788,15 @@ def add(dim: int):
     return f
 
 
-def swiglu(dim: int, limit: float):
-    """In parallel over (row, block of 256 columns): a decode step's few rows still use every core."""
+def swiglu(dim: int, limit: float, max_lanes: int = 0):
+    """In parallel over (row, block of 256 columns): a decode step's few rows still use every core.
+    Vectorized along the columns on the CPU (no Python names inside the loop: a name becomes a
+    Let, which TVM's vectorizer evaluates for one lane only); GPU builds (``max_lanes``) loop."""
     cb = math.gcd(dim, 256)
+    columns = T.serial if max_lanes else T.vectorized
+
+    def silu_clamped(g):
+        return g / (tirx.const(1.0, F32) + vector_exp(-g))
 
     @T.prim_func
     def f(g: T.handle, u: T.handle, out: T.handle):
@@ -784,9 +805,9 @@ def swiglu(dim: int, limit: float):
         U = T.match_buffer(u, (n, dim), F32)
         OUT = T.match_buffer(out, (n, dim), F32)
         for ib in T.parallel(n * (dim // cb)):
-            for jj in range(cb):
-                gv = T.min(G[ib // (dim // cb), ib % (dim // cb) * cb + jj], T.float32(limit))
-                OUT[ib // (dim // cb), ib % (dim // cb) * cb + jj] = gv / (T.float32(1) + T.exp(-gv)) * T.max(
+            for jj in columns(cb):
+                OUT[ib // (dim // cb), ib % (dim // cb) * cb + jj] = silu_clamped(
+                    T.min(G[ib // (dim // cb), ib % (dim // cb) * cb + jj], T.float32(limit))) * T.max(
                     T.min(U[ib // (dim // cb), ib % (dim // cb) * cb + jj], T.float32(limit)), T.float32(-limit))
     return f
 
@@ -1429,7 +1450,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
 
 
 # Kernels with explicit vector loops, and the widest vector GPU code generators accept.
-VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score"})
+VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu"})
 GPU_MAX_LANES = 4
 
 
@@ -1525,9 +1546,10 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                     for d in wide(dim):
                         o[h, d] = o[h, d] * state[h, 3]
                     state[h, 0] = state[h, 2]
-                for j in range(rb):
+                for j in wide(rb):
                     score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
-                                                 T.exp(score[h, j] - state[h, 0]))
+                                                 vector_exp(score[h, j] - state[h, 0]))
+                for j in range(rb):
                     state[h, 1] = state[h, 1] + score[h, j]
                 # The weighted sum, in strips of the head dim that stay in registers over the rows.
                 for cs in range(dim // strip):
