@@ -94,16 +94,13 @@ def main() -> None:
 
     # GEMV weights come from memory as in a decode step, where each matmul's weights follow the
     # last one's: each timed pass runs the kernel over several copies of its weights, together
-    # ~0.5 GB (far past the last-level cache), back to back. The machine's read bandwidth is a
-    # parallel sum over a buffer of that size (torch), timed the same way.
-    evict = torch.ones(2**29 // 8, dtype=torch.int64)
-    read = evict.numel() * 8 / _best(lambda: evict.sum(), args.repeat) / 1e9
-    del evict
-    print(f"\nGEMV, one row (decode): weight GB/s, ~0.5 GB of weight copies per pass, vs a parallel read of "
-          f"512 MiB: {read:.1f} GB/s")
-    print(f"{'kernel':<34}{'MB':>8}{'ms':>9}{'GB/s':>8}{'ratio':>8}")
+    # ~0.5 GB (far past the last-level cache), back to back. Every shape's copies are allocated
+    # before any is timed (weights allocated into memory another shape freed ran ~2x slower:
+    # the pages, not the kernel). The machine's read bandwidth is a parallel sum over a buffer of
+    # that size (torch), timed the same way.
     gemv = [("fp8_b128", 32768, 4096), ("fp4_g32 experts 6/16", 2048, 4096), ("bf16", 32000, 4096),
             ("fp32", 8192, 4096)]
+    cases = []
     for name, out_dim, in_dim in gemv[:2] if args.quick else gemv:
         quant = name.split()[0]
         x = rng.standard_normal((6 if "experts" in name else 1, in_dim), np.float32)
@@ -111,27 +108,33 @@ def main() -> None:
             experts = 16
             kernel = _compile(expert_linear(out_dim, in_dim, quant, experts))
             offsets = np.array([0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 6, 6, 6, 6], np.int32)  # 6 experts, a row each
-            make = lambda: _weights(rng, out_dim, in_dim, quant, (experts,))  # noqa: E731
-            call_args = lambda parts: [x, offsets, *parts, np.zeros((6, out_dim), np.float32)]  # noqa: E731
+            parts = [_weights(rng, out_dim, in_dim, quant, (experts,))]
+            call_args = lambda parts, x=x, offsets=offsets: [x, offsets, *parts, np.zeros((6, out_dim), np.float32)]  # noqa: E731
             share = 6 / experts  # the bytes a token reads: its experts' share
         else:
             kernel = _compile(linear(out_dim, in_dim, quant, True))
-            make = lambda: _weights(rng, out_dim, in_dim, quant)  # noqa: E731
-            call_args = lambda parts: [x, *parts, np.zeros((1, out_dim), np.float32)]  # noqa: E731
+            parts = [_weights(rng, out_dim, in_dim, quant)]
+            call_args = lambda parts, x=x: [x, *parts, np.zeros((1, out_dim), np.float32)]  # noqa: E731
             share = 1
-        first = make()
-        copies = max(2, -(-2**29 // sum(part.nbytes for part in first)))
-        sets = [[tvm.runtime.tensor(a) for a in call_args(parts)] for parts in [first] + [make() for _ in range(copies - 1)]]
-        nbytes = sum(part.nbytes for part in first) * share
-
+        size = sum(part.nbytes for part in parts[0])
+        copies = max(2, -(-2**29 // size))
+        parts += [_weights(rng, out_dim, in_dim, quant, (experts,) if "experts" in name else ()) for _ in range(copies - 1)]
+        cases.append((name, kernel, [[tvm.runtime.tensor(a) for a in call_args(p)] for p in parts], size * share))
+    evict = torch.ones(2**29 // 8, dtype=torch.int64)
+    read = evict.numel() * 8 / _best(lambda: evict.sum(), args.repeat) / 1e9
+    del evict
+    print(f"\nGEMV, one row (decode): weight GB/s, ~0.5 GB of weight copies per pass, vs a parallel read of "
+          f"512 MiB: {read:.1f} GB/s")
+    print(f"{'kernel':<34}{'MB':>8}{'ms':>9}{'GB/s':>8}{'ratio':>8}")
+    for name, kernel, sets, nbytes in cases:
         def run_all():
             for tensors in sets:
                 kernel(*tensors)
 
-        t_ours = _best(run_all, args.repeat) / copies
+        t_ours = _best(run_all, args.repeat) / len(sets)
         ours = nbytes / t_ours / 1e9
         print(f"{name:<34}{nbytes / 1e6:>8.1f}{t_ours * 1e3:>9.2f}{ours:>8.1f}{ours / read:>7.2f}x")
-        del sets, first
+    del cases
 
     print(f"\nGEMM, {args.rows} rows (prefill): GFLOP/s vs torch fp32 matmul (weights dequantized)")
     print(f"{'kernel':<34}{'ms':>9}{'GFLOP/s':>9}{'torch':>9}{'ratio':>8}")
