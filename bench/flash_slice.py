@@ -4,7 +4,8 @@ Flash widths (hidden 4096, 64 heads x 512, q_lora 1024, o_groups 8, index 64 x 1
 top-k 512), 2 layers (HCA + CSA), 16 experts top-6, vocab 32000. Our artifact keeps the
 checkpoint's FP8 / FP4 weights and decodes them inside the kernels; transformers runs the
 same (dequantized) weights in fp32. Each system runs in its own child process with the same
-thread count, so peak RSS is per system; the script prints ratios (ours / transformers),
+thread count, so peak RSS is per system, and serves one short untimed request before the timed
+ones (our weights page in from the artifact as kernels first read them); the script prints ratios (ours / transformers),
 which is what to compare on a noisy shared machine.
 
 It also prints what bounds decode: the weight bytes one decode token reads (from the
@@ -193,6 +194,11 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
         for start in range(0, n, 2048):
             forward(rng.integers(0, 32000, min(2048, n - start)), start, seq)
 
+    # A short request first, untimed: our weights are mapped from the artifact and page in as
+    # kernels first read them, transformers' were read whole at load; time both warm.
+    new_request(0)
+    prefill_to(0, 16)
+    end_request(0)
     new_request(0)
     start = time.perf_counter()
     prefill_to(0, prefill)
