@@ -122,7 +122,7 @@ def main() -> None:
         cases.append((name, kernel, [[tvm.runtime.tensor(a) for a in call_args(p)] for p in parts], size * share))
     evict = torch.ones(2**29 // 8, dtype=torch.int64)
     read = evict.numel() * 8 / _best(lambda: evict.sum(), args.repeat) / 1e9
-    del evict
+    evict = None  # freed before the GEMVs run
     print(f"\nGEMV, one row (decode): weight GB/s, ~0.5 GB of weight copies per pass, vs a parallel read of "
           f"512 MiB: {read:.1f} GB/s")
     print(f"{'kernel':<34}{'MB':>8}{'ms':>9}{'GB/s':>8}{'ratio':>8}")
