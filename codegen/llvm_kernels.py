@@ -1489,6 +1489,10 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     elif main_storage != "fp32":
         raise ValueError(f"sparse_attn reads fp32 or fp8 main pools, not {main_storage!r}")
 
+    def row_at(ROWS, m, t, k):
+        """Entry k of query t's row list, -1 (no row) past its end m."""
+        return T.if_then_else(k < m, ROWS[t, k], -1)
+
     def stored(pool, row, c, l):
         """Value c * lanes + l of pool row ``row`` (decoded)."""
         if main_storage == "fp32":
@@ -1511,7 +1515,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         for kb in range((m + rb - 1) // rb):
             for j in range(rb):
                 # Zeros where there is no row: its weight is 0, and 0 times stale bits could be NaN.
-                if T.if_then_else(kb * rb + j < m, ROWS[t, kb * rb + j], -1) < 0:
+                if row_at(ROWS, m, t, kb * rb + j) < 0:
                     for d in wide(dim):
                         panel[j, d] = T.float32(0)
                 elif ROWS[t, kb * rb + j] >= r:  # this step's fresh KV
@@ -1533,13 +1537,12 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                 state[h, 2] = state[h, 0]
                 for j in range(rb):
                     score[h, j] = T.float32(NEG_INF)
-                    if kb * rb + j < m:
-                        if ROWS[t, kb * rb + j] >= 0:
-                            score[h, j] = T.float32(0)
-                            for l in range(lanes):
-                                score[h, j] = score[h, j] + part[j, l]
-                            score[h, j] = score[h, j] * T.float32(scale)
-                            state[h, 2] = T.max(state[h, 2], score[h, j])
+                    if row_at(ROWS, m, t, kb * rb + j) >= 0:
+                        score[h, j] = T.float32(0)
+                        for l in range(lanes):
+                            score[h, j] = score[h, j] + part[j, l]
+                        score[h, j] = score[h, j] * T.float32(scale)
+                        state[h, 2] = T.max(state[h, 2], score[h, j])
                 if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
                     state[h, 3] = T.exp(state[h, 0] - state[h, 2])
                     state[h, 1] = state[h, 1] * state[h, 3]
