@@ -442,11 +442,14 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                     for c in columns(chunk(R)):
                         part[r, c] = T.float32(0) if scaled else acc[r, cc * chunk(R) + c]
                 for ko in range(group // unroll):
-                    for u in T.unroll(unroll):
-                        for r in T.unroll(R):
-                            for c in columns(chunk(R)):
-                                part[r, c] = part[r, c] + x_value(X[at(first + r, g, kg * group + ko * unroll + u)]) * \
-                                    decode(quant, parts, (w,), a, kg * group + ko * unroll + u, cc * chunk(R) + c)
+                    for v in T.unroll(chunk(R) // lanes):
+                        for u in T.unroll(unroll):
+                            for r in T.unroll(R):
+                                for c in columns(lanes):
+                                    part[r, v * lanes + c] = part[r, v * lanes + c] + \
+                                        x_value(X[at(first + r, g, kg * group + ko * unroll + u)]) * \
+                                        decode(quant, parts, (w,), a, kg * group + ko * unroll + u,
+                                               cc * chunk(R) + v * lanes + c)
                 for r in T.unroll(R):
                     for c in columns(chunk(R)):
                         acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], parts, w, a,
