@@ -10,6 +10,7 @@ CPU the pool tensors are the :class:`KVPool`'s numpy arrays, shared zero-copy th
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ class TvmBackend:
         if self.on_host:
             check_cpu(artifact, manifest["kernels"])
             check_subnormals(artifact)
+            use_physical_cores()
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact / vm["library"])), device)
         self.functions = {name: self.vm[name] for name in vm["functions"]}
         # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
@@ -146,6 +148,29 @@ def check_cpu(artifact: Path, kernels: dict) -> None:
         raise ArtifactError(f"{artifact}: compiled for CPU {mcpu}, which needs {', '.join(missing)} "
                             f"that this CPU ({host.model}) lacks; recompile with --cpu native (this CPU) or "
                             "--cpu x86-64-v3 (any AVX2 CPU)")
+
+
+def use_physical_cores() -> None:
+    """Run the CPU kernels on every physical core this process may use. TVM sizes its thread pool
+    once, when the process first runs a parallel kernel, from TVM_NUM_THREADS (else
+    OMP_NUM_THREADS); without either it takes half the logical CPUs on x86, assuming two
+    hyperthreads per core, so a VM with 2 vCPUs and no SMT would run every kernel on one of them.
+    A user's setting of either variable wins. C++ twin: step.cc, use_physical_cores."""
+    if "TVM_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["TVM_NUM_THREADS"] = str(physical_cores())
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, hyperthreads of one core counted once (Linux topology;
+    elsewhere every allowed CPU). C++ twin: step.cc, physical_cores."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
 
 
 def check_subnormals(artifact: Path) -> None:

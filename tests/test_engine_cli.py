@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -224,3 +226,32 @@ def test_text_in_text_out_with_tokenizer_json(tmp_path, capsys):
     engine = Engine(tmp_path / "a")
     ids = engine.generate(engine.encode("w5 w6 w7"), SamplingParams(max_new_tokens=4)).tokens
     assert text == engine.decode(ids).strip() and len(text.split()) == 4
+
+
+_THREADS = """
+import os, sys, tvm
+if len(sys.argv) > 2:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.backend_tvm import physical_cores
+from dsv4c.runtime.sampling import SamplingParams
+Engine(sys.argv[1]).generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))
+print(tvm.get_global_func("runtime.NumThreads")(), physical_cores(), os.cpu_count())
+"""
+
+
+@pytest.mark.parametrize("env, pinned", [({}, False), ({}, True), ({"TVM_NUM_THREADS": "1"}, False),
+                                         ({"OMP_NUM_THREADS": "1"}, False)])
+def test_cpu_kernels_run_on_every_physical_core_unless_the_user_says(tiny, env, pinned):
+    """Left alone, TVM runs kernels on half the logical CPUs of an x86 machine (assuming
+    hyperthreads): one thread on a 2-vCPU VM. Loading an artifact makes it every physical core
+    this process may use (one when pinned to one CPU); a thread count the user set wins."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    args = [sys.executable, "-c", _THREADS, str(tiny / "cpu")] + (["pin"] if pinned else [])
+    done = subprocess.run(args, env={**clean, **env}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    threads, cores, cpus = map(int, done.stdout.split()[-3:])
+    assert 1 <= cores <= cpus
+    if pinned:
+        assert cores == 1
+    assert threads == (1 if env else cores)

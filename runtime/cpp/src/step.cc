@@ -4,7 +4,10 @@
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/string.h>
 
+#include <sched.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <set>
@@ -97,6 +100,30 @@ void check_subnormals(const std::string& path) {
   }
 }
 
+// Cores this process may run on, hyperthreads of one core counted once (Python:
+// backend_tvm.physical_cores).
+int physical_cores() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return 1;
+  std::set<std::string> cores;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) continue;
+    std::ifstream siblings("/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/thread_siblings_list");
+    std::string list;
+    cores.insert(std::getline(siblings, list) ? list : std::to_string(cpu));
+  }
+  return std::max<int>(1, cores.size());
+}
+
+// Runs the CPU kernels on every physical core, unless the user set TVM_NUM_THREADS or
+// OMP_NUM_THREADS: TVM sizes its pool from them when the first parallel kernel runs, else from
+// half the logical CPUs (Python: backend_tvm.use_physical_cores, which says why).
+void use_physical_cores() {
+  if (!std::getenv("TVM_NUM_THREADS") && !std::getenv("OMP_NUM_THREADS")) {
+    setenv("TVM_NUM_THREADS", std::to_string(physical_cores()).c_str(), 0);
+  }
+}
+
 // The device an artifact's target runs on (Python: TargetInfo.device, and on the CPU
 // backend_tvm.check_cpu and check_subnormals), or an ArtifactError.
 DLDevice device_for(const std::string& path, const json::Fields& manifest) {
@@ -104,6 +131,7 @@ DLDevice device_for(const std::string& path, const json::Fields& manifest) {
   if (target == "llvm") {
     check_cpu(path, manifest.object("kernels"));
     check_subnormals(path);
+    use_physical_cores();
     return DLDevice{kDLCPU, 0};
   }
   DLDevice device{target == "sm90" ? kDLCUDA : kDLROCM, 0};
