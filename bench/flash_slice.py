@@ -13,7 +13,11 @@ artifact: every tensor the step takes in full, except the embedding's one row an
 experts' top-k share), the GB/s decode achieves on them, and this machine's read bandwidth
 measured in the same run by a streaming-sum kernel that TVM builds for this CPU (the decode
 kernels' compiler and thread pool), with one thread and with the bench's threads; the
-fraction compares decode with the latter. ``--json PATH`` writes all of it.
+fraction compares decode with the latter. Likewise what bounds prefill: the matmul FLOPs of a
+prefill token (from the artifact's weight shapes; attention, the head and the small kernels not
+counted), the GFLOP/s each system achieves on them, and this machine's fp32 matmul peak
+measured in the same run (torch's BLAS on 4096^3, the kernels transformers runs on).
+``--json PATH`` writes all of it.
 
     python bench/flash_slice.py [--contexts 2048 8192] [--prefill 2048] [--decode-steps 8] [--json out.json]
 """
@@ -81,34 +85,72 @@ def prepare(workdir: Path, stage: str) -> None:
         print(f"compile: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
-def decode_weight_bytes(artifact: Path) -> dict[str, float]:
-    """Bytes of weights one decode token reads, by part: the tensors the compiled step takes
-    (the manifest's ``vm.params``, constants included) as the artifact stores them, each in
-    full except the embedding and hash-routing tables (one row per token) and the routed
-    experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``). KV pool reads,
-    which grow with context, are not weights and not counted. The MTP layer's own weights
-    (which only its draft function reads) are ``mtp``, outside the step's ``total``."""
+def _step_weights(artifact: Path):
+    """(name, array, part, share) of every tensor the compiled step takes (the manifest's
+    ``vm.params``, constants included; memory-mapped, only headers are read): ``share`` is the
+    fraction a token reads, 1 except for the embedding and hash-routing tables (one row) and
+    the routed experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``). The
+    MTP layer's own weights (which only its draft function reads) are part ``mtp``."""
     from dsv4c.frontend.safetensors_io import SafetensorsFile
     from dsv4c.runtime.artifact import read_manifest
     from dsv4c.runtime.weights import open_weights
 
     manifest = read_manifest(artifact)
     model, vm = manifest["model"], manifest["vm"]
-    tensors = dict(open_weights(artifact, manifest))  # memory-mapped: only headers are read
+    tensors = dict(open_weights(artifact, manifest))
     with SafetensorsFile(artifact / vm["constants"]) as st:
         tensors.update((name, st.read_raw(name)) for name in st.names())
-    parts = dict.fromkeys(("dense", "head", "routed_experts", "embedding_rows", "mtp"), 0.0)
     for name in vm["params"]:
         a = tensors[name]
         if ".ffn.experts." in name:
             assert a.shape[0] == model["n_routed_experts"], (name, a.shape)
-            size, part = a.nbytes * model["num_experts_per_tok"] / a.shape[0], "routed_experts"
+            share, part = model["num_experts_per_tok"] / a.shape[0], "routed_experts"
         elif name == "embed.weight" or name.endswith(".tid2eid"):
-            size, part = a.nbytes / a.shape[0], "embedding_rows"
+            share, part = 1 / a.shape[0], "embedding_rows"
         else:
-            size, part = a.nbytes, "head" if name.startswith("head.") else "dense"
-        parts["mtp" if name.startswith("mtp.") else part] += size
+            share, part = 1.0, "head" if name.startswith("head.") else "dense"
+        yield name, a, "mtp" if name.startswith("mtp.") else part, share
+
+
+def decode_weight_bytes(artifact: Path) -> dict[str, float]:
+    """Bytes of weights one decode token reads, by part (``_step_weights``); KV pool reads,
+    which grow with context, are not weights and not counted. ``mtp`` is outside ``total``."""
+    parts = dict.fromkeys(("dense", "head", "routed_experts", "embedding_rows", "mtp"), 0.0)
+    for _, a, part, share in _step_weights(artifact):
+        parts[part] += a.nbytes * share
     return {"total": sum(v for k, v in parts.items() if k != "mtp"), **parts}
+
+
+def prefill_matmul_flops(artifact: Path) -> float:
+    """FLOPs per prefill token of the step's matmuls: 2 per weight a token multiplies, over the
+    matmul weights (stored as column tiles, ``llvm_kernels.weight_storage``: 3 or more dims,
+    scales apart; packed FP4 holds two weights per byte) of the dense layers and the routed
+    experts' top-k share. The head (prefill takes logits of one row), attention and the
+    mHC / norm kernels are not counted: a lower bound of the work."""
+    from dsv4c.runtime.artifact import read_manifest
+
+    fp4_experts = read_manifest(artifact)["quant_plan"]["weights"]["expert"]["storage"] == "fp4"
+    flops = 0.0
+    for name, a, part, share in _step_weights(artifact):
+        if part in ("dense", "routed_experts") and a.ndim >= 3 and not name.endswith(".scale"):
+            flops += 2 * a.size * share * (2 if part == "routed_experts" and fp4_experts else 1)
+    return flops
+
+
+def matmul_peak(threads: int, size: int = 4096, repeats: int = 3) -> float:
+    """GFLOP/s of torch's fp32 matmul (its BLAS) on size^3 with ``threads`` threads, the best of
+    ``repeats`` after one warm-up: this machine's practical fp32 FMA peak."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size ** 3 / min(times) / 1e9
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -226,7 +268,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--workdir", type=Path)
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
-    p.add_argument("--system", choices=["dsv4c", "transformers", "bandwidth"], help=argparse.SUPPRESS)
+    p.add_argument("--system", choices=["dsv4c", "transformers", "bandwidth", "matmul"], help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=["make", "fp32", "compile"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage:
@@ -234,6 +276,9 @@ def main() -> None:
         return
     if args.system == "bandwidth":  # child process, with TVM_NUM_THREADS set
         print(json.dumps({"read_gb_s": read_bandwidth()}))
+        return
+    if args.system == "matmul":  # child process
+        print(json.dumps({"gflop_s": matmul_peak(args.threads)}))
         return
     if args.system:  # child process
         print(json.dumps(run_system(args.system, args.workdir, args.prefill, args.contexts, args.decode_steps,
@@ -261,6 +306,7 @@ def main() -> None:
     report.update((system, child(system, args.threads)) for system in ("dsv4c", "transformers"))
     # Each thread count in its own process (TVM sizes its pool once); one after the other, alone.
     report["read_gb_s"] = {str(t): child("bandwidth", t)["read_gb_s"] for t in dict.fromkeys((1, args.threads))}
+    report["matmul_peak_gflop_s"] = child("matmul", args.threads)["gflop_s"]
     ours, ref = report["dsv4c"], report["transformers"]
     cpu = report["cpu"]
     print(f"flash slice on {cpu['model']} (LLVM {cpu['llvm_cpu']}; artifact built for {cpu['artifact_cpu']}), "
@@ -284,6 +330,17 @@ def main() -> None:
         gb_s = report["decode_gb_s"][str(ctx)] = weights["total"] / (ours[f"decode_ms_at_{ctx}"] / 1e3) / 1e9
         fraction = report["decode_fraction_of_read"][str(ctx)] = gb_s / bandwidth
         print(f"decode at {ctx}: {gb_s:.2f} GB/s of weights = {fraction:.1%} of the {args.threads}-thread read bandwidth")
+    # What bounds prefill: its matmul FLOPs against the machine's fp32 matmul peak.
+    flops = report["prefill_matmul_gflop_per_token"] = prefill_matmul_flops(artifact) / 1e9
+    peak = report["matmul_peak_gflop_s"]
+    print(f"prefill matmuls: {flops:.3f} GFLOP per token (attention, head and small kernels not counted); fp32 "
+          f"matmul peak (torch 4096^3, {args.threads} threads, best of 3): {peak:.1f} GFLOP/s")
+    report["prefill_fraction_of_peak"] = {}
+    for system, figures in (("dsv4c", ours), ("transformers", ref)):
+        gflop_s = figures["prefill_tok_s"] * flops
+        fraction = report["prefill_fraction_of_peak"][system] = gflop_s / peak
+        print(f"prefill {system}: {gflop_s:.1f} GFLOP/s of matmuls = {fraction:.1%} of that peak")
+    print(f"prefill at 2x transformers would need {2 * report['prefill_fraction_of_peak']['transformers']:.1%} of it")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -97,7 +97,8 @@ def _gemv(out_dim, in_dim, quant, x, parts, groups=0):
 @pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (80, 96), (24, 160)])
 def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim):
     """Tiles of 64, 16 and 8 columns; k not a multiple of the scale block or of the panel's k
-    block; 1 to 4 decode rows, and prefill rows filling no register block (3, 13) or many (37)."""
+    block; 1 to 4 decode rows; prefill rows in a half register block (3), a half block and
+    single rows (5), whole blocks and one row (13 on AVX2's blocks of 6) or many (37)."""
     if quant == "fp4_g32" and in_dim % 32:
         pytest.skip("FP4 groups are 32 inputs")
     rng = np.random.default_rng(out_dim + in_dim)
@@ -106,7 +107,7 @@ def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim)
     want = x.astype(np.float64) @ w.T
     prefill = _gemm(out_dim, in_dim, quant, x, parts)
     _close(prefill, want)
-    for n in (3, 13):
+    for n in (3, 5, 13):
         assert np.array_equal(_gemm(out_dim, in_dim, quant, x[:n], parts), prefill[:n])
     for n in (1, 2, 3, 4):
         decode = _gemv(out_dim, in_dim, quant, x[:n], parts)
@@ -162,9 +163,9 @@ def test_expert_linear_groups_of_every_size(quant):
 
 
 def test_register_tile_fits_the_vector_registers():
-    """AVX2 (16 registers of 8 floats) and AVX-512 (32 of 16): the accumulators take half the
+    """AVX2 (16 registers of 8 floats) and AVX-512 (32 of 16): the accumulators take 3/8 of the
     registers; a column tile narrower than two vectors is one block of its own width."""
-    for mcpu, lanes, tile in (("haswell", 8, (4, 16)), ("znver3", 8, (4, 16)), ("skylake-avx512", 16, (8, 32))):
+    for mcpu, lanes, tile in (("haswell", 8, (6, 16)), ("znver3", 8, (6, 16)), ("skylake-avx512", 16, (12, 32))):
         with tvm.target.Target({"kind": "llvm", "mcpu": mcpu}):
             assert K.cpu_vector()[0] == lanes
             assert K.register_tile(64) == tile
