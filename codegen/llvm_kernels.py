@@ -427,6 +427,9 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
         vectors = max(1, ACC_VECTORS // R)
         return math.gcd(tile, (1 << (vectors.bit_length() - 1)) * lanes)
 
+    def vector(R):  # the columns of one vector of a chunk (the whole chunk if narrower)
+        return math.gcd(chunk(R), lanes)
+
     def total(previous, raw_sum, parts, w, a, kk, c):  # a group's sum added to the total
         return previous + scaled_sum(quant, parts, (w,), a, kk, c, raw_sum) if scaled else raw_sum
 
@@ -444,14 +447,14 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                     for c in columns(chunk(R)):
                         part[r, c] = T.float32(0) if scaled else acc[r, cc * chunk(R) + c]
                 for ko in range(group // unroll):
-                    for v in T.unroll(chunk(R) // lanes):
+                    for v in T.unroll(chunk(R) // vector(R)):
                         for u in T.unroll(unroll):
                             for r in T.unroll(R):
-                                for c in columns(lanes):
-                                    part[r, v * lanes + c] = part[r, v * lanes + c] + \
+                                for c in columns(vector(R)):
+                                    part[r, v * vector(R) + c] = part[r, v * vector(R) + c] + \
                                         x_value(X[at(first + r, g, kg * group + ko * unroll + u)]) * \
                                         decode(quant, parts, (w,), a, kg * group + ko * unroll + u,
-                                               cc * chunk(R) + v * lanes + c)
+                                               cc * chunk(R) + v * vector(R) + c)
                 for r in T.unroll(R):
                     for c in columns(chunk(R)):
                         acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], parts, w, a,

@@ -94,9 +94,9 @@ def _gemv(out_dim, in_dim, quant, x, parts, groups=0):
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (80, 96), (24, 160)])
+@pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (80, 96), (24, 160), (12, 64)])
 def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim):
-    """Tiles of 64, 16 and 8 columns; k not a multiple of the scale block or of the panel's k
+    """Tiles of 64, 16, 8 and 1 column(s), narrower than a vector; k not a multiple of the scale block or of the panel's k
     block; 1 to 4 decode rows; prefill rows in a half register block (3), a half block and
     single rows (5), whole blocks and one row (13 on AVX2's blocks of 6) or many (37)."""
     if quant == "fp4_g32" and in_dim % 32:
