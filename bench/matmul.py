@@ -55,6 +55,8 @@ def _weights(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()) -> li
             parts.append(rng.standard_normal(shape, np.float32))
         elif quant == "fp4_g32" and len(parts) == 1:  # E8M0 scales near 2**-6
             parts.append(rng.integers(118, 124, shape, dtype=np.uint8))
+        elif dtype == "int32":  # FP4 codes, eight per word (every code is a number)
+            parts.append(rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32))
         elif dtype == "uint16":  # BF16 bits of normal values
             parts.append((rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))
         else:

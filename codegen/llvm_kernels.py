@@ -89,6 +89,12 @@ def decode_fp4_packed(byte, high):
     return decode_e2m1_high(tirx.shift_left(tirx.Cast("int16", byte), tirx.Cast("int16", 12 - 4 * high)))
 
 
+def decode_fp4_word(word, index):
+    """float32 value of e2m1 code ``index`` (0..7, may be an expression) of an int32 word holding
+    eight on bits 4 * index .. 4 * index + 3."""
+    return decode_e2m1(tirx.Cast("uint8", tirx.shift_right(word, tirx.Cast("int32", 4 * index)) & tirx.const(15, "int32")))
+
+
 def decode_e8m0(code):
     return tirx.reinterpret(F32, tirx.shift_left(_u(code, "uint32"), tirx.const(23, "uint32")))
 
@@ -303,9 +309,10 @@ def weight_storage(out_dim: int, in_dim: int, quant: str) -> list[tuple[tuple, s
     if quant in FP8_DECODERS:
         return [((tiles, in_dim, tile), "uint8"), ((tiles, -(-in_dim // 128), tile), F32)]
     if quant == "fp4_g32":
-        # Two e2m1 codes per byte along the input dim (element 2i in the low nibble), one E8M0
-        # scale per 32 inputs of a row: the checkpoint's own groups, tiled along the output.
-        return [((tiles, in_dim // 2, tile), "uint8"), ((tiles, in_dim // 32, tile), "uint8")]
+        # Eight e2m1 codes per int32 word along the input dim (input 8i + j on bits 4j..4j+3: the
+        # checkpoint's packed bytes, four at a time, little-endian), one E8M0 scale per 32 inputs
+        # of a row: the checkpoint's own groups, tiled along the output.
+        return [((tiles, in_dim // 8, tile), "int32"), ((tiles, in_dim // 32, tile), "uint8")]
     if quant == "bf16":
         return [((tiles, in_dim, tile), "uint16")]
     return [((tiles, in_dim, tile), F32)]
@@ -318,7 +325,7 @@ def weight_value(quant: str, parts, lead: tuple, a, kk, c):
     if quant in FP8_DECODERS:
         return FP8_DECODERS[quant](w[lead + (a, kk, c)]) * parts[1][lead + (a, kk // 128, c)]
     if quant == "fp4_g32":
-        return decode_fp4_packed(w[lead + (a, kk // 2, c)], kk % 2) * decode_e8m0(parts[1][lead + (a, kk // 32, c)])
+        return decode_fp4_word(w[lead + (a, kk // 8, c)], kk % 8) * decode_e8m0(parts[1][lead + (a, kk // 32, c)])
     if quant == "bf16":
         return decode_bf16(w[lead + (a, kk, c)])  # BF16 bits: the float32 with the same top half
     return w[lead + (a, kk, c)]
@@ -346,11 +353,12 @@ def raw_e4m3(code):
     return tirx.reinterpret(F32, bits & tirx.const(0x87F00000 - (1 << 32), "int32"))
 
 
-def raw_e2m1(byte, high):
-    """float32 with the sign and 3 magnitude bits of one e2m1 code of a packed byte (the high
-    nibble when ``high`` is 1) on bits 31 and 22..24: the nibble shifted to the top, shifted back
-    arithmetically (the sign spreads over the exponent field), masked."""
-    top = tirx.shift_left(tirx.Cast("int32", byte), tirx.Cast("int32", 28 - 4 * high))
+def raw_e2m1(word, index):
+    """float32 with the sign and 3 magnitude bits of e2m1 code ``index`` of an int32 word of
+    eight (bits 4 * index .. 4 * index + 3) on bits 31 and 22..24: the code shifted to the top,
+    shifted back arithmetically (the sign spreads over the exponent field), masked; the top code
+    needs no first shift."""
+    top = tirx.shift_left(word, tirx.Cast("int32", 28 - 4 * index))
     bits = tirx.shift_right(top, tirx.const(6, "int32")) & tirx.const(0x81C00000 - (1 << 32), "int32")
     return tirx.reinterpret(F32, bits)
 
@@ -362,7 +370,7 @@ def weight_raw(quant: str, parts, lead: tuple, a, kk, c):
     if quant in FP8_DECODERS:
         return raw_e4m3(w[lead + (a, kk, c)])
     if quant == "fp4_g32":
-        return raw_e2m1(w[lead + (a, kk // 2, c)], kk % 2)
+        return raw_e2m1(w[lead + (a, kk // 8, c)], kk % 8)
     if quant == "bf16":
         return decode_bf16(w[lead + (a, kk, c)])
     return w[lead + (a, kk, c)]
@@ -395,8 +403,9 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
 
     ``direct``: up to GEMV_ROWS rows at a time, the weight tile streamed once in memory order
     and decoded in registers (decode steps). For each group, the tile's columns go in chunks
-    whose accumulators (rows x chunk) fill ``ACC_VECTORS`` vector registers; the group's bytes
-    are re-read from L1 by the later chunks.
+    whose accumulators (rows x chunk) fill ``ACC_VECTORS`` vector registers (FP4: half); the
+    group's codes are re-read from L1 by the later chunks, and (scaled formats) its x, boosted
+    once into a stack buffer, is broadcast from there.
     ``panel``: for each k block of whole groups and each panel of columns, the weights are
     decoded once into an L1 panel (fp32 weights are read in place), then a register-tiled
     micro-kernel (``register_tile``) runs every block of rows over it, adding each group's sum
@@ -408,9 +417,12 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     decoded = quant != "fp32"
     scaled = cpu and quant in RAW_POWER
     decode = weight_raw if cpu else weight_value
-    # Groups: FP8 blocks of 128, FP4 scale groups of 32 (k unrolled by up to 4 inside a group).
+    # Groups: FP8 blocks of 128, FP4 scale groups of 32. The direct loop unrolls k by up to 4
+    # inside a group, FP4 by a word's 8 codes with half the accumulators (with 8, LLVM keeps the
+    # words of all chunks live at once and spills them).
     group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if scaled else 4))
-    unroll = math.gcd(group, 4)
+    unroll = math.gcd(group, 8 if quant == "fp4_g32" else 4)
+    acc_vectors = ACC_VECTORS // 2 if quant == "fp4_g32" else ACC_VECTORS
     # The panel: kc inputs (whole groups when scaled) x pw columns, at most PANEL_FLOATS floats.
     pw = next(w for w in (tile, tile // 2, tile // 4) if w * group <= PANEL_FLOATS or w == tile // 4) if scaled else tile
     kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
@@ -420,15 +432,17 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
 
-    x_value = boosted if scaled else (lambda x: x)  # noqa: E731  (the direct loop's x)
     panel_value = boosted if scaled else (lambda w: w)  # noqa: E731  (the panel's decoded weights)
 
     def chunk(R):  # the direct loop's columns per chunk for R rows: a power-of-two count of vectors
-        vectors = max(1, ACC_VECTORS // R)
+        vectors = max(1, acc_vectors // R)
         return math.gcd(tile, (1 << (vectors.bit_length() - 1)) * lanes)
 
     def vector(R):  # the columns of one vector of a chunk (the whole chunk if narrower)
         return math.gcd(chunk(R), lanes)
+
+    def x_at(X, xs, g, first, r, kg, i):  # the direct loop's x: input i of group kg, boosted when scaled
+        return xs[r, i] if scaled else X[at(first + r, g, kg * group + i)]
 
     def total(previous, raw_sum, parts, w, a, kk, c):  # a group's sum added to the total
         return previous + scaled_sum(quant, parts, (w,), a, kk, c, raw_sum) if scaled else raw_sum
@@ -440,6 +454,13 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             for c in columns(tile):
                 acc[r, c] = T.float32(0)
         for kg in range(in_dim // group):
+            # Scaled formats: the group's x boosted once for all chunks of columns, which then
+            # broadcast it from memory (a load, no vector operation).
+            xs = T.alloc_buffer((R, group) if scaled else (1, 1), F32, scope="local", annotations=ON_STACK)
+            if scaled:
+                for r in T.unroll(R):
+                    for i in columns(group):
+                        xs[r, i] = boosted(X[at(first + r, g, kg * group + i)])
             for cc in range(tile // chunk(R)):
                 # This chunk's accumulators, which LLVM keeps in registers over the group.
                 part = T.alloc_buffer((R, chunk(R)), F32, scope="local", annotations=ON_STACK)
@@ -452,7 +473,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                             for r in T.unroll(R):
                                 for c in columns(vector(R)):
                                     part[r, v * vector(R) + c] = part[r, v * vector(R) + c] + \
-                                        x_value(X[at(first + r, g, kg * group + ko * unroll + u)]) * \
+                                        x_at(X, xs, g, first, r, kg, ko * unroll + u) * \
                                         decode(quant, parts, (w,), a, kg * group + ko * unroll + u,
                                                cc * chunk(R) + v * vector(R) + c)
                 for r in T.unroll(R):

@@ -195,7 +195,8 @@ class WeightLayout:
     The weight is seen as a matrix ``[rows, cols]`` (cols = its last axis; stacked experts and
     the groups of a grouped weight one after another). ``format``: ``fp8`` (U8 e4m3 codes +
     ``.scale`` F32 block scales expanded per column; e4m3fnuz with doubled scales when ``fnuz``),
-    ``fp4`` (U8 packed e2m1 pairs + ``.scale`` U8 E8M0 per 32), ``bf16``, ``f32``, ``i32``,
+    ``fp4`` (I32 words of eight e2m1 codes, input 8i + j on bits 4j..4j+3: the checkpoint's
+    packed pairs four bytes at a time, + ``.scale`` U8 E8M0 per 32), ``bf16``, ``f32``, ``i32``,
     ``i64``. A ``tile`` > 0 stores matmul weights in column tiles ``[..., out / tile, cols, tile]``
     (see ``llvm_kernels.linear``), per expert / per group; ``tile`` 0 stores the weight as is."""
 
@@ -216,7 +217,7 @@ class WeightLayout:
         if self.format == "fp8":
             return {self.name: ("U8", cols), scale: ("F32", -(-cols // 128))}
         if self.format == "fp4":
-            return {self.name: ("U8", cols // 2), scale: ("U8", cols // 32)}
+            return {self.name: ("I32", cols // 8), scale: ("U8", cols // 32)}
         return {self.name: ({"bf16": "BF16", "f32": "F32", "i32": "I32", "i64": "I64"}[self.format], cols)}
 
     def stored(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -253,7 +254,7 @@ class WeightLayout:
             arrays = {self.name: codes, self.name + ".scale": scales}
         elif self.format == "fp4":
             packed, scales = zip(*(p.fp4() for p in parts))
-            arrays = {self.name: _joined(packed), self.name + ".scale": _joined(scales)}
+            arrays = {self.name: fp4_words(_joined(packed)), self.name + ".scale": _joined(scales)}
         elif self.format == "bf16":
             arrays = {self.name: _joined([p.bf16_bits(self.name) for p in parts])}
         else:
@@ -261,6 +262,13 @@ class WeightLayout:
             arrays = {self.name: values.astype({"f32": np.float32, "i32": np.int32, "i64": np.int64}[self.format],
                                                copy=False)}
         return {name: column_tiles(a, self.tile) if self.tile else a for name, a in arrays.items()}
+
+
+def fp4_words(packed: np.ndarray) -> np.ndarray:
+    """Packed e2m1 pairs ``[n, cols / 2]`` (U8, input 2i in the low nibble) as int32 words of
+    eight codes ``[n, cols / 8]``: four bytes read little-endian, so input 8i + j lies on bits
+    4j..4j+3, which the CPU kernels decode in three vector operations each (the top code in two)."""
+    return np.ascontiguousarray(packed, dtype=np.uint8).view("<i4")
 
 
 def _joined(parts) -> np.ndarray:

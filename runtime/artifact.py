@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 from dsv4c.errors import DsvError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_INDEX = "weights.safetensors.index.json"
 

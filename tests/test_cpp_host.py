@@ -28,7 +28,7 @@ from dsv4c.codegen.compile import compile_model
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.runtime.artifact import read_manifest
+from dsv4c.runtime.artifact import FORMAT_VERSION, read_manifest
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolExhausted, PoolGeometry
 from dsv4c.runtime.sampling import SamplingParams
@@ -136,7 +136,8 @@ BREAKAGES = {
     "no-manifest": lambda art: (art / "manifest.json").unlink(),
     "unreadable-manifest": lambda art: (art / "manifest.json").write_text("{"),
     "manifest-not-an-object": lambda art: (art / "manifest.json").write_text("[1]"),
-    **{f"version-{v!r}": _set_version(v) for v in (1, 2, 4, True, 2.5, 1e16, "3", None, [1, 2], {"it's": "x"})},
+    **{f"version-{v!r}": _set_version(v) for v in (1, FORMAT_VERSION - 1, FORMAT_VERSION + 1, True, 2.5, 1e16,
+                                                   str(FORMAT_VERSION), None, [1, 2], {"it's": "x"})},
     # An instruction set no CPU has (so this CPU lacks it, AVX-512 or not), and manifests from
     # before the CPU check.
     "cpu-lacks-an-instruction-set": _edit_kernels(lambda k: k["cpu_features"].append("dsv4c_no_such_isa")),

@@ -45,6 +45,8 @@ def _stored(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()):
             parts.append((rng.uniform(0.5, 2, shape) if parts else rng.standard_normal(shape)).astype(np.float32))
         elif dtype == "uint16":
             parts.append((rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        elif dtype == "int32":  # FP4 codes, eight per word
+            parts.append(rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32))
         elif parts:  # E8M0 scales of FP4 groups
             parts.append(rng.integers(120, 134, shape, dtype=np.uint8))
         else:
@@ -59,8 +61,8 @@ def _stored(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()):
         decode = lowbit.decode_e4m3fn if quant == "fp8_b128" else lowbit.decode_e4m3fnuz
         values = decode(w).astype(np.float32) * np.repeat(parts[1], 128, axis=-2)[..., :in_dim, :]
     elif quant == "fp4_g32":
-        pairs = np.stack([lowbit.decode_e2m1(w & 15), lowbit.decode_e2m1(w >> 4)], axis=-2)
-        values = pairs.reshape(w.shape[:-2] + (in_dim, w.shape[-1])) * \
+        codes = np.stack([(w >> (4 * j)) & 15 for j in range(8)], axis=-2).astype(np.uint8)  # input 8i + j
+        values = lowbit.decode_e2m1(codes).reshape(w.shape[:-2] + (in_dim, w.shape[-1])) * \
             np.repeat(np.ldexp(np.float32(1), parts[1].astype(np.int32) - 127), 32, axis=-2)
     elif quant == "bf16":
         values = (w.astype(np.uint32) << 16).view(np.float32)

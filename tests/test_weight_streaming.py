@@ -20,7 +20,7 @@ from dsv4c.codegen import convert
 from dsv4c.codegen.compile import compile_model
 from dsv4c.codegen.convert import convert_weights
 from dsv4c.codegen.llvm_kernels import column_tile
-from dsv4c.codegen.lowering import column_tiles, dense_kernel_quant, weight_layouts
+from dsv4c.codegen.lowering import column_tiles, dense_kernel_quant, fp4_words, weight_layouts
 from dsv4c.errors import UsageError
 from dsv4c.frontend import checkpoint, lowbit
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, load_weights, write_checkpoint
@@ -93,7 +93,8 @@ def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
         elif name in fp4:
             flat = value.reshape(-1, value.shape[-1])
             packed, scales = lowbit.quantize_fp4_groups(flat, 32)
-            out[name] = ("U8", tiles(packed.view(np.uint8).reshape(*value.shape[:-1], -1)))
+            out[name] = ("I32", tiles(fp4_words(packed.view(np.uint8).reshape(-1, packed.shape[-1]))
+                                      .reshape(*value.shape[:-1], -1)))
             out[name + ".scale"] = ("U8", tiles(scales.reshape(*value.shape[:-1], -1)))
         elif name in bf16:
             out[name] = ("BF16", tiles(lowbit.bf16_bits_from_f32(value)))
@@ -107,6 +108,12 @@ def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
 def _untile(a):
     """[..., out / t, in, t] -> [..., out, in] (stacked / grouped lead axes flattened into out)."""
     return np.moveaxis(a, -1, -2).reshape(-1, a.shape[-2])
+
+
+def _untiled_bytes(codes):
+    """The checkpoint's byte rows of tiled codes: FP8 bytes, or FP4 words read back as the packed
+    pairs they were made of (little-endian)."""
+    return np.ascontiguousarray(_untile(codes)).view(np.uint8)
 
 
 def _fp8_values(codes, scales, fnuz):
@@ -177,7 +184,7 @@ def test_streamed_weights_match_the_in_memory_layout(models, tmp_path, label, ta
 
 
 def _fp4_values(packed, scales):
-    return lowbit.dequantize_fp4_groups(_untile(packed), _untile(scales), 32)
+    return lowbit.dequantize_fp4_groups(_untiled_bytes(packed), _untile(scales), 32)
 
 
 @pytest.mark.parametrize("target", ["llvm", "gfx942"])
@@ -208,7 +215,7 @@ def test_fp8_and_fp4_codes_reach_the_artifact_unchanged(models, tmp_path, target
                 want_codes, want_scale = lowbit.e4m3fn_to_fnuz(want_codes), 2 * want_scale
         else:
             want_scale = np.concatenate([scale_of[p] for p in parts])
-        np.testing.assert_array_equal(_untile(codes), want_codes, err_msg=name)
+        np.testing.assert_array_equal(_untiled_bytes(codes), want_codes, err_msg=name)
         np.testing.assert_array_equal(_untile(got[name + ".scale"][1]), want_scale, err_msg=name)
         checked += len(parts)
     # Every quantized tensor of the checkpoint, the MTP layer's included (its function is compiled).
