@@ -124,7 +124,7 @@ def decode_weight_bytes(artifact: Path) -> dict[str, float]:
 def prefill_matmul_flops(artifact: Path) -> float:
     """FLOPs per prefill token of the step's matmuls: 2 per weight a token multiplies, over the
     matmul weights (stored as column tiles, ``llvm_kernels.weight_storage``: 3 or more dims,
-    scales apart; packed FP4 holds two weights per byte) of the dense layers and the routed
+    scales apart; FP4 holds two weights per byte) of the dense layers and the routed
     experts' top-k share. The head (prefill takes logits of one row), attention and the
     mHC / norm kernels are not counted: a lower bound of the work."""
     from dsv4c.runtime.artifact import read_manifest
@@ -133,7 +133,7 @@ def prefill_matmul_flops(artifact: Path) -> float:
     flops = 0.0
     for name, a, part, share in _step_weights(artifact):
         if part in ("dense", "routed_experts") and a.ndim >= 3 and not name.endswith(".scale"):
-            flops += 2 * a.size * share * (2 if part == "routed_experts" and fp4_experts else 1)
+            flops += 2 * share * (2 * a.nbytes if part == "routed_experts" and fp4_experts else a.size)
     return flops
 
 
