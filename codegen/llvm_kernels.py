@@ -83,12 +83,6 @@ def decode_e2m1(nibble):
     return decode_e2m1_high(tirx.shift_left(tirx.Cast("int16", nibble), _i16(12)))
 
 
-def decode_fp4_packed(byte, high):
-    """float32 value of one e2m1 code of a packed byte: the high nibble when ``high`` (0 / 1, may be
-    an expression) is 1, else the low one."""
-    return decode_e2m1_high(tirx.shift_left(tirx.Cast("int16", byte), tirx.Cast("int16", 12 - 4 * high)))
-
-
 def decode_fp4_word(word, index):
     """float32 value of e2m1 code ``index`` (0..7, may be an expression) of an int32 word holding
     eight on bits 4 * index .. 4 * index + 3."""
@@ -292,7 +286,7 @@ def register_tile(tile: int) -> tuple[int, int]:
     two vectors of columns (at most the weight tile) by as many rows as fill 3/8 of the
     registers (AVX2: 6 x 16, 12 accumulators; AVX-512: 12 x 32, 24), leaving the rest to the two
     weight vectors and a broadcast. More independent FMA chains than the 8 that two FMA pipes
-    of latency 4 need: 4 rows ran 3-13% slower on AVX2 (bench/matmul)."""
+    of latency 4 need: 4 rows ran 3-13% slower on Zen 3 (bench/RESULTS.md)."""
     lanes, registers = cpu_vector()
     return registers * 3 // 8, math.gcd(tile, 2 * lanes)
 

@@ -191,32 +191,37 @@ def test_matmul_kernels_build_for_avx512(factory, params):
 
 def test_decoders_match_lowbit_on_every_code():
     """The float16-based decoders give lowbit's values for all 256 FP8 codes of both formats
-    (subnormals included) and all 16 e2m1 codes, low and high nibble."""
+    (subnormals included) and all 16 e2m1 codes of an FP4 word, at its bottom (codes 0, 1) and
+    its top (codes 6, 7, the word's sign bit)."""
     from tvm.script import tirx as T
 
     @T.prim_func
     def decode(codes: T.handle, out: T.handle):
         C = T.match_buffer(codes, (256,), "uint8")
-        OUT = T.match_buffer(out, (256, 4), "float32")
+        OUT = T.match_buffer(out, (256, 6), "float32")
         for i in T.serial(256):
             OUT[i, 0] = K.decode_e4m3fn(C[i])
             OUT[i, 1] = K.decode_e4m3fnuz(C[i])
-            OUT[i, 2] = K.decode_fp4_packed(C[i], 0)
-            OUT[i, 3] = K.decode_fp4_packed(C[i], 1)
+            OUT[i, 2] = K.decode_fp4_word(T.Cast("int32", C[i]), 0)
+            OUT[i, 3] = K.decode_fp4_word(T.Cast("int32", C[i]), 1)
+            OUT[i, 4] = K.decode_fp4_word(T.shift_left(T.Cast("int32", C[i]), 24), 6)
+            OUT[i, 5] = K.decode_fp4_word(T.shift_left(T.Cast("int32", C[i]), 24), 7)
 
     kernel = tvm.compile(tvm.IRModule({"k": decode.with_attr("global_symbol", "k")}),
                          target=target_info("llvm").tvm_target())["k"]
     codes = np.arange(256, dtype=np.uint8)
-    out = _call(kernel, codes, np.zeros((256, 4), np.float32))
+    out = _call(kernel, codes, np.zeros((256, 6), np.float32))
     fn = lowbit.decode_e4m3fn(codes)
     finite = (codes & 0x7F) != 0x7F
     np.testing.assert_array_equal(out[finite, 0], fn[finite])
     np.testing.assert_array_equal(np.signbit(out[:, 0]), codes >= 128)
     fnuz = lowbit.decode_e4m3fnuz(codes)
     np.testing.assert_array_equal(out[codes != 0x80, 1], fnuz[codes != 0x80])
-    np.testing.assert_array_equal(out[:, 2], lowbit.decode_e2m1(codes & 15))
-    np.testing.assert_array_equal(out[:, 3], lowbit.decode_e2m1(codes >> 4))
-    np.testing.assert_array_equal(np.signbit(out[:, 2]), (codes & 8) > 0)
+    for column in (2, 4):
+        np.testing.assert_array_equal(out[:, column], lowbit.decode_e2m1(codes & 15))
+        np.testing.assert_array_equal(out[:, column + 1], lowbit.decode_e2m1(codes >> 4))
+        np.testing.assert_array_equal(np.signbit(out[:, column]), (codes & 8) > 0)
+        np.testing.assert_array_equal(np.signbit(out[:, column + 1]), codes >= 128)
 
 
 def test_a_process_that_flushes_subnormals_is_refused():
