@@ -838,44 +838,64 @@ def swiglu(dim: int, limit: float, max_lanes: int = 0):
 # --------------------------------------------------------------------------- mHC
 
 
-def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool):
+def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool,
+        max_lanes: int = 0):
     """One launch per mHC seam. ``with_post`` first forms the streams h' = post * out + comb^T h
     of the finished sub-layer; then (mhc_pre) the next sub-layer's pre / post / Sinkhorn comb
     are computed from rmsnorm(h') @ fn^T and h' is collapsed with pre; ``head`` computes the
-    hc_head's pre only. Per token, everything stays in fp32."""
+    hc_head's pre only. Per token, everything stays in fp32. On the CPU the sums over h' run in
+    vector lanes (each lane in input order, the lanes added last); GPU builds (``max_lanes``)
+    sum in one lane."""
     flat = hc * dim
     mix = hc if head else (2 + hc) * hc
     n_scale = 1 if head else 3
     rows = math.gcd(mix, 8)  # mixing rows summed together (8 chains hide the FMA latency)
+    lanes = 1 if max_lanes else math.gcd(dim, cpu_vector()[0])
+    columns = T.serial if max_lanes else T.vectorized
 
     @T.macro
     def streams(O, H, POST, COMB, H_OUT, t):
         for k in range(hc):
-            for d in range(dim):
-                H_OUT[t, k, d] = POST[t, k] * O[t, d]
-                for j in range(hc):
-                    H_OUT[t, k, d] = H_OUT[t, k, d] + COMB[t, j, k] * H[t, j, d]
+            for dd in range(dim // lanes):
+                for l in columns(lanes):
+                    H_OUT[t, k, dd * lanes + l] = POST[t, k] * O[t, dd * lanes + l]
+            for j in range(hc):
+                for dd in range(dim // lanes):
+                    for l in columns(lanes):
+                        H_OUT[t, k, dd * lanes + l] = H_OUT[t, k, dd * lanes + l] + \
+                            COMB[t, j, k] * H[t, j, dd * lanes + l]
 
     @T.macro
     def coefficients(SRC, FN, BASE, SCALE, Y, PRE_OUT, POST_OUT, COMB_OUT, t):
         acc = T.alloc_buffer((2,), F32, scope="local")
-        part = T.alloc_buffer((rows,), F32, scope="local")
+        part = T.alloc_buffer((rows, lanes), F32, scope="local")
         m = T.alloc_buffer((mix,), F32, scope="local")
         pre = T.alloc_buffer((hc,), F32, scope="local")
         c = T.alloc_buffer((hc, hc), F32, scope="local")
+        for l in columns(lanes):
+            part[0, l] = T.float32(0)
+        for k in range(hc):
+            for dd in range(dim // lanes):
+                for l in columns(lanes):
+                    part[0, l] = part[0, l] + SRC[t, k, dd * lanes + l] * SRC[t, k, dd * lanes + l]
         acc[0] = T.float32(0)
-        for i in range(flat):
-            acc[0] = acc[0] + SRC[t, i // dim, i % dim] * SRC[t, i // dim, i % dim]
+        for l in range(lanes):
+            acc[0] = acc[0] + part[0, l]
         acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(flat) + T.float32(norm_eps))
-        for rr in range(mix // rows):  # rows of fn together: independent sums, each in input order
+        for rr in range(mix // rows):  # rows of fn together: independent sums
             for u in T.unroll(rows):
-                part[u] = T.float32(0)
+                for l in columns(lanes):
+                    part[u, l] = T.float32(0)
             for k in range(hc):
-                for d in range(dim):
+                for dd in range(dim // lanes):
                     for u in T.unroll(rows):
-                        part[u] = part[u] + SRC[t, k, d] * FN[rr * rows + u, k * dim + d]
+                        for l in columns(lanes):
+                            part[u, l] = part[u, l] + SRC[t, k, dd * lanes + l] * FN[rr * rows + u, k * dim + dd * lanes + l]
             for u in T.unroll(rows):
-                m[rr * rows + u] = part[u] * acc[0]
+                acc[1] = T.float32(0)
+                for l in range(lanes):
+                    acc[1] = acc[1] + part[u, l]
+                m[rr * rows + u] = acc[1] * acc[0]
         for j in range(hc):
             pre[j] = T.float32(1) / (T.float32(1) + T.exp(-(m[j] * SCALE[0] + BASE[j]))) + T.float32(hc_eps)
         if not head:
@@ -909,11 +929,12 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
             for r in range(hc):
                 for k in range(hc):
                     COMB_OUT[t, r, k] = c[r, k]
-        for d in range(dim):
-            acc[1] = T.float32(0)
+        for dd in range(dim // lanes):
+            for l in columns(lanes):
+                Y[t, dd * lanes + l] = T.float32(0)
             for j in range(hc):
-                acc[1] = acc[1] + pre[j] * SRC[t, j, d]
-            Y[t, d] = acc[1]
+                for l in columns(lanes):
+                    Y[t, dd * lanes + l] = Y[t, dd * lanes + l] + pre[j] * SRC[t, j, dd * lanes + l]
 
     if with_post and not head:
         @T.prim_func
@@ -1473,7 +1494,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
 
 
 # Kernels with explicit vector loops, and the widest vector GPU code generators accept.
-VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu"})
+VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu", "mhc"})
 GPU_MAX_LANES = 4
 
 
