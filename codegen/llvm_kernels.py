@@ -872,7 +872,7 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
         m = T.alloc_buffer((mix,), F32, scope="local")
         pre = T.alloc_buffer((hc,), F32, scope="local")
         c = T.alloc_buffer((hc, hc), F32, scope="local")
-        for l in columns(lanes):
+        for l in columns(lanes):  # the sum of squares (rmsnorm), in part's first row
             part[0, l] = T.float32(0)
         for k in range(hc):
             for dd in range(dim // lanes):
