@@ -15,6 +15,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from dsv4c import threads
 from dsv4c.cli import main as cli
 from dsv4c.codegen import convert
 from dsv4c.codegen.compile import compile_model
@@ -242,11 +243,14 @@ def test_bf16_declared_weight_that_bf16_cannot_hold_is_refused(models, tmp_path)
 
 
 def test_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
-    """Peak numpy memory (tracemalloc sees every numpy buffer) while writing a checkpoint and
-    converting it is about the same for 8 and for 64 experts (4x the bytes): a few pieces in
-    flight, whatever the model; the slack is which pieces the threads happen to overlap."""
+    """Peak traced memory (tracemalloc sees every numpy buffer and Python object) while writing a
+    checkpoint and converting it barely moves between 8 and 64 experts (35 MB more weights): a
+    few pieces in flight whatever the model, plus per-tensor bookkeeping. One worker thread, so
+    the peak does not depend on which pieces the threads happen to overlap (a 2-core CI run once
+    saw the 64-expert conversion overlap larger pieces than the 8-expert one, 1.6x the peak)."""
     monkeypatch.setattr(checkpoint, "PIECE_BYTES", 1 << 20)
     monkeypatch.setattr(convert, "PIECE_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(threads, "default_workers", lambda: 1)
     peaks, sizes = [], []
     for experts in (8, 64):
         cfg = config_from_dict({**MERGE.to_json_dict("hf"), "n_routed_experts": experts, "moe_intermediate_size": 256,
@@ -263,9 +267,11 @@ def test_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
             tracemalloc.stop()
         peaks.append((write_peak, convert_peak))
         sizes.append((sum(f.stat().st_size for f in path.glob("*.safetensors")), report.bytes_written))
-    assert sizes[1][0] > 3 * sizes[0][0] and sizes[1][1] > 3 * sizes[0][1]
-    for small, large in zip(*peaks):
-        assert large < 1.5 * small, peaks
+    (small_write, large_write), (small_art, large_art) = zip(*sizes)
+    assert large_write > 3 * small_write and large_art > 3 * small_art
+    # Holding the weights would add their whole growth; a few pieces add nothing, bookkeeping ~1-2%.
+    for (small_peak, large_peak), growth in zip(zip(*peaks), (large_write - small_write, large_art - small_art)):
+        assert large_peak - small_peak < 0.05 * growth, (peaks, sizes)
 
 
 # --------------------------------------------------------------------------- the artifact
