@@ -411,11 +411,13 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     decoded = quant != "fp32"
     scaled = cpu and quant in RAW_POWER
     decode = weight_raw if cpu else weight_value
-    # Groups: FP8 blocks of 128, FP4 scale groups of 32. The direct loop unrolls k by up to 4
-    # inside a group, FP4 by a word's 8 codes with half the accumulators (with 8, LLVM keeps the
-    # words of all chunks live at once and spills them).
+    # Groups: FP8 blocks of 128, FP4 scale groups of 32. The CPU's direct loop unrolls k by up
+    # to 4 inside a group, FP4 by a word's 8 codes with half the accumulators (with 8, LLVM keeps
+    # the words of all chunks live at once and spills them). GPU builds take one input at a
+    # time: unrolled, LLVM's AMDGPU backend spent ~27 s on each FP4 expert kernel of Flash (2 s
+    # rolled), for a thread whose tile of accumulators does not fit in registers anyway.
     group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if scaled else 4))
-    unroll = math.gcd(group, 8 if quant == "fp4_g32" else 4)
+    unroll = math.gcd(group, 8 if quant == "fp4_g32" else 4) if cpu else 1
     acc_vectors = ACC_VECTORS // 2 if quant == "fp4_g32" else ACC_VECTORS
     # The panel: kc inputs (whole groups when scaled) x pw columns, at most PANEL_FLOATS floats.
     pw = next(w for w in (tile, tile // 2, tile // 4) if w * group <= PANEL_FLOATS or w == tile // 4) if scaled else tile
