@@ -2,6 +2,7 @@
 
 import pytest
 
+from dsv4c.cli import main as cli
 from dsv4c.codegen.compile import compile_model
 from dsv4c.frontend.config import config_from_dict
 
@@ -23,3 +24,13 @@ def parity_artifacts(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     cfg = fp32_checkpoint(config_from_dict(PARITY_CONFIGS[request.param], request.param), tmp / "ckpt")
     return cfg, tmp / "ckpt", *compile_pair(tmp, tmp / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_llvm(tmp_path_factory):
+    """The quick start's artifact: ``dsv4c make-tiny`` then ``dsv4c compile --target llvm``,
+    built once for the tests that only read it (the model directory lies beside it, ``model``)."""
+    root = tmp_path_factory.mktemp("tiny_llvm")
+    assert cli(["make-tiny", "--out", str(root / "model")]) == 0
+    assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "art")]) == 0
+    return root / "art"

@@ -10,7 +10,6 @@ import pytest
 import tvm
 from tvm import relax
 
-from dsv4c.cli import main as cli
 from dsv4c.codegen import gpu
 from dsv4c.codegen.build import lower_step
 from dsv4c.frontend.config import preset
@@ -24,11 +23,8 @@ from dsv4c.targets import target_info
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step")
-    assert cli(["make-tiny", "--out", str(root / "model")]) == 0
-    assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "art")]) == 0
-    return root / "art"
+def tiny(tiny_llvm):
+    return tiny_llvm
 
 
 def test_manifest_names_a_vm_library_with_its_functions(tiny):

@@ -17,7 +17,6 @@ import random
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,17 +51,13 @@ def _build(build_dir: Path) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def cpp(tmp_path_factory):
+def cpp(tmp_path_factory, tiny_llvm):
     """(build directory, tiny llvm artifact)."""
-    root = tmp_path_factory.mktemp("cpp_host")
-    with ThreadPoolExecutor(1) as background:
-        build = background.submit(_build, root / "build")
-        assert cli(["make-tiny", "--out", str(root / "model")]) == 0
-        assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "art")]) == 0
-        failure = build.result()
+    build = tmp_path_factory.mktemp("cpp_host") / "build"
+    failure = _build(build)
     if failure:
         pytest.fail(failure)
-    return root / "build", root / "art"
+    return build, tiny_llvm
 
 
 def _host(build: Path, *args) -> subprocess.CompletedProcess:
