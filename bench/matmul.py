@@ -2,7 +2,10 @@
 
 GEMV (decode, one row): GB/s of weight bytes streamed (several copies of each weight, ~0.5 GB,
 back to back, as a decode step's matmuls follow each other), against a parallel read of as many
-bytes (torch ``sum``, the machine's read bandwidth as this process sees it) in the same run.
+bytes (torch ``sum``, the machine's read bandwidth as this process sees it) in the same run; and
+the same kernel's GB/s on ~4 MB of weights read over and over from the cache, the ceiling its
+decode arithmetic sets whatever the memory (below the read bandwidth: that format cannot stream
+at it).
 GEMM (prefill rows): GFLOP/s against torch's fp32 matmul on the same shapes (its BLAS) in the
 same run. Flash widths: hidden 4096, FP8 128x128 blocks, FP4 experts (inter 2048, 16 experts,
 6 routed rows per token), the BF16 head.
@@ -102,40 +105,52 @@ def main() -> None:
     # that size (torch), timed the same way.
     gemv = [("fp8_b128", 32768, 4096), ("fp4_g32 experts 6/16", 2048, 4096), ("bf16", 32000, 4096),
             ("fp32", 8192, 4096)]
-    cases = []
-    for name, out_dim, in_dim in gemv[:2] if args.quick else gemv:
+    def gemv_case(name, out_dim, in_dim, copies=None):
+        """(kernel, a list of argument sets: one per copy of the weights, bytes a call reads);
+        ``copies`` None: as many as make ~0.5 GB."""
         quant = name.split()[0]
-        x = rng.standard_normal((6 if "experts" in name else 1, in_dim), np.float32)
-        if "experts" in name:
-            experts = 16
+        experts = 16 if "experts" in name else 0
+        x = rng.standard_normal((6 if experts else 1, in_dim), np.float32)
+        if experts:
             kernel = _compile(expert_linear(out_dim, in_dim, quant, experts))
             offsets = np.array([0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 6, 6, 6, 6], np.int32)  # 6 experts, a row each
-            parts = [_weights(rng, out_dim, in_dim, quant, (experts,))]
-            call_args = lambda parts, x=x, offsets=offsets: [x, offsets, *parts, np.zeros((6, out_dim), np.float32)]  # noqa: E731
+            call_args = lambda parts: [x, offsets, *parts, np.zeros((6, out_dim), np.float32)]  # noqa: E731
             share = 6 / experts  # the bytes a token reads: its experts' share
         else:
             kernel = _compile(linear(out_dim, in_dim, quant, True))
-            parts = [_weights(rng, out_dim, in_dim, quant)]
-            call_args = lambda parts, x=x: [x, *parts, np.zeros((1, out_dim), np.float32)]  # noqa: E731
+            call_args = lambda parts: [x, *parts, np.zeros((1, out_dim), np.float32)]  # noqa: E731
             share = 1
+        parts = [_weights(rng, out_dim, in_dim, quant, (experts,) if experts else ())]
         size = sum(part.nbytes for part in parts[0])
-        copies = max(2, -(-2**29 // size))
-        parts += [_weights(rng, out_dim, in_dim, quant, (experts,) if "experts" in name else ()) for _ in range(copies - 1)]
-        cases.append((name, kernel, [[tvm.runtime.tensor(a) for a in call_args(p)] for p in parts], size * share))
+        copies = copies or max(2, -(-2**29 // size))
+        parts += [_weights(rng, out_dim, in_dim, quant, (experts,) if experts else ()) for _ in range(copies - 1)]
+        return kernel, [[tvm.runtime.tensor(a) for a in call_args(p)] for p in parts], size * share
+
+    def gb_per_s(kernel, sets, nbytes):
+        def run_all():
+            for tensors in sets:
+                kernel(*tensors)
+
+        seconds = _best(run_all, args.repeat) / len(sets)
+        return seconds, nbytes / seconds / 1e9
+
+    cases = []
+    for name, out_dim, in_dim in gemv[:2] if args.quick else gemv:
+        streamed = gemv_case(name, out_dim, in_dim)
+        # The cached case: as many columns (whole 64-column tiles) as read ~4 MB a call.
+        columns = max(64, int(4e6 * out_dim / streamed[2]) // 64 * 64)
+        cases.append((name, streamed, gemv_case(name, min(columns, out_dim), in_dim, copies=1)))
     evict = torch.ones(2**29 // 8, dtype=torch.int64)
     read = evict.numel() * 8 / _best(lambda: evict.sum(), args.repeat) / 1e9
     evict = None  # freed before the GEMVs run
     print(f"\nGEMV, one row (decode): weight GB/s, ~0.5 GB of weight copies per pass, vs a parallel read of "
           f"512 MiB: {read:.1f} GB/s")
-    print(f"{'kernel':<34}{'MB':>8}{'ms':>9}{'GB/s':>8}{'ratio':>8}")
-    for name, kernel, sets, nbytes in cases:
-        def run_all():
-            for tensors in sets:
-                kernel(*tensors)
-
-        t_ours = _best(run_all, args.repeat) / len(sets)
-        ours = nbytes / t_ours / 1e9
-        print(f"{name:<34}{nbytes / 1e6:>8.1f}{t_ours * 1e3:>9.2f}{ours:>8.1f}{ours / read:>7.2f}x")
+    print(f"{'kernel':<34}{'MB':>8}{'ms':>9}{'GB/s':>8}{'ratio':>8}{'in cache':>10}{'ratio':>8}")
+    for name, streamed, cached in cases:
+        t_ours, ours = gb_per_s(*streamed)
+        _, ceiling = gb_per_s(cached[0], cached[1] * 64, cached[2])  # one copy, 64 calls a pass
+        print(f"{name:<34}{streamed[2] / 1e6:>8.1f}{t_ours * 1e3:>9.2f}{ours:>8.1f}{ours / read:>7.2f}x"
+              f"{ceiling:>10.1f}{ceiling / read:>7.2f}x")
     del cases
 
     print(f"\nGEMM, {args.rows} rows (prefill): GFLOP/s vs torch fp32 matmul (weights dequantized)")
