@@ -719,6 +719,16 @@ def rmsnorm(dim: int, eps: float, weighted: bool):
 ROPE_HEAD_BLOCK = 8  # heads per parallel job of the rope kernels, which share one token's cos / sin
 
 
+# A job of the rope kernels is (token, block of hb heads). Their indices are written out where
+# they are used: named (a Bind), each one cost a workspace allocation per head on the CPU.
+def _job_token(job, heads: int, hb: int):
+    return job // (heads // hb)
+
+
+def _job_head(job, heads: int, hb: int, hh):
+    return job % (heads // hb) * hb + hh
+
+
 def _rotation(half: int):
     """A macro that fills trig[p] = (cos, sin) of the angle of pair p at token i's position."""
     @T.macro
@@ -738,6 +748,13 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
     hb = math.gcd(heads, ROPE_HEAD_BLOCK)
     rotation = _rotation(half)
 
+    @T.macro
+    def rotate(X, OUT, trig, i, h, p):
+        OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * trig[p, 0] - \
+            X[i, h, nope + 2 * p + 1] * (trig[p, 1] * T.float32(sign))
+        OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * trig[p, 0] + \
+            X[i, h, nope + 2 * p] * (trig[p, 1] * T.float32(sign))
+
     @T.prim_func
     def f(x: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
         n = T.int32()
@@ -746,29 +763,54 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
         INV = T.match_buffer(inv, (half,), F32)
         OUT = T.match_buffer(out, (n, heads, dim), F32)
         for ib in T.parallel(n * (heads // hb)):
-            trig = T.alloc_buffer((half, 2), F32, scope="local")
-            i = ib // (heads // hb)
-            rotation(POS, INV, i, trig)
+            trig = T.alloc_buffer((half, 2), F32, scope="local", annotations=ON_STACK)
+            rotation(POS, INV, _job_token(ib, heads, hb), trig)
             for hh in range(hb):
-                h = ib % (heads // hb) * hb + hh
                 for j in range(nope):
-                    OUT[i, h, j] = X[i, h, j]
+                    OUT[_job_token(ib, heads, hb), _job_head(ib, heads, hb, hh), j] = \
+                        X[_job_token(ib, heads, hb), _job_head(ib, heads, hb, hh), j]
                 for p in range(half):
-                    OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * trig[p, 0] - \
-                        X[i, h, nope + 2 * p + 1] * (trig[p, 1] * T.float32(sign))
-                    OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * trig[p, 0] + \
-                        X[i, h, nope + 2 * p] * (trig[p, 1] * T.float32(sign))
+                    rotate(X, OUT, trig, _job_token(ib, heads, hb), _job_head(ib, heads, hb, hh), p)
     return f
 
 
-def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool):
+def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool, max_lanes: int = 0):
     """rmsnorm over each head's ``dim`` channels (times w when weighted), then the GPT-J rotation
     of the trailing ``rope_dim`` channels at the token's position; in parallel over (token,
-    block of heads)."""
+    block of heads). On the CPU the sum of squares runs in vector lanes (each lane in channel
+    order, the lanes added last) and the scaling in vectors; GPU builds (``max_lanes``) sum in
+    one lane."""
     half = rope_dim // 2
     nope = dim - rope_dim
     hb = math.gcd(heads, ROPE_HEAD_BLOCK)
     rotation = _rotation(half)
+    lanes = 1 if max_lanes else math.gcd(dim, cpu_vector()[0])
+    columns = T.serial if max_lanes else T.vectorized
+
+    def normed(X, W, acc, i, h, j):
+        return X[i, h, j] * acc[0] * T.if_then_else(weighted, W[j], T.float32(1))
+
+    @T.macro
+    def normalize(X, W, OUT, acc, part, trig, i, h):
+        for l in columns(lanes):
+            part[l] = T.float32(0)
+        for jj in range(dim // lanes):
+            for l in columns(lanes):
+                part[l] = part[l] + X[i, h, jj * lanes + l] * X[i, h, jj * lanes + l]
+        acc[0] = T.float32(0)
+        for l in range(lanes):
+            acc[0] = acc[0] + part[l]
+        acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(dim) + T.float32(eps))
+        for jj in range(nope // lanes):
+            for l in columns(lanes):
+                OUT[i, h, jj * lanes + l] = normed(X, W, acc, i, h, jj * lanes + l)
+        for j in range(nope // lanes * lanes, nope):
+            OUT[i, h, j] = normed(X, W, acc, i, h, j)
+        for p in range(half):
+            OUT[i, h, nope + 2 * p] = normed(X, W, acc, i, h, nope + 2 * p) * trig[p, 0] - \
+                normed(X, W, acc, i, h, nope + 2 * p + 1) * trig[p, 1]
+            OUT[i, h, nope + 2 * p + 1] = normed(X, W, acc, i, h, nope + 2 * p + 1) * trig[p, 0] + \
+                normed(X, W, acc, i, h, nope + 2 * p) * trig[p, 1]
 
     @T.prim_func
     def f(x: T.handle, w: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
@@ -779,24 +821,12 @@ def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool
         INV = T.match_buffer(inv, (half,), F32)
         OUT = T.match_buffer(out, (n, heads, dim), F32)
         for ib in T.parallel(n * (heads // hb)):
-            acc = T.alloc_buffer((1,), F32, scope="local")
-            trig = T.alloc_buffer((half, 2), F32, scope="local")
-            i = ib // (heads // hb)
-            rotation(POS, INV, i, trig)
+            acc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            part = T.alloc_buffer((lanes,), F32, scope="local", annotations=ON_STACK)
+            trig = T.alloc_buffer((half, 2), F32, scope="local", annotations=ON_STACK)
+            rotation(POS, INV, _job_token(ib, heads, hb), trig)
             for hh in range(hb):
-                h = ib % (heads // hb) * hb + hh
-                acc[0] = T.float32(0)
-                for j in range(dim):
-                    acc[0] = acc[0] + X[i, h, j] * X[i, h, j]
-                acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(dim) + T.float32(eps))
-                for j in range(nope):
-                    OUT[i, h, j] = X[i, h, j] * acc[0] * T.if_then_else(weighted, W[j], T.float32(1))
-                for p in range(half):
-                    a = X[i, h, nope + 2 * p] * acc[0] * T.if_then_else(weighted, W[nope + 2 * p], T.float32(1))
-                    b = X[i, h, nope + 2 * p + 1] * acc[0] * T.if_then_else(weighted, W[nope + 2 * p + 1],
-                                                                             T.float32(1))
-                    OUT[i, h, nope + 2 * p] = a * trig[p, 0] - b * trig[p, 1]
-                    OUT[i, h, nope + 2 * p + 1] = b * trig[p, 0] + a * trig[p, 1]
+                normalize(X, W, OUT, acc, part, trig, _job_token(ib, heads, hb), _job_head(ib, heads, hb, hh))
     return f
 
 
@@ -869,11 +899,11 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
 
     @T.macro
     def coefficients(SRC, FN, BASE, SCALE, Y, PRE_OUT, POST_OUT, COMB_OUT, t):
-        acc = T.alloc_buffer((2,), F32, scope="local")
-        part = T.alloc_buffer((rows, lanes), F32, scope="local")
-        m = T.alloc_buffer((mix,), F32, scope="local")
-        pre = T.alloc_buffer((hc,), F32, scope="local")
-        c = T.alloc_buffer((hc, hc), F32, scope="local")
+        acc = T.alloc_buffer((2,), F32, scope="local", annotations=ON_STACK)
+        part = T.alloc_buffer((rows, lanes), F32, scope="local", annotations=ON_STACK)
+        m = T.alloc_buffer((mix,), F32, scope="local", annotations=ON_STACK)
+        pre = T.alloc_buffer((hc,), F32, scope="local", annotations=ON_STACK)
+        c = T.alloc_buffer((hc, hc), F32, scope="local", annotations=ON_STACK)
         for l in columns(lanes):  # the sum of squares (rmsnorm), in part's first row
             part[0, l] = T.float32(0)
         for k in range(hc):
@@ -1496,7 +1526,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
 
 
 # Kernels with explicit vector loops, and the widest vector GPU code generators accept.
-VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu", "mhc"})
+VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu", "mhc", "rmsnorm_rope"})
 GPU_MAX_LANES = 4
 
 

@@ -268,3 +268,25 @@ def test_swiglu_matches_numpy():
     gate = np.minimum(g.astype(np.float64), 10.0)
     want = gate / (1 + np.exp(-gate)) * np.clip(u, -10.0, 10.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dim, rope_dim, weighted", [(512, 64, True), (512, 64, False), (12, 4, True), (6, 2, False)])
+def test_rmsnorm_rope_matches_numpy(dim, rope_dim, weighted):
+    """Each head's rmsnorm (its sum of squares in vector lanes: 8, 4 or 2 of them by the head
+    dim) then the GPT-J rotation of the trailing rope_dim channels, against float64 numpy."""
+    rng = np.random.default_rng(3)
+    heads, n = 3, 5
+    x = (rng.standard_normal((n, heads, dim)) * 4).astype(np.float32)
+    w = rng.uniform(0.5, 2, dim).astype(np.float32)
+    pos = rng.integers(0, 5000, n).astype(np.int32)
+    inv = (10000.0 ** -(np.arange(rope_dim // 2) / (rope_dim // 2))).astype(np.float32)
+    args = (x, w) if weighted else (x, np.ones(dim, np.float32))  # an unweighted kernel ignores w
+    got = _call(_kernel("rmsnorm_rope", heads, dim, rope_dim, 1e-6, weighted), *args, pos, inv, np.zeros_like(x))
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * (w if weighted else 1)
+    angle = pos[:, None].astype(np.float32) * inv  # float32 angles, as the kernel takes them
+    cos, sin = np.cos(angle.astype(np.float64))[:, None], np.sin(angle.astype(np.float64))[:, None]
+    a, b = normed[..., dim - rope_dim::2], normed[..., dim - rope_dim + 1::2]
+    want = normed.copy()
+    want[..., dim - rope_dim::2], want[..., dim - rope_dim + 1::2] = a * cos - b * sin, b * cos + a * sin
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
