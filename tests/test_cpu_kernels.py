@@ -290,3 +290,18 @@ def test_rmsnorm_rope_matches_numpy(dim, rope_dim, weighted):
     want = normed.copy()
     want[..., dim - rope_dim::2], want[..., dim - rope_dim + 1::2] = a * cos - b * sin, b * cos + a * sin
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("factory, params", [
+    ("rope", (64, 512, 64, False)), ("rmsnorm_rope", (64, 512, 64, 1e-6, True)),
+    ("mhc", (4, 256, 20, 1e-6, 1e-6, True, False)), ("sparse_attn", (8, 64, 0.125)), ("swiglu", (256, 10.0)),
+    ("linear", (256, 512, "fp8_b128", True)), ("expert_linear", (256, 512, "fp4_g32", 4))])
+def test_hot_kernels_allocate_nothing_from_the_workspace_pool(factory, params):
+    """TVM lowers a named TIR index (``h = ...``) and a local buffer without the on-stack
+    annotation to TVMBackendAllocWorkspace / FreeWorkspace calls, which cost rmsnorm_rope 7x its
+    arithmetic when they ran per head. These kernels' loops make none."""
+    func = getattr(K, factory)(*params)
+    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
+        lib = tvm.tirx.build(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}),
+                             target=target_info("llvm").tvm_target())
+    assert "TVMBackendAllocWorkspace" not in lib.inspect_source("asm")
