@@ -770,11 +770,14 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
     rotation = _rotation(half)
 
     @T.macro
-    def rotate(X, OUT, trig, i, h, p):
-        OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * trig[p, 0] - \
-            X[i, h, nope + 2 * p + 1] * (trig[p, 1] * T.float32(sign))
-        OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * trig[p, 0] + \
-            X[i, h, nope + 2 * p] * (trig[p, 1] * T.float32(sign))
+    def rotate(X, OUT, trig, i, h):  # token i's head h
+        for j in range(nope):
+            OUT[i, h, j] = X[i, h, j]
+        for p in range(half):
+            OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * trig[p, 0] - \
+                X[i, h, nope + 2 * p + 1] * (trig[p, 1] * T.float32(sign))
+            OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * trig[p, 0] + \
+                X[i, h, nope + 2 * p] * (trig[p, 1] * T.float32(sign))
 
     @T.prim_func
     def f(x: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
@@ -787,11 +790,7 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
             trig = T.alloc_buffer((half, 2), F32, scope="local", annotations=ON_STACK)
             rotation(POS, INV, _job_token(ib, heads, hb), trig)
             for hh in range(hb):
-                for j in range(nope):
-                    OUT[_job_token(ib, heads, hb), _job_head(ib, heads, hb, hh), j] = \
-                        X[_job_token(ib, heads, hb), _job_head(ib, heads, hb, hh), j]
-                for p in range(half):
-                    rotate(X, OUT, trig, _job_token(ib, heads, hb), _job_head(ib, heads, hb, hh), p)
+                rotate(X, OUT, trig, _job_token(ib, heads, hb), _job_head(ib, heads, hb, hh))
     return f
 
 
