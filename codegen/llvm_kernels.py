@@ -248,6 +248,8 @@ def bf16_bits(x):
 GEMM_ROWS = 8  # the prefill function pads a matmul's rows to blocks of 8 (see relax_step.matmul)
 GEMV_ROWS = 4  # rows the decode loop accumulates together, each weight decoded once for all of them
 PANEL_FLOATS = 4096  # a decoded weight panel (columns x k block): 16 KiB, L1-resident
+SCALED_PANEL_COLUMNS = 16  # a scaled format's panel: 16 columns by 256 inputs (see _matmul_loops)
+SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
 # How far ahead (bytes) the decode loop prefetches the weight tile it streams, by format: the
 # best of 512-4096 on Zen 3 (see _matmul_loops).
 PREFETCH_BYTES = {"fp8_b128": 2048, "fp8fnuz_b128": 2048, "bf16": 1024}
@@ -284,14 +286,19 @@ def cpu_vector() -> tuple[int, int]:
     return (8 if codegen.target_has_features("avx", target) else 4), 16
 
 
-def register_tile(tile: int) -> tuple[int, int]:
+def register_tile(tile: int, scaled: bool) -> tuple[int, int]:
     """(rows, columns) of the GEMM micro-kernel's accumulators, which stay in vector registers:
     two vectors of columns (at most the weight tile) by as many rows as fill 3/8 of the
     registers (AVX2: 6 x 16, 12 accumulators; AVX-512: 12 x 32, 24), leaving the rest to the two
     weight vectors and a broadcast. More independent FMA chains than the 8 that two FMA pipes
-    of latency 4 need: 4 rows ran 3-13% slower on Zen 3 (bench/RESULTS.md)."""
+    of latency 4 need: 4 rows ran 3-13% slower on Zen 3 (bench/RESULTS.md).
+
+    Scaled formats (FP8, FP4) keep each output's running total beside its group sum, so they
+    take SCALED_ROWS rows: on AVX-512 the 6 accumulators and 6 totals of a 16-column panel stay
+    in registers (12 rows, which spill the totals, ran 1.25x slower on Zen 4); AVX2 spills its
+    totals to the stack either way, and 6 rows beat 3 or 4 there (x86-64-v3 code on Zen 4)."""
     lanes, registers = cpu_vector()
-    return registers * 3 // 8, math.gcd(tile, 2 * lanes)
+    return SCALED_ROWS if scaled else registers * 3 // 8, math.gcd(tile, 2 * lanes)
 
 
 # Kernels built with TE as compute definitions: CPU kernels are written out below, GPU targets
@@ -378,14 +385,17 @@ def boosted(value):
     return value * tirx.const(2.0 ** X_BOOST, F32)
 
 
-def scaled_sum(quant: str, parts, lead: tuple, a, kk, c, raw_sum):
-    """A sum of boosted raw products over one scale group (the group holding input kk) as a sum
-    of x times weight values: times 2**(RAW_POWER - X_BOOST) (exact), times the group's scale."""
+def group_scale(quant: str, parts, lead: tuple, a, kk, c):
+    """What a sum of boosted raw products over one scale group (the group holding input kk) is
+    multiplied by to give a sum of x times weight values: the group's scale times
+    2**(RAW_POWER - X_BOOST). Multiplying by the power of two first is exact (scales far below
+    2**66), so raw_sum * group_scale has the bits of (raw_sum * 2**(...)) * scale, and a matmul
+    loop computes it once per column vector for all its rows."""
     if quant in FP8_DECODERS:
         scale = parts[1][lead + (a, kk // 128, c)]
     else:
         scale = decode_e8m0(parts[1][lead + (a, kk // 32, c)])
-    return raw_sum * tirx.const(2.0 ** (RAW_POWER[quant] - X_BOOST), F32) * scale
+    return scale * tirx.const(2.0 ** (RAW_POWER[quant] - X_BOOST), F32)
 
 
 def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized, cpu: bool = True):
@@ -396,7 +406,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     (the decode and prefill functions agree bit for bit): from zero with one accumulator; for
     scaled formats (FP8, FP4), the boosted raw products (``weight_raw``, ``boosted``) of each
     group of ``group`` inputs (within one scale group) are summed from zero, and each group's
-    sum, scaled (``scaled_sum``), is added to the output's total in group order.
+    sum, scaled (``group_scale``), is added to the output's total in group order.
 
     ``direct``: up to GEMV_ROWS rows at a time, the weight tile streamed once in memory order
     and decoded in registers (decode steps). For each group, the tile's columns go in chunks
@@ -405,8 +415,9 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     once into a stack buffer, is broadcast from there.
     ``panel``: for each k block of whole groups and each panel of columns, the weights are
     decoded once into an L1 panel (fp32 weights are read in place), then a register-tiled
-    micro-kernel (``register_tile``) runs every block of rows over it, adding each group's sum
-    (or, unscaled, its running sums) to y.
+    micro-kernel (``register_tile``) runs every block of rows over it: unscaled, its running
+    sums go to y; scaled, each group's sum is added to the output's total, which it keeps beside
+    the sums over the k block's groups (from y, zero in the first block) and then writes to y.
 
     GPU builds (not ``cpu``) run the direct loop on weight values (``weight_value``): their
     float32 arithmetic may flush the raw codes' subnormals."""
@@ -423,10 +434,13 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     unroll = math.gcd(group, 8 if quant == "fp4_g32" else 4) if cpu else 1
     acc_vectors = ACC_VECTORS // 2 if quant == "fp4_g32" else ACC_VECTORS
     # The panel: kc inputs (whole groups when scaled) x pw columns, at most PANEL_FLOATS floats.
-    pw = next(w for w in (tile, tile // 2, tile // 4) if w * group <= PANEL_FLOATS or w == tile // 4) if scaled else tile
+    # Scaled formats take narrow panels of many inputs: the micro-kernel writes its totals to y
+    # once per k block, and 16 x 256 ran 1.1-1.4x faster than 32 x 128 for FP8 and FP4 on Zen 4
+    # (AVX-512 and x86-64-v3 code alike, except FP8 on AVX2: even), single-threaded A/Bs.
+    pw = math.gcd(tile, SCALED_PANEL_COLUMNS) if scaled else tile
     kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
               if in_dim % b == 0 and b * pw <= max(PANEL_FLOATS, pw * group) and (not scaled or b % group == 0))
-    rb, cols = register_tile(pw) if columns is T.vectorized else (1, 1)
+    rb, cols = register_tile(pw, scaled) if columns is T.vectorized else (1, 1)
     half = rb // 2
     lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
@@ -459,8 +473,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     def x_at(X, xs, g, first, r, kg, i):  # the direct loop's x: input i of group kg, boosted when scaled
         return xs[r, i] if scaled else X[at(first + r, g, kg * group + i)]
 
-    def total(previous, raw_sum, parts, w, a, kk, c):  # a group's sum added to the total
-        return previous + scaled_sum(quant, parts, (w,), a, kk, c, raw_sum) if scaled else raw_sum
+    def total(previous, raw_sum, scale):  # a group's sum added to the total
+        return previous + raw_sum * scale if scaled else raw_sum
 
     @T.macro
     def direct(X, parts, Y, w, g, a, first, R):
@@ -495,8 +509,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                                                cc * chunk(R) + v * vector(R) + c)
                 for r in T.unroll(R):
                     for c in columns(chunk(R)):
-                        acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], parts, w, a,
-                                                          kg * group, cc * chunk(R) + c)
+                        acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], group_scale(
+                            quant, parts, (w,), a, kg * group, cc * chunk(R) + c) if scaled else 1)
         for r in T.unroll(R):
             for c in columns(tile):
                 Y[at(first + r, g, a * tile + c)] = acc[r, c]
@@ -519,6 +533,14 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     @T.macro
     def micro(X, panel, parts, Y, w, g, a, row, pb, cs, kb, R):
         acc = T.alloc_buffer((R, cols), F32, scope="local", annotations=ON_STACK)
+        scales = T.alloc_buffer((cols,), F32, scope="local", annotations=ON_STACK)
+        # Scaled formats: each output's total so far (zero before the first group, then y) beside
+        # the group's sum, written back once after the k block's groups.
+        totals = T.alloc_buffer((R, cols) if scaled else (1, 1), F32, scope="local", annotations=ON_STACK)
+        if scaled:
+            for r in T.unroll(R):
+                for c in T.vectorized(cols):
+                    totals[r, c] = T.if_then_else(kb == 0, T.float32(0), Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)])
         for kg in range(kc // group if scaled else 1):
             if scaled or kb == 0:
                 for r in T.unroll(R):
@@ -534,22 +556,20 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                         acc[r, c] = acc[r, c] + X[at(row + r, g, kb * kc + kg * group + ki)] * \
                             weight(panel, parts, w, a, kb * kc + kg * group + ki, kg * group + ki, pb, cs * cols + c)
             if scaled:
-                # The output's total so far: zero before the first group, then y.
-                if kb * kc + kg * group == 0:
-                    for r in T.unroll(R):
-                        for c in T.vectorized(cols):
-                            Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = total(
-                                T.float32(0), acc[r, c], parts, w, a, 0, pb * pw + cs * cols + c)
-                else:
-                    for r in T.unroll(R):
-                        for c in T.vectorized(cols):
-                            Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = total(
-                                Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)], acc[r, c], parts, w, a,
-                                kb * kc + kg * group, pb * pw + cs * cols + c)
+                # The group's scales, once for all rows.
+                for c in T.vectorized(cols):
+                    scales[c] = group_scale(quant, parts, (w,), a, kb * kc + kg * group, pb * pw + cs * cols + c)
+                for r in T.unroll(R):
+                    for c in T.vectorized(cols):
+                        totals[r, c] = total(totals[r, c], acc[r, c], scales[c])
             else:
                 for r in T.unroll(R):
                     for c in T.vectorized(cols):
                         Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = acc[r, c]
+        if scaled:
+            for r in T.unroll(R):
+                for c in T.vectorized(cols):
+                    Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = totals[r, c]
 
     @T.macro
     def panel_rows(X, parts, Y, w, g, a, first, count):

@@ -96,11 +96,12 @@ def _gemv(out_dim, in_dim, quant, x, parts, groups=0):
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (80, 96), (24, 160), (12, 64)])
+@pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (64, 1024), (80, 96), (24, 160), (12, 64)])
 def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim):
     """Tiles of 64, 16, 8 and 1 column(s), narrower than a vector; k not a multiple of the scale block or of the panel's k
-    block; 1 to 4 decode rows; prefill rows in a half register block (3), a half block and
-    single rows (5), whole blocks and one row (13 on AVX2's blocks of 6) or many (37)."""
+    block, or several k blocks of several scale groups each (1024); 1 to 4 decode rows; prefill
+    rows in a half register block (3), a half block and single rows (5), whole blocks and one
+    row (13 on blocks of 6: AVX2's, and every scaled format's) or many (37)."""
     if quant == "fp4_g32" and in_dim % 32:
         pytest.skip("FP4 groups are 32 inputs")
     rng = np.random.default_rng(out_dim + in_dim)
@@ -166,12 +167,15 @@ def test_expert_linear_groups_of_every_size(quant):
 
 def test_register_tile_fits_the_vector_registers():
     """AVX2 (16 registers of 8 floats) and AVX-512 (32 of 16): the accumulators take 3/8 of the
-    registers; a column tile narrower than two vectors is one block of its own width."""
+    registers; a column tile narrower than two vectors is one block of its own width. Scaled
+    formats take 6 rows of their 16-column panel: on AVX-512 one vector each, whose totals fit
+    beside them (6 + 6 of 32 registers)."""
     for mcpu, lanes, tile in (("haswell", 8, (6, 16)), ("znver3", 8, (6, 16)), ("skylake-avx512", 16, (12, 32))):
         with tvm.target.Target({"kind": "llvm", "mcpu": mcpu}):
             assert K.cpu_vector()[0] == lanes
-            assert K.register_tile(64) == tile
-            assert K.register_tile(8) == (tile[0], 8)
+            assert K.register_tile(64, False) == tile
+            assert K.register_tile(8, False) == (tile[0], 8)
+            assert K.register_tile(K.SCALED_PANEL_COLUMNS, True) == (6, 16)
 
 
 @pytest.mark.parametrize("factory, params", [("expert_linear", (2048, 4096, "fp4_g32", 16)),
