@@ -1623,62 +1623,69 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         state = T.alloc_buffer((hb, 4), F32, scope="local", annotations=ON_STACK)  # max, denominator, new max, factor
         part = T.alloc_buffer((rb, lanes), F32, scope="local", annotations=ON_STACK)
         acc = T.alloc_buffer((strip,), F32, scope="local", annotations=ON_STACK)
+        live = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)  # the block has a row
         for h in range(hb):
             state[h, 0] = SINK[h0 + h]  # the sink takes part in the max (for stability)
             state[h, 1] = T.float32(1)  # and in the denominator: exp(sink - max)
             for d in wide(dim):
                 o[h, d] = T.float32(0)
         for kb in range((m + rb - 1) // rb):
+            # A block without rows changes nothing (its weights are 0): skipped. Row lists hold
+            # whole blocks of them, a CSA query's top-k slots past the entries it can see above all.
+            live[0] = 0
             for j in range(rb):
-                # Zeros where there is no row: its weight is 0, and 0 times stale bits could be NaN.
-                if row_at(ROWS, m, t, kb * rb + j) < 0:
-                    for d in wide(dim):
-                        panel[j, d] = T.float32(0)
-                elif ROWS[t, kb * rb + j] >= r:  # this step's fresh KV
-                    for d in wide(dim):
-                        panel[j, d] = STEP[ROWS[t, kb * rb + j] - r, d]
-                else:
+                live[0] = live[0] | T.Cast("int32", row_at(ROWS, m, t, kb * rb + j) >= 0)
+            if live[0] != 0:
+                for j in range(rb):
+                    # Zeros where there is no row: its weight is 0, and 0 times stale bits could be NaN.
+                    if row_at(ROWS, m, t, kb * rb + j) < 0:
+                        for d in wide(dim):
+                            panel[j, d] = T.float32(0)
+                    elif ROWS[t, kb * rb + j] >= r:  # this step's fresh KV
+                        for d in wide(dim):
+                            panel[j, d] = STEP[ROWS[t, kb * rb + j] - r, d]
+                    else:
+                        for c in range(chunks):
+                            for l in T.vectorized(lanes):
+                                panel[j, c * lanes + l] = stored(pool, ROWS[t, kb * rb + j], c, l)
+                for h in range(hb):
+                    # The head's scores against the block's rows, a vector accumulator per row.
+                    for j in T.unroll(rb):
+                        for l in T.vectorized(lanes):
+                            part[j, l] = T.float32(0)
                     for c in range(chunks):
-                        for l in T.vectorized(lanes):
-                            panel[j, c * lanes + l] = stored(pool, ROWS[t, kb * rb + j], c, l)
-            for h in range(hb):
-                # The head's scores against the block's rows, a vector accumulator per row.
-                for j in T.unroll(rb):
-                    for l in T.vectorized(lanes):
-                        part[j, l] = T.float32(0)
-                for c in range(chunks):
-                    for j in T.unroll(rb):
-                        for l in T.vectorized(lanes):
-                            part[j, l] = part[j, l] + Q[t, h0 + h, c * lanes + l] * panel[j, c * lanes + l]
-                state[h, 2] = state[h, 0]
-                for j in range(rb):
-                    score[h, j] = T.float32(NEG_INF)
-                    if row_at(ROWS, m, t, kb * rb + j) >= 0:
-                        score[h, j] = T.float32(0)
-                        for l in range(lanes):
-                            score[h, j] = score[h, j] + part[j, l]
-                        score[h, j] = score[h, j] * T.float32(scale)
-                        state[h, 2] = T.max(state[h, 2], score[h, j])
-                if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
-                    state[h, 3] = T.exp(state[h, 0] - state[h, 2])
-                    state[h, 1] = state[h, 1] * state[h, 3]
-                    for d in wide(dim):
-                        o[h, d] = o[h, d] * state[h, 3]
-                    state[h, 0] = state[h, 2]
-                for j in wide(rb):
-                    score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
-                                                 vector_exp(score[h, j] - state[h, 0]))
-                for j in range(rb):
-                    state[h, 1] = state[h, 1] + score[h, j]
-                # The weighted sum, in strips of the head dim that stay in registers over the rows.
-                for cs in range(dim // strip):
-                    for u in wide(strip):
-                        acc[u] = o[h, cs * strip + u]
-                    for j in T.unroll(rb):
+                        for j in T.unroll(rb):
+                            for l in T.vectorized(lanes):
+                                part[j, l] = part[j, l] + Q[t, h0 + h, c * lanes + l] * panel[j, c * lanes + l]
+                    state[h, 2] = state[h, 0]
+                    for j in range(rb):
+                        score[h, j] = T.float32(NEG_INF)
+                        if row_at(ROWS, m, t, kb * rb + j) >= 0:
+                            score[h, j] = T.float32(0)
+                            for l in range(lanes):
+                                score[h, j] = score[h, j] + part[j, l]
+                            score[h, j] = score[h, j] * T.float32(scale)
+                            state[h, 2] = T.max(state[h, 2], score[h, j])
+                    if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
+                        state[h, 3] = T.exp(state[h, 0] - state[h, 2])
+                        state[h, 1] = state[h, 1] * state[h, 3]
+                        for d in wide(dim):
+                            o[h, d] = o[h, d] * state[h, 3]
+                        state[h, 0] = state[h, 2]
+                    for j in wide(rb):
+                        score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
+                                                     vector_exp(score[h, j] - state[h, 0]))
+                    for j in range(rb):
+                        state[h, 1] = state[h, 1] + score[h, j]
+                    # The weighted sum, in strips of the head dim that stay in registers over the rows.
+                    for cs in range(dim // strip):
                         for u in wide(strip):
-                            acc[u] = acc[u] + score[h, j] * panel[j, cs * strip + u]
-                    for u in wide(strip):
-                        o[h, cs * strip + u] = acc[u]
+                            acc[u] = o[h, cs * strip + u]
+                        for j in T.unroll(rb):
+                            for u in wide(strip):
+                                acc[u] = acc[u] + score[h, j] * panel[j, cs * strip + u]
+                        for u in wide(strip):
+                            o[h, cs * strip + u] = acc[u]
         for h in range(hb):
             for d in wide(dim):
                 OUT[t, h0 + h, d] = o[h, d] / state[h, 1]
