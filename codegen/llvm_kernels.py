@@ -14,6 +14,7 @@ written here holds the same bytes as one written by ``runtime.kv_pool``'s numpy 
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -367,12 +368,25 @@ def raw_e2m1(word, index):
     return tirx.reinterpret(F32, bits)
 
 
-def weight_raw(quant: str, parts, lead: tuple, a, kk, c):
+def raw_e2m1_by_table(word, index, lane):
+    """raw_e2m1 in a vector of 16 columns on AVX-512 (``lane``: the column's place in it): vpermps
+    reads the low 4 bits of each lane's word, shifted (none for code 0), as a place in a vector
+    whose lane i holds code i's raw value (a constant). Two operations a code where raw_e2m1
+    takes three, with the same bits."""
+    table = raw_e2m1(tirx.Cast("int32", lane), 0)
+    return T.call_llvm_pure_intrin(F32, "llvm.x86.avx512.permvar.sf.512", table,
+                                   tirx.shift_right(word, tirx.Cast("int32", 4 * index)))
+
+
+def weight_raw(quant: str, parts, lead: tuple, a, kk, c, fp4_table: bool = False):
     """What the CPU matmul loops multiply x by, for a weight stored as ``weight_value`` reads it:
-    the value itself (fp32, BF16), or for scaled formats (value / scale) * 2**-RAW_POWER."""
+    the value itself (fp32, BF16), or for scaled formats (value / scale) * 2**-RAW_POWER.
+    ``fp4_table``: c runs over vectors of 16 columns on AVX-512 (see raw_e2m1_by_table)."""
     w = parts[0]
     if quant in FP8_DECODERS:
         return raw_e4m3(w[lead + (a, kk, c)])
+    if quant == "fp4_g32" and fp4_table:
+        return raw_e2m1_by_table(w[lead + (a, kk // 8, c)], kk % 8, tirx.floormod(c, 16))
     if quant == "fp4_g32":
         return raw_e2m1(w[lead + (a, kk // 8, c)], kk % 8)
     if quant == "bf16":
@@ -424,7 +438,6 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     tile = column_tile(out_dim)
     decoded = quant != "fp32"
     scaled = cpu and quant in RAW_POWER
-    decode = weight_raw if cpu else weight_value
     # Groups: FP8 blocks of 128, FP4 scale groups of 32. The CPU's direct loop unrolls k by up
     # to 4 inside a group, FP4 by a word's 8 codes with half the accumulators (with 8, LLVM keeps
     # the words of all chunks live at once and spills them). GPU builds take one input at a
@@ -443,6 +456,11 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     rb, cols = register_tile(pw, scaled) if columns is T.vectorized else (1, 1)
     half = rb // 2
     lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
+    # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
+    # the GEMV streamed 1.04x and in cache 1.06x faster on Zen 4, interleaved A/B (the decode
+    # shares the vector pipes with the FMAs, which the table does not remove).
+    fp4_table = cpu and columns is T.vectorized and lanes == 16 and tile % 16 == 0
+    decode = functools.partial(weight_raw, fp4_table=fp4_table) if cpu else weight_value
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
 
     panel_value = boosted if scaled else (lambda w: w)  # noqa: E731  (the panel's decoded weights)
@@ -579,7 +597,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 if decoded:
                     for ki in range(kc):
                         for c in T.vectorized(pw):
-                            panel[ki, c] = panel_value(weight_raw(quant, parts, (w,), a, kb * kc + ki, pb * pw + c))
+                            panel[ki, c] = panel_value(decode(quant, parts, (w,), a, kb * kc + ki, pb * pw + c))
                 # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
                 # block's x (rows x k block) stays in L1 across the panel's column strips.
                 for b in range(count // rb):
