@@ -765,7 +765,7 @@ def rmsnorm(dim: int, eps: float, weighted: bool):
         W = T.match_buffer(w, (dim,), F32)
         OUT = T.match_buffer(out, (n, dim), F32)
         for i in T.parallel(n):
-            acc = T.alloc_buffer((1,), F32, scope="local")
+            acc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
             acc[0] = T.float32(0)
             for j in range(dim):
                 acc[0] = acc[0] + X[i, j] * X[i, j]
@@ -1166,11 +1166,11 @@ def topk_rows(k: int):
         X = T.match_buffer(x, (n, c), F32)
         IDS = T.match_buffer(ids, (n, k), "int32")
         for t in T.parallel(n):
-            val = T.alloc_buffer((k + 1,), F32, scope="local")
-            idx = T.alloc_buffer((k + 1,), "int32", scope="local")
-            tv = T.alloc_buffer((1,), F32, scope="local")
-            ti = T.alloc_buffer((1,), "int32", scope="local")
-            kept = T.alloc_buffer((1,), "int32", scope="local")
+            val = T.alloc_buffer((k + 1,), F32, scope="local", annotations=ON_STACK)
+            idx = T.alloc_buffer((k + 1,), "int32", scope="local", annotations=ON_STACK)
+            tv = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            ti = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            kept = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             for j in range(k + 1):
                 val[j] = T.float32(NEG_INF)
                 idx[j] = -1
@@ -1214,7 +1214,7 @@ def route_weights(n_experts: int, k: int, scale: float):
         IDS = T.match_buffer(ids, (n, k), "int32")
         W = T.match_buffer(w, (n, k), F32)
         for t in T.parallel(n):
-            acc = T.alloc_buffer((1,), F32, scope="local")
+            acc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
             acc[0] = T.float32(0)
             for j in range(k):
                 acc[0] = acc[0] + SC[t, IDS[t, j]]
@@ -1344,8 +1344,8 @@ def store_main_fp8(nope_dim: int, rope_dim: int, fp8_format: str):
         VALS = T.match_buffer(vals, (n, nope_dim + rope_dim), F32)
         for i in T.parallel(n):
             if ROWS[i] >= 0:  # -1: no row (a step slot without an entry to store)
-                amax = T.alloc_buffer((1,), "int32", scope="local")
-                scale = T.alloc_buffer((1,), F32, scope="local")
+                amax = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+                scale = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
                 for g in range(groups):
                     _amax_bits(VALS, i, g * MAIN_FP8_GROUP, MAIN_FP8_GROUP, amax)
                     scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP8_AMAX_FLOOR, E4M3_MAX)
@@ -1381,8 +1381,8 @@ def store_rows(dim: int, storage: str, fp8_format=None, layout=None):
         VALS = T.match_buffer(vals, (n, dim), F32)
         for i in T.parallel(n):
             if ROWS[i] >= 0:  # -1: no row (a step slot without an entry to store)
-                amax = T.alloc_buffer((1,), "int32", scope="local")
-                scale = T.alloc_buffer((1,), F32, scope="local")
+                amax = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+                scale = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
                 if storage == "fp32":
                     for j in range(dim):
                         PLANE[ROWS[i], j] = VALS[i, j]
@@ -1456,6 +1456,9 @@ def ring_update(width: int, ratio: int, overlap: bool):
     read = _compressor_source(width, ratio)
     slots = 2 * ratio if overlap else ratio
 
+    def skipped(REQ, q):  # request q's positions in the step beyond the ring's last ``slots``
+        return T.max(REQ[q, 2] - slots, 0)
+
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
           req: T.handle):
@@ -1470,15 +1473,14 @@ def ring_update(width: int, ratio: int, overlap: bool):
         APE = T.match_buffer(ape, (ratio, width), F32)
         REQ = T.match_buffer(req, (nr, 4), "int32")  # slot, first token, count, first position
         for q in T.parallel(nr):
-            kv_val = T.alloc_buffer((1,), F32, scope="local")
-            score_val = T.alloc_buffer((1,), F32, scope="local")
-            skip = T.max(REQ[q, 2] - slots, 0)  # positions a later one of this step overwrites
-            for i in range(REQ[q, 2] - skip):
-                row = REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skip + i, slots)
+            kv_val = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            score_val = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            # The first skipped(q) positions are overwritten by later ones of this step.
+            for i in range(REQ[q, 2] - skipped(REQ, q)):
                 for c in range(width):
-                    read(RKV, RSC, KV, GATE, POS, APE, REQ[q, 1] + skip + i, c, kv_val, score_val, 0)
-                    RKV[row, c] = kv_val[0]
-                    RSC[row, c] = score_val[0]
+                    read(RKV, RSC, KV, GATE, POS, APE, REQ[q, 1] + skipped(REQ, q) + i, c, kv_val, score_val, 0)
+                    RKV[REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skipped(REQ, q) + i, slots), c] = kv_val[0]
+                    RSC[REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skipped(REQ, q) + i, slots), c] = score_val[0]
     return f
 
 
@@ -1506,9 +1508,9 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
         ROWS = T.match_buffer(rows, (nw,), "int32")
         OUT = T.match_buffer(out, (nw, head_dim), F32)
         for w in T.parallel(nw):
-            sc = T.alloc_buffer((slots,), F32, scope="local")
-            val = T.alloc_buffer((slots,), F32, scope="local")
-            acc = T.alloc_buffer((3,), F32, scope="local")
+            sc = T.alloc_buffer((slots,), F32, scope="local", annotations=ON_STACK)
+            val = T.alloc_buffer((slots,), F32, scope="local", annotations=ON_STACK)
+            acc = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)
             if ROWS[w] < 0:  # a window slot this step does not close: nothing to pool
                 for c in range(head_dim):
                     OUT[w, c] = T.float32(0)
@@ -1547,6 +1549,26 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     _check_index_format(storage, fp8_format, layout)
     block = min(INDEX_ENTRY_BLOCK, max_lanes) if max_lanes else INDEX_ENTRY_BLOCK
 
+    @T.macro
+    def score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, t, first):  # query t's entries first ..
+        for j in range(block):  # entries past e or without a row decode row 0; their score is dropped
+            for d in range(dim):
+                keys[d, j] = index_key(PLANE, T.max(T.if_then_else(first + j < e, ROWS[t, first + j], 0), 0), d,
+                                       dim, storage, fp8_format, layout)
+        for j in T.vectorized(block):
+            acc[j] = T.float32(0)
+        for h in range(heads):
+            for j in T.vectorized(block):
+                part[j] = T.float32(0)
+            for d in range(dim):
+                for j in T.vectorized(block):
+                    part[j] = part[j] + Q[t, h, d] * keys[d, j]
+            for j in T.vectorized(block):
+                acc[j] = acc[j] + T.max(part[j], T.float32(0)) * (W[t, h] * T.float32(scale))
+        for j in range(block):
+            if first + j < e:
+                OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
+
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
@@ -1561,29 +1583,11 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
             keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
             part = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
             acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
-            t = i // ((e + block - 1) // block)
-            first = i % ((e + block - 1) // block) * block
-            for j in range(block):  # entries past e or without a row decode row 0; their score is dropped
-                for d in range(dim):
-                    keys[d, j] = index_key(PLANE, T.max(T.if_then_else(first + j < e, ROWS[t, first + j], 0), 0), d,
-                                           dim, storage, fp8_format, layout)
-            for j in T.vectorized(block):
-                acc[j] = T.float32(0)
-            for h in range(heads):
-                for j in T.vectorized(block):
-                    part[j] = T.float32(0)
-                for d in range(dim):
-                    for j in T.vectorized(block):
-                        part[j] = part[j] + Q[t, h, d] * keys[d, j]
-                for j in T.vectorized(block):
-                    acc[j] = acc[j] + T.max(part[j], T.float32(0)) * (W[t, h] * T.float32(scale))
-            for j in range(block):
-                if first + j < e:
-                    OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
+            score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
+                        i % ((e + block - 1) // block) * block)
     return f
 
 
-# Kernels with explicit vector loops, and the widest vector GPU code generators accept.
 VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu", "mhc", "rmsnorm_rope"})
 GPU_MAX_LANES = 4
 

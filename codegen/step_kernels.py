@@ -23,10 +23,23 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from dsv4c.codegen.llvm_kernels import ON_STACK
 from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS
 
 REQ_SLOT, REQ_FIRST_TOKEN, REQ_COUNT, REQ_FIRST_POS = range(4)
 REQ_COLUMNS = 4
+
+
+# Named values of a request, written into the kernels' expressions: TVM would give a named index
+# (``q = ...``) a workspace allocation per parallel job.
+def last_position(REQ, q):
+    """Request q's last position in the step."""
+    return REQ[q, REQ_FIRST_POS] + REQ[q, REQ_COUNT] - 1
+
+
+def slot_base(REQ, q, pool_rows, window_rows_per_request: int):
+    """The first pool row of request q's window slot (slots grow down from the pool's end)."""
+    return T.Cast("int32", pool_rows) - (REQ[q, REQ_SLOT] + 1) * window_rows_per_request
 
 
 def window_rows(window: int, window_rows_per_request: int):
@@ -42,11 +55,9 @@ def window_rows(window: int, window_rows_per_request: int):
         REQ = T.match_buffer(req, (nr, REQ_COLUMNS), "int32")
         ROWS = T.match_buffer(rows, (n,), "int32")
         for t in T.parallel(n):
-            q = TOK_REQ[t]
-            last = REQ[q, REQ_FIRST_POS] + REQ[q, REQ_COUNT] - 1
-            base = T.Cast("int32", pool_rows) - (REQ[q, REQ_SLOT] + 1) * window_rows_per_request
-            ROWS[t] = T.if_then_else(POS[t] > last - window,
-                                     base + T.Cast("int32", layer) * window + POS[t] % window, -1)
+            ROWS[t] = T.if_then_else(POS[t] > last_position(REQ, TOK_REQ[t]) - window,
+                                     slot_base(REQ, TOK_REQ[t], pool_rows, window_rows_per_request) +
+                                     T.Cast("int32", layer) * window + POS[t] % window, -1)
     return f
 
 
@@ -70,6 +81,25 @@ def compress_windows(ratio: int, overlap: bool):
         # A step row when the position is in this step, its ring row otherwise.
         out[w, s] = T.if_then_else(p >= POS0, FIRST + (p - POS0), -(base + T.floormod(p, slots)) - 1)
 
+    def first_window(REQ, q):  # the window request q's first position in the step lies in
+        return T.floordiv(REQ[q, REQ_FIRST_POS], ratio)
+
+    def closed(REQ, q):  # windows request q closes in this step
+        return T.floordiv(REQ[q, REQ_FIRST_POS] + REQ[q, REQ_COUNT], ratio) - first_window(REQ, q)
+
+    @T.macro
+    def window(REQ, BLOCKS, SRC, ENTRY_POS, ENTRY_ROWS, rows_per_envelope, layer_offset, i, q, w):
+        """Slot i: request q's window w."""
+        for j in range(ratio):
+            if overlap:
+                source(REQ[q, REQ_FIRST_POS], REQ[q, REQ_FIRST_TOKEN], REQ[q, REQ_SLOT] * slots, (w - 1) * ratio + j,
+                       SRC, i, j)
+            source(REQ[q, REQ_FIRST_POS], REQ[q, REQ_FIRST_TOKEN], REQ[q, REQ_SLOT] * slots, w * ratio + j, SRC, i,
+                   cur + j)
+        ENTRY_POS[i] = w * ratio
+        ENTRY_ROWS[i] = BLOCKS[q, T.floordiv(w, entries_per_envelope)] * T.Cast("int32", rows_per_envelope) + \
+            T.Cast("int32", layer_offset) + T.floormod(w, entries_per_envelope)
+
     @T.prim_func
     def f(req: T.handle, blocks: T.handle, rows_per_envelope: T.int64, layer_offset: T.int64, src: T.handle,
           entry_pos: T.handle, entry_rows: T.handle):
@@ -82,33 +112,22 @@ def compress_windows(ratio: int, overlap: bool):
         ENTRY_POS = T.match_buffer(entry_pos, (nw,), "int32")
         ENTRY_ROWS = T.match_buffer(entry_rows, (nw,), "int32")
         for i in T.parallel(nw):
-            found = T.alloc_buffer((2,), "int32", scope="local")  # request, its first window
-            seen = T.alloc_buffer((1,), "int32", scope="local")
+            found = T.alloc_buffer((2,), "int32", scope="local", annotations=ON_STACK)  # request, its first window
+            seen = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             found[0] = -1
             seen[0] = 0
             for q in range(nr):
-                first_window = T.floordiv(REQ[q, REQ_FIRST_POS], ratio)
-                closed = T.floordiv(REQ[q, REQ_FIRST_POS] + REQ[q, REQ_COUNT], ratio) - first_window
-                if found[0] < 0 and i < seen[0] + closed:
+                if found[0] < 0 and i < seen[0] + closed(REQ, q):
                     found[0] = q
-                    found[1] = first_window + i - seen[0]
-                seen[0] = seen[0] + closed
+                    found[1] = first_window(REQ, q) + i - seen[0]
+                seen[0] = seen[0] + closed(REQ, q)
             if found[0] < 0:
                 ENTRY_ROWS[i] = -1
                 ENTRY_POS[i] = 0
                 for s in range(slots):
                     SRC[i, s] = -1
             else:
-                q = found[0]
-                w = found[1]
-                base = REQ[q, REQ_SLOT] * slots
-                for j in range(ratio):
-                    if overlap:
-                        source(REQ[q, REQ_FIRST_POS], REQ[q, REQ_FIRST_TOKEN], base, (w - 1) * ratio + j, SRC, i, j)
-                    source(REQ[q, REQ_FIRST_POS], REQ[q, REQ_FIRST_TOKEN], base, w * ratio + j, SRC, i, cur + j)
-                ENTRY_POS[i] = w * ratio
-                ENTRY_ROWS[i] = BLOCKS[q, T.floordiv(w, entries_per_envelope)] * T.Cast("int32", rows_per_envelope) + \
-                    T.Cast("int32", layer_offset) + T.floormod(w, entries_per_envelope)
+                window(REQ, BLOCKS, SRC, ENTRY_POS, ENTRY_ROWS, rows_per_envelope, layer_offset, i, found[0], found[1])
     return f
 
 
@@ -150,15 +169,16 @@ def attention_rows(window: int, window_rows_per_request: int, ratio: int, compre
             T.Cast("int32", layer_offset) + T.floormod(e, entries_per_envelope)
 
     @T.macro
+    def window_row(REQ, ROWS, layer, pool_rows, t, j, q, p):  # slot j of token t (request q): position p
+        ROWS[t, j] = T.if_then_else(
+            p < 0, -1, T.if_then_else(p >= REQ[q, REQ_FIRST_POS], T.Cast("int32", pool_rows) + t - (window - 1 - j),
+                                      slot_base(REQ, q, pool_rows, window_rows_per_request) +
+                                      T.Cast("int32", layer) * window + T.floormod(p, window)))
+
+    @T.macro
     def window_part(POS, TOK_REQ, REQ, ROWS, layer, pool_rows, t):
-        q = TOK_REQ[t]
-        base = T.Cast("int32", pool_rows) - (REQ[q, REQ_SLOT] + 1) * window_rows_per_request + \
-            T.Cast("int32", layer) * window
         for j in range(window):
-            p = POS[t] - (window - 1) + j
-            ROWS[t, j] = T.if_then_else(
-                p < 0, -1, T.if_then_else(p >= REQ[q, REQ_FIRST_POS], T.Cast("int32", pool_rows) + t - (POS[t] - p),
-                                          base + T.floormod(p, window)))
+            window_row(REQ, ROWS, layer, pool_rows, t, j, TOK_REQ[t], POS[t] - (window - 1) + j)
 
     if compressed == "topk":
         @T.prim_func
@@ -227,7 +247,7 @@ def moe_group(k: int, n_experts: int):
         OFFSETS = T.match_buffer(offsets, (n_experts + 1,), "int32")
         PAIR_TOKEN = T.match_buffer(pair_token, (n * k,), "int32")
         TOKEN_PAIR = T.match_buffer(token_pair, (n, k), "int32")
-        filled = T.alloc_buffer((n_experts,), "int32", scope="local")
+        filled = T.alloc_buffer((n_experts,), "int32", scope="local", annotations=ON_STACK)
         for e in range(n_experts + 1):
             OFFSETS[e] = 0
         for t in range(n):
@@ -257,8 +277,8 @@ def moe_combine(dim: int, k: int):
         W = T.match_buffer(weights, (n, k), "float32")
         OUT = T.match_buffer(out, (n, dim), "float32")
         for t in T.parallel(n):
-            order = T.alloc_buffer((k,), "int32", scope="local")
-            tmp = T.alloc_buffer((1,), "int32", scope="local")
+            order = T.alloc_buffer((k,), "int32", scope="local", annotations=ON_STACK)
+            tmp = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             for j in range(k):  # insertion sort of the slots by pair number
                 order[j] = j
                 for i in range(j):

@@ -13,6 +13,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.codegen import llvm_kernels as K
+from dsv4c.codegen import step_kernels as S
 from dsv4c.frontend import lowbit
 from dsv4c.targets import target_info
 
@@ -302,12 +303,17 @@ def test_rmsnorm_rope_matches_numpy(dim, rope_dim, weighted):
 @pytest.mark.parametrize("factory, params", [
     ("rope", (64, 512, 64, False)), ("rmsnorm_rope", (64, 512, 64, 1e-6, True)),
     ("mhc", (4, 256, 20, 1e-6, 1e-6, True, False)), ("sparse_attn", (8, 64, 0.125)), ("swiglu", (256, 10.0)),
-    ("linear", (256, 512, "fp8_b128", True)), ("expert_linear", (256, 512, "fp4_g32", 4))])
-def test_hot_kernels_allocate_nothing_from_the_workspace_pool(factory, params):
+    ("linear", (256, 512, "fp8_b128", True)), ("expert_linear", (256, 512, "fp4_g32", 4)),
+    ("index_score", (8, 64)), ("compress_pool", (128, 64, 4, True)), ("ring_update", (128, 4, True)),
+    ("store_rows", (64, "fp32")), ("topk_rows", (512,)), ("rmsnorm", (64, 1e-6, True)),
+    ("step_kernels.window_rows", (128, 128)), ("step_kernels.compress_windows", (4, True)),
+    ("step_kernels.attention_rows", (128, 128, 4, "topk")), ("step_kernels.moe_combine", (64, 6))])
+def test_kernels_allocate_nothing_from_the_workspace_pool(factory, params):
     """TVM lowers a named TIR index (``h = ...``) and a local buffer without the on-stack
     annotation to TVMBackendAllocWorkspace / FreeWorkspace calls, which cost rmsnorm_rope 7x its
-    arithmetic when they ran per head. These kernels' loops make none."""
-    func = getattr(K, factory)(*params)
+    arithmetic when they ran per head. These kernels' loops (per head, per token, per row) make none."""
+    module, _, name = factory.rpartition(".")
+    func = getattr(S if module else K, name)(*params)
     with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
         lib = tvm.tirx.build(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}),
                              target=target_info("llvm").tvm_target())
