@@ -281,6 +281,8 @@ def main() -> None:
     p.add_argument("--system", choices=["dsv4c", "transformers", "bandwidth", "matmul"], help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=["make", "fp32", "compile"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.stage:
         prepare(args.workdir, args.stage)
         return
