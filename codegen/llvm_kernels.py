@@ -551,7 +551,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     @T.macro
     def micro(X, panel, parts, Y, w, g, a, row, pb, cs, kb, R):
         acc = T.alloc_buffer((R, cols), F32, scope="local", annotations=ON_STACK)
-        scales = T.alloc_buffer((cols,), F32, scope="local", annotations=ON_STACK)
+        scales = T.alloc_buffer((cols,) if scaled else (1,), F32, scope="local", annotations=ON_STACK)
         # Scaled formats: each output's total so far (zero before the first group, then y) beside
         # the group's sum, written back once after the k block's groups.
         totals = T.alloc_buffer((R, cols) if scaled else (1, 1), F32, scope="local", annotations=ON_STACK)
@@ -1459,6 +1459,9 @@ def ring_update(width: int, ratio: int, overlap: bool):
     def skipped(REQ, q):  # request q's positions in the step beyond the ring's last ``slots``
         return T.max(REQ[q, 2] - slots, 0)
 
+    def ring_row(REQ, q, i):  # the ring row of request q's i-th position after the skipped ones
+        return REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skipped(REQ, q) + i, slots)
+
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
           req: T.handle):
@@ -1479,8 +1482,8 @@ def ring_update(width: int, ratio: int, overlap: bool):
             for i in range(REQ[q, 2] - skipped(REQ, q)):
                 for c in range(width):
                     read(RKV, RSC, KV, GATE, POS, APE, REQ[q, 1] + skipped(REQ, q) + i, c, kv_val, score_val, 0)
-                    RKV[REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skipped(REQ, q) + i, slots), c] = kv_val[0]
-                    RSC[REQ[q, 0] * slots + T.floormod(REQ[q, 3] + skipped(REQ, q) + i, slots), c] = score_val[0]
+                    RKV[ring_row(REQ, q, i), c] = kv_val[0]
+                    RSC[ring_row(REQ, q, i), c] = score_val[0]
     return f
 
 
