@@ -798,6 +798,20 @@ def _rotation(half: int):
     return rotation
 
 
+def _pair_rotation(half: int, nope: int, value, sign: float = 1.0):
+    """A macro that writes the GPT-J rotation of channel pairs (nope + 2p, nope + 2p + 1) of
+    token i's head h: OUT from ``value(src, i, h, channel)``, the channel's value before the
+    rotation (``src``: the buffers it reads), by trig from ``_rotation``; sign -1 rotates back."""
+    @T.macro
+    def rotate_pairs(src, OUT, trig, i, h):
+        for p in range(half):
+            OUT[i, h, nope + 2 * p] = value(src, i, h, nope + 2 * p) * trig[p, 0] - \
+                value(src, i, h, nope + 2 * p + 1) * (trig[p, 1] * T.float32(sign))
+            OUT[i, h, nope + 2 * p + 1] = value(src, i, h, nope + 2 * p + 1) * trig[p, 0] + \
+                value(src, i, h, nope + 2 * p) * (trig[p, 1] * T.float32(sign))
+    return rotate_pairs
+
+
 def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
     """GPT-J rotation of the trailing rope_dim channels of x [N, heads, dim] at positions [N], in
     parallel over (token, block of heads)."""
@@ -806,16 +820,13 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
     sign = -1.0 if inverse else 1.0
     hb = math.gcd(heads, ROPE_HEAD_BLOCK)
     rotation = _rotation(half)
+    rotate_pairs = _pair_rotation(half, nope, lambda src, i, h, j: src[0][i, h, j], sign)
 
     @T.macro
     def rotate(X, OUT, trig, i, h):  # token i's head h
         for j in range(nope):
             OUT[i, h, j] = X[i, h, j]
-        for p in range(half):
-            OUT[i, h, nope + 2 * p] = X[i, h, nope + 2 * p] * trig[p, 0] - \
-                X[i, h, nope + 2 * p + 1] * (trig[p, 1] * T.float32(sign))
-            OUT[i, h, nope + 2 * p + 1] = X[i, h, nope + 2 * p + 1] * trig[p, 0] + \
-                X[i, h, nope + 2 * p] * (trig[p, 1] * T.float32(sign))
+        rotate_pairs((X,), OUT, trig, i, h)
 
     @T.prim_func
     def f(x: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
@@ -848,6 +859,8 @@ def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool
     def normed(X, W, acc, i, h, j):
         return X[i, h, j] * acc[0] * T.if_then_else(weighted, W[j], T.float32(1))
 
+    rotate_pairs = _pair_rotation(half, nope, lambda src, i, h, j: normed(*src, i, h, j))
+
     @T.macro
     def normalize(X, W, OUT, acc, part, trig, i, h):
         for l in columns(lanes):
@@ -864,11 +877,7 @@ def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool
                 OUT[i, h, jj * lanes + l] = normed(X, W, acc, i, h, jj * lanes + l)
         for j in range(nope // lanes * lanes, nope):
             OUT[i, h, j] = normed(X, W, acc, i, h, j)
-        for p in range(half):
-            OUT[i, h, nope + 2 * p] = normed(X, W, acc, i, h, nope + 2 * p) * trig[p, 0] - \
-                normed(X, W, acc, i, h, nope + 2 * p + 1) * trig[p, 1]
-            OUT[i, h, nope + 2 * p + 1] = normed(X, W, acc, i, h, nope + 2 * p + 1) * trig[p, 0] + \
-                normed(X, W, acc, i, h, nope + 2 * p) * trig[p, 1]
+        rotate_pairs((X, W, acc), OUT, trig, i, h)
 
     @T.prim_func
     def f(x: T.handle, w: T.handle, pos: T.handle, inv: T.handle, out: T.handle):
