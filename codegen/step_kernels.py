@@ -37,9 +37,11 @@ def last_position(REQ, q):
     return REQ[q, REQ_FIRST_POS] + REQ[q, REQ_COUNT] - 1
 
 
-def slot_base(REQ, q, pool_rows, window_rows_per_request: int):
-    """The first pool row of request q's window slot (slots grow down from the pool's end)."""
-    return T.Cast("int32", pool_rows) - (REQ[q, REQ_SLOT] + 1) * window_rows_per_request
+def window_ring_row(REQ, q, pool_rows, window: int, window_rows_per_request: int, layer, p):
+    """The pool row of position p in layer ``layer``'s window ring of request q's slot (slots grow
+    down from the pool's end, a ring of ``window`` rows per layer)."""
+    return T.Cast("int32", pool_rows) - (REQ[q, REQ_SLOT] + 1) * window_rows_per_request + \
+        T.Cast("int32", layer) * window + T.floormod(p, window)
 
 
 def window_rows(window: int, window_rows_per_request: int):
@@ -56,8 +58,8 @@ def window_rows(window: int, window_rows_per_request: int):
         ROWS = T.match_buffer(rows, (n,), "int32")
         for t in T.parallel(n):
             ROWS[t] = T.if_then_else(POS[t] > last_position(REQ, TOK_REQ[t]) - window,
-                                     slot_base(REQ, TOK_REQ[t], pool_rows, window_rows_per_request) +
-                                     T.Cast("int32", layer) * window + POS[t] % window, -1)
+                                     window_ring_row(REQ, TOK_REQ[t], pool_rows, window, window_rows_per_request,
+                                                     layer, POS[t]), -1)
     return f
 
 
@@ -172,8 +174,7 @@ def attention_rows(window: int, window_rows_per_request: int, ratio: int, compre
     def window_row(REQ, ROWS, layer, pool_rows, t, j, q, p):  # slot j of token t (request q): position p
         ROWS[t, j] = T.if_then_else(
             p < 0, -1, T.if_then_else(p >= REQ[q, REQ_FIRST_POS], T.Cast("int32", pool_rows) + t - (window - 1 - j),
-                                      slot_base(REQ, q, pool_rows, window_rows_per_request) +
-                                      T.Cast("int32", layer) * window + T.floormod(p, window)))
+                                      window_ring_row(REQ, q, pool_rows, window, window_rows_per_request, layer, p)))
 
     @T.macro
     def window_part(POS, TOK_REQ, REQ, ROWS, layer, pool_rows, t):
