@@ -252,8 +252,8 @@ PANEL_FLOATS = 4096  # a decoded weight panel (columns x k block): 16 KiB, L1-re
 SCALED_PANEL_COLUMNS = 16  # a scaled format's panel: 16 columns by 256 inputs (see _matmul_loops)
 SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
 # How far ahead (bytes) the decode loop prefetches the weight tile it streams, by format: the
-# best of 512-4096 on Zen 3 (see _matmul_loops).
-PREFETCH_BYTES = {"fp8_b128": 2048, "fp8fnuz_b128": 2048, "bf16": 1024}
+# best of 512-4096 on Zen 3 (FP8, BF16) and of 0-32768 on Zen 4 (FP4; see _matmul_loops).
+PREFETCH_BYTES = {"fp8_b128": 2048, "fp8fnuz_b128": 2048, "bf16": 1024, "fp4_g32": 2048}
 ACC_VECTORS = 8  # vector registers of the direct loop's accumulators: half of AVX2's
 # Scratch buffers of the matmul loops live on the thread's stack, where LLVM keeps accumulators
 # in registers: TVM would otherwise allocate any of 1 KiB or more from its workspace pool, per
@@ -472,21 +472,26 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     def vector(R):  # the columns of one vector of a chunk (the whole chunk if narrower)
         return math.gcd(chunk(R), lanes)
 
-    # Software prefetch of the streamed FP8 / BF16 tile, PREFETCH_BYTES ahead: each unrolled step
-    # of the direct loop's first chunk touches the cache lines the reads will need that far on.
-    # On Zen 3 (~35 GB/s read bandwidth), interleaved A/B on 8192 x 4096 weights: FP8 ~24 -> ~30
-    # GB/s, BF16 ~24 -> ~26.5. fp32 streams near the bandwidth without it (and lost ~10% with
-    # it: four lines a row); FP4 is bound by its decoding arithmetic either way.
+    # Software prefetch of the streamed FP8 / BF16 / FP4 tile, PREFETCH_BYTES ahead: each unrolled
+    # step of the direct loop's first chunk touches the cache lines the reads will need that far
+    # on. On Zen 3 (~35 GB/s read bandwidth), interleaved A/B on 8192 x 4096 weights: FP8 ~24 ->
+    # ~30 GB/s, BF16 ~24 -> ~26.5. fp32 streams near the bandwidth without it (and lost ~10% with
+    # it: four lines a row). FP4 experts (6 of 16, 128 KiB per expert's tile) on Zen 4, where the
+    # table decodes fast enough for memory to matter: 20-23 -> 26.7-29.0 GB/s, near their
+    # in-cache rate; 2048-4096 bytes were best. A stored row of the tile (``parts[0]``'s
+    # second-to-last index) holds one input of FP8 / BF16, a word of eight of FP4.
     prefetched = cpu and PREFETCH_BYTES.get(quant, 0) > 0
-    row_bytes = tile * {"bf16": 2}.get(quant, 1)
-    step_lines = max(1, unroll * row_bytes // 64)
+    inputs_per_row = 8 if quant == "fp4_g32" else 1
+    row_bytes = tile * {"bf16": 2, "fp4_g32": 4}.get(quant, 1)
+    step_lines = max(1, unroll // inputs_per_row * row_bytes // 64)
     ahead = max(1, PREFETCH_BYTES.get(quant, 0) // row_bytes)
 
     @T.macro
-    def prefetch(parts, w, a, row):  # row: the input the step starts at
+    def prefetch(parts, w, a, k):  # k: the input the step starts at
         for line in T.unroll(step_lines):
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(parts[0][
-                w, a, row + ahead + line * 64 // row_bytes, line * 64 % row_bytes * tile // row_bytes]), 0, 3, 1))
+                w, a, k // inputs_per_row + ahead + line * 64 // row_bytes, line * 64 % row_bytes * tile // row_bytes]),
+                0, 3, 1))
 
     def x_at(X, xs, g, first, r, kg, i):  # the direct loop's x: input i of group kg, boosted when scaled
         return xs[r, i] if scaled else X[at(first + r, g, kg * group + i)]

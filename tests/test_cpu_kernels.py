@@ -185,7 +185,8 @@ def test_register_tile_fits_the_vector_registers():
 def test_matmul_kernels_build_for_avx512(factory, params):
     """This machine may lack AVX-512, so the 16-lane loops and the micro-kernels are cross-built
     for znver4 (running them is the bench's job there, and the other tests' on such a machine):
-    512-bit FMAs come out, and FP4 codes go through the vpermps table."""
+    512-bit FMAs come out, FP4 codes go through the vpermps table, and the decode loops
+    prefetch the weights they stream."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mtriple": "x86_64-linux-gnu"})
     with target:
         func = getattr(K, factory)(*params)
@@ -195,6 +196,8 @@ def test_matmul_kernels_build_for_avx512(factory, params):
     assert any("vfmadd" in line and "zmm" in line for line in asm.splitlines())
     if "fp4_g32" in params:
         assert any("vperm" in line and "zmm" in line for line in asm.splitlines())
+    if factory == "expert_linear" or params[-1] is True:  # a kernel that runs decode steps
+        assert "prefetcht0" in asm
 
 
 def test_decoders_match_lowbit_on_every_code():
