@@ -267,7 +267,7 @@ class WeightLayout:
 def fp4_words(packed: np.ndarray) -> np.ndarray:
     """Packed e2m1 pairs ``[n, cols / 2]`` (U8, input 2i in the low nibble) as int32 words of
     eight codes ``[n, cols / 8]``: four bytes read little-endian, so input 8i + j lies on bits
-    4j..4j+3, which the CPU kernels decode in three vector operations each (the top code in two)."""
+    4j..4j+3, which the CPU kernels decode in registers (``llvm_kernels.weight_raw``)."""
     return np.ascontiguousarray(packed, dtype=np.uint8).view("<i4")
 
 
