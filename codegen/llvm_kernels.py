@@ -1227,11 +1227,43 @@ def add_bias(n_experts: int):
     return f
 
 
+TOPK_LANES = 16  # columns topk_rows compares at a time
+INT32_MIN = -(1 << 31)
+
+
+def _order_key(x):
+    """An int32 whose signed order is the float order of x, for x above NEG_INF (-0 and +0 one
+    key: the sign bit spread over the magnitude bits of negative floats, flipping them); INT32_MIN
+    for NEG_INF, -inf and NaN, which are never picked."""
+    bits = T.Select(x == T.float32(0), T.int32(0), tirx.reinterpret("int32", x))
+    return T.Select(x > T.float32(NEG_INF), bits ^ ((bits >> 31) & T.int32(0x7FFFFFFF)), T.int32(INT32_MIN))
+
+
 def topk_rows(k: int):
-    """Per row, the column numbers of the k largest values, best first; a strictly-greater
-    insertion keeps the lower column first on ties, and -inf columns are never picked (-1).
-    A new entry starts right below the entries kept so far, so a row of E columns costs
-    O(E min(E, k)) rather than O(E k)."""
+    """Per row, the column numbers of the k largest values, best first, lower columns first
+    among equal values; NEG_INF (and -inf, NaN) columns are never picked (-1 fills the rest).
+
+    In O(columns + k^2 / lanes) vector steps per row, without sorting the row: a binary search
+    over order keys (``_order_key``) finds the k-th largest, counting the columns at or above a
+    candidate 16 at a time (32 counts); one pass keeps the columns above it and, in column order,
+    as many equal to it as fit; each kept column's place is the number of kept columns that
+    beat it. Same ids as an insertion sort, which cost O(columns x k) scalar steps: 2.7% of a
+    512-token flash prefill at 2048 tokens of context, growing with the context."""
+    lanes = TOPK_LANES
+    kept_lanes = -(-k // lanes) * lanes
+
+    @T.macro
+    def count_from(X, t, c, lane_count, total, threshold):  # total[0]: columns whose key >= threshold
+        for l in T.vectorized(lanes):
+            lane_count[l] = 0
+        for co in range((c + lanes - 1) // lanes):
+            for l in T.vectorized(lanes):
+                lane_count[l] = lane_count[l] + T.Select(T.And(
+                    co * lanes + l < c, T.Cast("int64", _order_key(X[t, T.min(co * lanes + l, c - 1)])) >= threshold), 1, 0)
+        total[0] = 0
+        for l in range(lanes):
+            total[0] = total[0] + lane_count[l]
+
     @T.prim_func
     def f(x: T.handle, ids: T.handle):
         n = T.int32()
@@ -1239,30 +1271,56 @@ def topk_rows(k: int):
         X = T.match_buffer(x, (n, c), F32)
         IDS = T.match_buffer(ids, (n, k), "int32")
         for t in T.parallel(n):
-            val = T.alloc_buffer((k + 1,), F32, scope="local", annotations=ON_STACK)
-            idx = T.alloc_buffer((k + 1,), "int32", scope="local", annotations=ON_STACK)
-            tv = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            ti = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
+            total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            # The k-th largest key: the largest threshold with k keys at or above it, in [lo, hi].
+            lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+            hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+            mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+            key = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+            ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            for j in range(k + 1):
-                val[j] = T.float32(NEG_INF)
-                idx[j] = -1
+            kept_key = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
+            kept_col = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
+            lo[0] = T.int64(INT32_MIN + 1)
+            hi[0] = T.int64(-INT32_MIN - 1)
+            count_from(X, t, c, lane_count, total, lo[0])
+            if total[0] > k:  # else every pickable column is kept
+                for _ in range(32):
+                    if lo[0] < hi[0]:
+                        mid[0] = lo[0] + (hi[0] - lo[0] + 1) // 2
+                        count_from(X, t, c, lane_count, total, mid[0])
+                        if total[0] >= k:
+                            lo[0] = mid[0]
+                        else:
+                            hi[0] = mid[0] - 1
+            # Keep the keys above the threshold, and as many equal to it as fit, in column order.
+            count_from(X, t, c, lane_count, total, lo[0] + 1)
+            ties[0] = k - total[0]
             kept[0] = 0
             for col in range(c):
-                if X[t, col] > val[k - 1]:
-                    val[kept[0]] = X[t, col]
-                    idx[kept[0]] = col
-                    for jj in range(kept[0]):  # bubble the new entry up while strictly larger
-                        if val[kept[0] - jj] > val[kept[0] - 1 - jj]:
-                            tv[0] = val[kept[0] - 1 - jj]
-                            ti[0] = idx[kept[0] - 1 - jj]
-                            val[kept[0] - 1 - jj] = val[kept[0] - jj]
-                            idx[kept[0] - 1 - jj] = idx[kept[0] - jj]
-                            val[kept[0] - jj] = tv[0]
-                            idx[kept[0] - jj] = ti[0]
-                    kept[0] = T.min(kept[0] + 1, k)
-            for j in range(k):
-                IDS[t, j] = idx[j]
+                key[0] = T.Cast("int64", _order_key(X[t, col]))
+                if key[0] > lo[0] or (key[0] == lo[0] and ties[0] > 0):
+                    if key[0] == lo[0]:
+                        ties[0] = ties[0] - 1
+                    kept_key[kept[0]] = T.Cast("int32", key[0])
+                    kept_col[kept[0]] = col
+                    kept[0] = kept[0] + 1
+            # A kept column's place: the kept columns with a larger key, or an equal one to its left.
+            for i in range(kept[0]):
+                for l in T.vectorized(lanes):
+                    lane_count[l] = 0
+                for jo in range((kept[0] + lanes - 1) // lanes):
+                    for l in T.vectorized(lanes):
+                        lane_count[l] = lane_count[l] + T.Select(T.And(jo * lanes + l < kept[0], T.Or(
+                            kept_key[jo * lanes + l] > kept_key[i],
+                            T.And(kept_key[jo * lanes + l] == kept_key[i], jo * lanes + l < i))), 1, 0)
+                total[0] = 0
+                for l in range(lanes):
+                    total[0] = total[0] + lane_count[l]
+                IDS[t, total[0]] = kept_col[i]
+            for j in range(k - kept[0]):
+                IDS[t, kept[0] + j] = -1
     return f
 
 

@@ -281,6 +281,27 @@ def test_swiglu_matches_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("k, columns", [(6, 16), (8, 3), (512, 100), (512, 512), (512, 1500)])
+def test_topk_rows_matches_a_stable_sort(k, columns):
+    """The k largest of each row, best first, lower columns first among equal values (-0 equal
+    to +0); NEG_INF, -inf and NaN never picked, -1 where fewer than k columns can be: fewer
+    columns than k, a row of ties, masked halves, rows that need the threshold search."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, columns)).astype(np.float32)
+    x[:, ::5] = np.round(x[:, ::5])  # ties
+    x[0, :columns // 2] = K.NEG_INF
+    x[1, 1::3] = -np.inf
+    x[2, ::7] = np.nan
+    x[3, ::4], x[3, 1::4] = 0.0, -0.0
+    x[4] = 1.0
+    x[5, 2::3] = np.inf
+    got = _call(_kernel("topk_rows", k), x, np.zeros((8, k), np.int32))
+    for row, ids in zip(x, got):
+        pickable = np.flatnonzero(row > np.float32(K.NEG_INF))  # NaN compares false
+        best = pickable[np.argsort(-row[pickable].astype(np.float64) + 0.0, kind="stable")][:k]
+        np.testing.assert_array_equal(ids, np.concatenate([best, np.full(k - len(best), -1)]))
+
+
 @pytest.mark.parametrize("dim, rope_dim, weighted", [(512, 64, True), (512, 64, False), (12, 4, True), (6, 2, False)])
 def test_rmsnorm_rope_matches_numpy(dim, rope_dim, weighted):
     """Each head's rmsnorm (its sum of squares in vector lanes: 8, 4 or 2 of them by the head
