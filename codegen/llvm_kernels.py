@@ -1239,27 +1239,28 @@ def _order_key(x):
     return T.Select(x > T.float32(NEG_INF), bits ^ ((bits >> 31) & T.int32(0x7FFFFFFF)), T.int32(INT32_MIN))
 
 
-def topk_rows(k: int):
+def topk_rows(k: int, max_lanes: int = 0):
     """Per row, the column numbers of the k largest values, best first, lower columns first
     among equal values; NEG_INF (and -inf, NaN) columns are never picked (-1 fills the rest).
 
     In O(columns + k^2 / lanes) vector steps per row, without sorting the row: a binary search
-    over order keys (``_order_key``) finds the k-th largest, counting the columns at or above a
-    candidate 16 at a time (32 counts); one pass keeps the columns above it and, in column order,
-    as many equal to it as fit; each kept column's place is the number of kept columns that
-    beat it. Same ids as an insertion sort, which cost O(columns x k) scalar steps: 2.7% of a
-    512-token flash prefill at 2048 tokens of context, growing with the context."""
-    lanes = TOPK_LANES
+    over order keys (``_order_key``) finds the k-th largest, counting the keys above a candidate
+    16 at a time (32 counts); one pass keeps the columns above it and, in column order, as many
+    equal to it as fit; each kept column's place is the number of kept columns that beat it.
+    Same ids as an insertion sort, which cost O(columns x k) scalar steps: 2.7% of a 512-token
+    flash prefill at 2048 tokens of context, growing with the context. GPU builds
+    (``max_lanes``) count in vectors of at most that many lanes, a row per thread."""
+    lanes = min(TOPK_LANES, max_lanes or TOPK_LANES)
     kept_lanes = -(-k // lanes) * lanes
 
     @T.macro
-    def count_from(X, t, c, lane_count, total, threshold):  # total[0]: columns whose key >= threshold
+    def count_above(X, t, c, lane_count, total, threshold):  # total[0]: columns whose key > threshold
         for l in T.vectorized(lanes):
             lane_count[l] = 0
         for co in range((c + lanes - 1) // lanes):
             for l in T.vectorized(lanes):
                 lane_count[l] = lane_count[l] + T.Select(T.And(
-                    co * lanes + l < c, T.Cast("int64", _order_key(X[t, T.min(co * lanes + l, c - 1)])) >= threshold), 1, 0)
+                    co * lanes + l < c, _order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
         total[0] = 0
         for l in range(lanes):
             total[0] = total[0] + lane_count[l]
@@ -1273,37 +1274,37 @@ def topk_rows(k: int):
         for t in T.parallel(n):
             lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
             total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            # The k-th largest key: the largest threshold with k keys at or above it, in [lo, hi].
+            # The largest key below the k-th largest, lo: at least k keys above lo, in [lo, hi].
             lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            key = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+            threshold = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept_key = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
             kept_col = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
-            lo[0] = T.int64(INT32_MIN + 1)
-            hi[0] = T.int64(-INT32_MIN - 1)
-            count_from(X, t, c, lane_count, total, lo[0])
+            lo[0] = T.int64(INT32_MIN)
+            hi[0] = T.int64(-INT32_MIN - 2)
+            count_above(X, t, c, lane_count, total, T.int32(INT32_MIN))
             if total[0] > k:  # else every pickable column is kept
                 for _ in range(32):
                     if lo[0] < hi[0]:
                         mid[0] = lo[0] + (hi[0] - lo[0] + 1) // 2
-                        count_from(X, t, c, lane_count, total, mid[0])
+                        count_above(X, t, c, lane_count, total, T.Cast("int32", mid[0]))
                         if total[0] >= k:
                             lo[0] = mid[0]
                         else:
                             hi[0] = mid[0] - 1
-            # Keep the keys above the threshold, and as many equal to it as fit, in column order.
-            count_from(X, t, c, lane_count, total, lo[0] + 1)
+            # Keep the keys above the k-th largest, and as many equal to it as fit, in column order.
+            threshold[0] = T.Cast("int32", lo[0] + 1)
+            count_above(X, t, c, lane_count, total, threshold[0])
             ties[0] = k - total[0]
             kept[0] = 0
             for col in range(c):
-                key[0] = T.Cast("int64", _order_key(X[t, col]))
-                if key[0] > lo[0] or (key[0] == lo[0] and ties[0] > 0):
-                    if key[0] == lo[0]:
+                if _order_key(X[t, col]) > threshold[0] or (_order_key(X[t, col]) == threshold[0] and ties[0] > 0):
+                    if _order_key(X[t, col]) == threshold[0]:
                         ties[0] = ties[0] - 1
-                    kept_key[kept[0]] = T.Cast("int32", key[0])
+                    kept_key[kept[0]] = _order_key(X[t, col])
                     kept_col[kept[0]] = col
                     kept[0] = kept[0] + 1
             # A kept column's place: the kept columns with a larger key, or an equal one to its left.
@@ -1722,7 +1723,8 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     return f
 
 
-VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu", "mhc", "rmsnorm_rope"})
+VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swiglu", "mhc", "rmsnorm_rope",
+                            "topk_rows"})
 GPU_MAX_LANES = 4
 
 
