@@ -281,11 +281,13 @@ def test_swiglu_matches_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("k, columns", [(6, 16), (8, 3), (512, 100), (512, 512), (512, 1500)])
-def test_topk_rows_matches_a_stable_sort(k, columns):
+@pytest.mark.parametrize("k, columns, max_lanes", [(6, 16, 0), (8, 3, 0), (512, 100, 0), (512, 512, 0), (512, 1500, 0),
+                                                   (6, 16, K.GPU_MAX_LANES), (512, 1500, K.GPU_MAX_LANES)])
+def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
     """The k largest of each row, best first, lower columns first among equal values (-0 equal
     to +0); NEG_INF, -inf and NaN never picked, -1 where fewer than k columns can be: fewer
-    columns than k, a row of ties, masked halves, rows that need the threshold search."""
+    columns than k, a row of ties, masked halves, rows that need the threshold search. Also in
+    the GPU builds' narrower vectors (``max_lanes``), run here."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, columns)).astype(np.float32)
     x[:, ::5] = np.round(x[:, ::5])  # ties
@@ -295,7 +297,7 @@ def test_topk_rows_matches_a_stable_sort(k, columns):
     x[3, ::4], x[3, 1::4] = 0.0, -0.0
     x[4] = 1.0
     x[5, 2::3] = np.inf
-    got = _call(_kernel("topk_rows", k), x, np.zeros((8, k), np.int32))
+    got = _call(_kernel("topk_rows", k, max_lanes), x, np.zeros((8, k), np.int32))
     for row, ids in zip(x, got):
         pickable = np.flatnonzero(row > np.float32(K.NEG_INF))  # NaN compares false
         best = pickable[np.argsort(-row[pickable].astype(np.float64) + 0.0, kind="stable")][:k]
