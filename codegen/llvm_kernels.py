@@ -351,11 +351,14 @@ RAW_POWER = {"fp8_b128": 127 - 7, "fp8fnuz_b128": 127 - 8, "fp4_g32": 126}
 X_BOOST = 64
 
 
+RAW_E4M3_BITS = 0x87F00000 - (1 << 32)  # a raw e4m3 float's sign and magnitude bits (31, 20..26), as int32
+
+
 def raw_e4m3(code):
     """float32 with an e4m3 byte's sign and 7 magnitude bits on bits 31 and 20..26: the byte
     sign-extended, shifted, masked."""
     bits = tirx.shift_left(tirx.Cast("int32", tirx.reinterpret("int8", code)), tirx.const(20, "int32"))
-    return tirx.reinterpret(F32, bits & tirx.const(0x87F00000 - (1 << 32), "int32"))
+    return tirx.reinterpret(F32, bits & tirx.const(RAW_E4M3_BITS, "int32"))
 
 
 def raw_e4m3_slot(codes, slot: int, lanes: int):
@@ -372,7 +375,7 @@ def raw_e4m3_slot(codes, slot: int, lanes: int):
     bits = T.reinterpret(f"int32x{lanes}", top)
     if slot < 2:
         bits = bits << T.Broadcast(T.int32(16), lanes)
-    return T.reinterpret(f"float32x{lanes}", bits & T.Broadcast(T.int32(0x87F00000 - (1 << 32)), lanes))
+    return T.reinterpret(f"float32x{lanes}", bits & T.Broadcast(T.int32(RAW_E4M3_BITS), lanes))
 
 
 def raw_e2m1(word, index):
@@ -521,7 +524,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # columns are read as C / 4 int32 words, and accumulator vector j (of C / 4) sums byte j of
     # every word, columns j, j + 4, ... (raw_e4m3_slot). Each group's sums are shuffled back to
     # column order before they are scaled; each column is still summed in input order, so the
-    # bits do not change. In-cache GEMV 42-44 -> 56-61 GB/s on Zen 4 (scratch A/B, one row).
+    # bits do not change. In-cache GEMV, one row, three shapes: 40-45 -> 50-60 GB/s on Zen 4,
+    # x86-64-v3 code 32-34 -> 40-44 (scratch A/B, bench/RESULTS.md session 9).
     def slotted(R):
         return cpu and quant in FP8_DECODERS and chunk(R) >= 4 * lanes
 
@@ -1254,6 +1258,12 @@ def topk_rows(k: int, max_lanes: int = 0):
     kept_lanes = -(-k // lanes) * lanes
 
     @T.macro
+    def lane_sum(lane_count, total):  # total[0]: the lanes' counts added
+        total[0] = 0
+        for l in range(lanes):
+            total[0] = total[0] + lane_count[l]
+
+    @T.macro
     def count_above(X, t, c, lane_count, total, threshold):  # total[0]: columns whose key > threshold
         for l in T.vectorized(lanes):
             lane_count[l] = 0
@@ -1261,9 +1271,7 @@ def topk_rows(k: int, max_lanes: int = 0):
             for l in T.vectorized(lanes):
                 lane_count[l] = lane_count[l] + T.Select(T.And(
                     co * lanes + l < c, _order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
-        total[0] = 0
-        for l in range(lanes):
-            total[0] = total[0] + lane_count[l]
+        lane_sum(lane_count, total)
 
     @T.prim_func
     def f(x: T.handle, ids: T.handle):
@@ -1279,6 +1287,7 @@ def topk_rows(k: int, max_lanes: int = 0):
             hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             threshold = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept_key = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
@@ -1301,10 +1310,11 @@ def topk_rows(k: int, max_lanes: int = 0):
             ties[0] = k - total[0]
             kept[0] = 0
             for col in range(c):
-                if _order_key(X[t, col]) > threshold[0] or (_order_key(X[t, col]) == threshold[0] and ties[0] > 0):
-                    if _order_key(X[t, col]) == threshold[0]:
+                key[0] = _order_key(X[t, col])
+                if key[0] > threshold[0] or (key[0] == threshold[0] and ties[0] > 0):
+                    if key[0] == threshold[0]:
                         ties[0] = ties[0] - 1
-                    kept_key[kept[0]] = _order_key(X[t, col])
+                    kept_key[kept[0]] = key[0]
                     kept_col[kept[0]] = col
                     kept[0] = kept[0] + 1
             # A kept column's place: the kept columns with a larger key, or an equal one to its left.
@@ -1316,9 +1326,7 @@ def topk_rows(k: int, max_lanes: int = 0):
                         lane_count[l] = lane_count[l] + T.Select(T.And(jo * lanes + l < kept[0], T.Or(
                             kept_key[jo * lanes + l] > kept_key[i],
                             T.And(kept_key[jo * lanes + l] == kept_key[i], jo * lanes + l < i))), 1, 0)
-                total[0] = 0
-                for l in range(lanes):
-                    total[0] = total[0] + lane_count[l]
+                lane_sum(lane_count, total)
                 IDS[t, total[0]] = kept_col[i]
             for j in range(k - kept[0]):
                 IDS[t, kept[0] + j] = -1
