@@ -13,7 +13,10 @@ artifact: every tensor the step takes in full, except the embedding's one row an
 experts' top-k share), the GB/s decode achieves on them, and this machine's read bandwidth
 measured in the same run by a streaming-sum kernel that TVM builds for this CPU (the decode
 kernels' compiler and thread pool), with one thread and with the bench's threads; the
-fraction compares decode with the latter. Likewise what bounds prefill: the matmul FLOPs of a
+fraction compares decode with the latter. The machine's bandwidth also drifts within seconds,
+so our process then runs as many decode steps again, each between two reads of the weights a
+token reads in full (the same mapped pages), and compares each step with the reads around it.
+Likewise what bounds prefill: the matmul FLOPs of a
 prefill token (from the artifact's weight shapes; attention, the head and the small kernels not
 counted), the GFLOP/s each system achieves on them, and this machine's fp32 matmul peak
 measured in the same run (torch's BLAS on 4096^3, the kernels transformers runs on).
@@ -104,14 +107,24 @@ def _step_weights(artifact: Path):
         tensors.update((name, st.read_raw(name)) for name in st.names())
     for name in vm["params"]:
         a = tensors[name]
-        if ".ffn.experts." in name:
+        part = _param_part(name)
+        if part == "routed_experts":
             assert a.shape[0] == model["n_routed_experts"], (name, a.shape)
-            share, part = model["num_experts_per_tok"] / a.shape[0], "routed_experts"
-        elif name == "embed.weight" or name.endswith(".tid2eid"):
-            share, part = 1 / a.shape[0], "embedding_rows"
+            share = model["num_experts_per_tok"] / a.shape[0]
         else:
-            share, part = 1.0, "head" if name.startswith("head.") else "dense"
+            share = 1 / a.shape[0] if part == "embedding_rows" else 1.0
         yield name, a, "mtp" if name.startswith("mtp.") else part, share
+
+
+def _param_part(name: str) -> str:
+    """The part of step parameter ``name`` (the MTP layer's apart): a token reads the routed
+    experts' top-k share of ``routed_experts``, one row of ``embedding_rows`` (the embedding,
+    hash-routing tables), all of ``head`` and ``dense``."""
+    if ".ffn.experts." in name:
+        return "routed_experts"
+    if name == "embed.weight" or name.endswith(".tid2eid"):
+        return "embedding_rows"
+    return "head" if name.startswith("head.") else "dense"
 
 
 def decode_weight_bytes(artifact: Path) -> dict[str, float]:
@@ -155,35 +168,43 @@ def matmul_peak(threads: int, size: int = 4096, repeats: int = 3) -> float:
     return 2 * size ** 3 / min(times) / 1e9
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of a streaming read: a vectorised, parallel sum over ``gib`` GiB (far beyond the
-    last-level cache), built by TVM for this CPU and run on its thread pool (TVM_NUM_THREADS
-    threads, as the decode kernels); the best of ``repeats``."""
+def _stream_sum(dtype: str, chunks: int = 64, lanes: int = 16):
+    """A TVM kernel that sums ``a [chunks, per, lanes]`` (any ``per``) into ``out [chunks, lanes]``:
+    a vectorised streaming read, in parallel over the chunks, built for this CPU and run on
+    TVM's thread pool (TVM_NUM_THREADS threads, as the decode kernels)."""
     import tvm
     from tvm.script import tirx as T
 
-    from dsv4c.runtime.kv_pool import aligned_empty
     from dsv4c.targets import target_info
 
-    chunks, lanes = 64, 16
-    per = int(gib * 2**30) // 4 // chunks // lanes
-
     @T.prim_func
-    def stream_sum(a: T.Buffer((chunks, per, lanes), "float32"), out: T.Buffer((chunks, lanes), "float32")):
+    def stream_sum(a: T.handle, out: T.Buffer((chunks, lanes), dtype)):
+        per = T.int32()
+        A = T.match_buffer(a, (chunks, per, lanes), dtype)
         for c in T.parallel(chunks):
-            acc = T.alloc_buffer((lanes,), "float32", scope="local")
+            acc = T.alloc_buffer((lanes,), dtype, scope="local")
             for l in T.vectorized(lanes):
-                acc[l] = T.float32(0)
+                acc[l] = T.Cast(dtype, 0)
             for i in range(per):
                 for l in T.vectorized(lanes):
-                    acc[l] = acc[l] + a[c, i, l]
+                    acc[l] = acc[l] + A[c, i, l]
             for l in T.vectorized(lanes):
                 out[c, l] = acc[l]
 
-    kernel = tvm.compile(tvm.IRModule({"main": stream_sum}), target=target_info("llvm").tvm_target())["main"]
-    buf = aligned_empty((chunks, per, lanes), np.float32)
+    return tvm.compile(tvm.IRModule({"main": stream_sum}), target=target_info("llvm").tvm_target())["main"]
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of a streaming read (``_stream_sum``) over ``gib`` GiB of fresh memory, far beyond the
+    last-level cache; the best of ``repeats``."""
+    import tvm
+
+    from dsv4c.runtime.kv_pool import aligned_empty
+
+    kernel = _stream_sum("float32")
+    buf = aligned_empty((64, int(gib * 2**30) // 4 // 64 // 16, 16), np.float32)
     buf[...] = 1.0  # touch every page before timing
-    a, out = tvm.runtime.from_dlpack(buf), tvm.runtime.tensor(np.zeros((chunks, lanes), np.float32))
+    a, out = tvm.runtime.from_dlpack(buf), tvm.runtime.tensor(np.zeros((64, 16), np.float32))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -193,10 +214,40 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return buf.nbytes / min(times) / 1e9
 
 
+def weight_read_probe(params, skip: set[int]):
+    """A callable giving the GB/s of one streaming read (``_stream_sum``, int32 words) over the
+    step's own weights, ``params`` (the backend's tensors, which share the artifact's mapped
+    pages) except those at the indices ``skip`` (the routed experts, of which a token reads only
+    some): the same pages the decode step reads, and no new memory. Each tensor is read whole
+    except a tail under 4 KiB."""
+    import tvm
+
+    kernel = _stream_sum("int32")
+    out = tvm.runtime.tensor(np.zeros((64, 16), np.int32))
+    views = []
+    for i, tensor in enumerate(params):
+        if i in skip:
+            continue
+        raw = np.from_dlpack(tensor).reshape(-1).view(np.uint8)
+        words = raw[:raw.nbytes // 4096 * 4096].view(np.int32).reshape(64, -1, 16)
+        if words.size:
+            views.append(tvm.runtime.from_dlpack(words.__dlpack__(max_version=(1, 0))))
+    nbytes = sum(4 * v.shape[0] * v.shape[1] * v.shape[2] for v in views)
+
+    def probe() -> float:
+        start = time.perf_counter()
+        for v in views:
+            kernel(v, out)
+        return nbytes / (time.perf_counter() - start) / 1e9
+
+    return probe
+
+
 def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], steps: int, threads: int) -> dict:
     rng = np.random.default_rng(0)
     out: dict = {}
     if system == "dsv4c":
+        from dsv4c.runtime.artifact import read_manifest
         from dsv4c.runtime.engine import Engine
 
         engine = Engine(workdir / "artifact", max_step_tokens=2048,
@@ -214,6 +265,12 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
 
         def end_request(seq):
             engine.pool.free(seq)
+
+        # Read probes beside the decode steps: the machine's bandwidth drifts within seconds.
+        params = read_manifest(workdir / "artifact")["vm"]["params"]
+        probe = weight_read_probe(backend.params, {i for i, name in enumerate(params)
+                                                   if _param_part(name) not in ("head", "dense") or name.startswith("mtp.")})
+        weight_bytes = decode_weight_bytes(workdir / "artifact")["total"]
     else:
         import torch
         from transformers import DeepseekV4ForCausalLM, DynamicCache
@@ -257,9 +314,35 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
             forward([int(rng.integers(0, 32000))], ctx + s, i)
             times.append(time.perf_counter() - t)
         out[f"decode_ms_at_{ctx}"] = float(np.median(times) * 1e3)
+        if system == "dsv4c":
+            out.setdefault("beside_read", {})[str(ctx)] = decode_beside_read(
+                lambda s, ctx=ctx, i=i: forward([int(rng.integers(0, 32000))], ctx + steps + s, i), steps, probe,
+                weight_bytes)
         end_request(i)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+def decode_beside_read(step, steps: int, probe, weight_bytes: float) -> dict:
+    """``steps`` more decode steps (``step(s)``), each between two runs of ``probe`` (a read of
+    the step's own weights, ``weight_read_probe``), so that each step meets the bandwidth the
+    machine gives around it. The probe reads the weights in the step's order, so what it leaves
+    in the last-level cache is what the step reads last, long evicted by then. Medians over the
+    steps: the probe's GB/s (each step's is the mean of the reads either side), decode's GB/s of
+    weights, and ``share``, decode's GB/s over its own probe's."""
+    probe()
+    before = probe()
+    reads, times, shares = [], [], []
+    for s in range(steps):
+        start = time.perf_counter()
+        step(s)
+        times.append(time.perf_counter() - start)
+        after = probe()
+        reads.append((before + after) / 2)
+        shares.append(weight_bytes / times[-1] / 1e9 / reads[-1])
+        before = after
+    return {"read_gb_s": float(np.median(reads)), "decode_gb_s": weight_bytes / float(np.median(times)) / 1e9,
+            "share": float(np.median(shares))}
 
 
 def best(figures: list[dict]) -> dict:
@@ -326,6 +409,7 @@ def main() -> None:
         for name in list(measurements)[::1 if r % 2 == 0 else -1]:
             runs[name].append(measurements[name]())
     report["rounds"] = args.rounds
+    beside_read = [figures.pop("beside_read") for figures in runs["dsv4c"]]
     report.update((system, best(runs[system])) for system in ("dsv4c", "transformers"))
     report["read_gb_s"] = {str(t): best(runs[f"read_gb_s_{t}"])["read_gb_s"] for t in dict.fromkeys((1, args.threads))}
     report["matmul_peak_gflop_s"] = best(runs["matmul"])["gflop_s"]
@@ -353,6 +437,13 @@ def main() -> None:
         gb_s = report["decode_gb_s"][str(ctx)] = weights["total"] / (ours[f"decode_ms_at_{ctx}"] / 1e3) / 1e9
         fraction = report["decode_fraction_of_read"][str(ctx)] = gb_s / bandwidth
         print(f"decode at {ctx}: {gb_s:.2f} GB/s of weights = {fraction:.1%} of the {args.threads}-thread read bandwidth")
+    # The same, each decode step beside a read of its own weights (the best round's medians).
+    report["decode_beside_read"] = {}
+    for ctx in map(str, args.contexts):
+        pair = report["decode_beside_read"][ctx] = max((r[ctx] for r in beside_read), key=lambda r: r["share"])
+        print(f"decode at {ctx}, each step between two reads of the dense and head weights: {pair['decode_gb_s']:.2f} "
+              f"GB/s of weights = {pair['share']:.1%} of the {pair['read_gb_s']:.1f} GB/s those reads reach "
+              f"(medians of {args.decode_steps} steps)")
     # What bounds prefill: its matmul FLOPs against the machine's fp32 matmul peak.
     flops = report["prefill_matmul_gflop_per_token"] = prefill_matmul_flops(artifact) / 1e9
     peak = report["matmul_peak_gflop_s"]
