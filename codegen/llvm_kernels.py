@@ -1741,7 +1741,7 @@ ATTN_ROW_BLOCK = 8  # KV rows decoded together into an L1 panel, one online-soft
 
 
 def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
-                fp8_format=None, max_lanes: int = 0):
+                fp8_format=None, max_lanes: int = 0, heads_at_once: int = 0):
     """Softmax attention over each query's row list (``rows [N, M]``, -1 = none, see
     ``step_kernels.attention_rows``); rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only.
@@ -1750,7 +1750,8 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     ATTN_ROW_BLOCK, each decoded once into an L1 panel that every head of the block reads twice:
     for its scores (vector dot products along the head dim) and, after an online-softmax update
     of the running max, denominator and output (rescaled when the max grows), for its weighted
-    sum. GPU builds (``max_lanes``) take one head and one row at a time, in vectors of at most
+    sum; ``heads_at_once`` heads (0: by the CPU's vector registers) share each of those reads,
+    which changes no bits. GPU builds (``max_lanes``) take one head and one row at a time, in vectors of at most
     ``max_lanes`` along the head dim.
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
@@ -1764,7 +1765,10 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= widest)
     chunks = dim // lanes
     hb, rb = (1, 1) if max_lanes else (math.gcd(heads, ATTN_HEAD_BLOCK), ATTN_ROW_BLOCK)
-    strip = math.gcd(dim, 8 * lanes)  # 8 accumulator vectors
+    # Heads whose scores and weighted sums accumulate together, each panel vector loaded once
+    # for all of them: two where 32 vector registers hold their 2 x 8 accumulators (AVX-512).
+    hp = math.gcd(hb, heads_at_once or (2 if not max_lanes and cpu_vector()[1] >= 32 else 1))
+    strip = math.gcd(dim, 8 * lanes)  # 8 accumulator vectors a head
     wide = T.serial if max_lanes else T.vectorized  # loops wider than a vector (GPU code generators refuse them)
     if main_storage == "fp8":
         _check_main_fp8(nope_dim, fp8_format)
@@ -1782,13 +1786,38 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         return main_fp8_value(pool[0], pool[1], row, c * lanes, l, nope_dim, fp8_format)
 
     @T.macro
+    def online_softmax(ROWS, o, score, state, part, m, t, kb, h, hh):
+        # Head h's scores of the block (from its accumulators part[hh]), its running max, the
+        # denominator and output rescaled to it; then the block's weights in score[h].
+        state[h, 2] = state[h, 0]
+        for j in range(rb):
+            score[h, j] = T.float32(NEG_INF)
+            if row_at(ROWS, m, t, kb * rb + j) >= 0:
+                score[h, j] = T.float32(0)
+                for l in range(lanes):
+                    score[h, j] = score[h, j] + part[hh, j, l]
+                score[h, j] = score[h, j] * T.float32(scale)
+                state[h, 2] = T.max(state[h, 2], score[h, j])
+        if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
+            state[h, 3] = T.exp(state[h, 0] - state[h, 2])
+            state[h, 1] = state[h, 1] * state[h, 3]
+            for d in wide(dim):
+                o[h, d] = o[h, d] * state[h, 3]
+            state[h, 0] = state[h, 2]
+        for j in wide(rb):
+            score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
+                                         vector_exp(score[h, j] - state[h, 0]))
+        for j in range(rb):
+            state[h, 1] = state[h, 1] + score[h, j]
+
+    @T.macro
     def attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, t, h0):
         panel = T.alloc_buffer((rb, dim), F32, scope="local", annotations=ON_STACK)  # the block's KV rows
         o = T.alloc_buffer((hb, dim), F32, scope="local", annotations=ON_STACK)  # running weighted sums
         score = T.alloc_buffer((hb, rb), F32, scope="local", annotations=ON_STACK)  # scaled, then weights
         state = T.alloc_buffer((hb, 4), F32, scope="local", annotations=ON_STACK)  # max, denominator, new max, factor
-        part = T.alloc_buffer((rb, lanes), F32, scope="local", annotations=ON_STACK)
-        acc = T.alloc_buffer((strip,), F32, scope="local", annotations=ON_STACK)
+        part = T.alloc_buffer((hp, rb, lanes), F32, scope="local", annotations=ON_STACK)
+        acc = T.alloc_buffer((hp, strip), F32, scope="local", annotations=ON_STACK)
         live = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)  # the block has a row
         for h in range(hb):
             state[h, 0] = SINK[h0 + h]  # the sink takes part in the max (for stability)
@@ -1814,44 +1843,32 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                         for c in range(chunks):
                             for l in T.vectorized(lanes):
                                 panel[j, c * lanes + l] = stored(pool, ROWS[t, kb * rb + j], c, l)
-                for h in range(hb):
-                    # The head's scores against the block's rows, a vector accumulator per row.
-                    for j in T.unroll(rb):
-                        for l in T.vectorized(lanes):
-                            part[j, l] = T.float32(0)
-                    for c in range(chunks):
+                for hq in range(hb // hp):
+                    # The heads' scores against the block's rows, a vector accumulator per head and row.
+                    for hh in T.unroll(hp):
                         for j in T.unroll(rb):
                             for l in T.vectorized(lanes):
-                                part[j, l] = part[j, l] + Q[t, h0 + h, c * lanes + l] * panel[j, c * lanes + l]
-                    state[h, 2] = state[h, 0]
-                    for j in range(rb):
-                        score[h, j] = T.float32(NEG_INF)
-                        if row_at(ROWS, m, t, kb * rb + j) >= 0:
-                            score[h, j] = T.float32(0)
-                            for l in range(lanes):
-                                score[h, j] = score[h, j] + part[j, l]
-                            score[h, j] = score[h, j] * T.float32(scale)
-                            state[h, 2] = T.max(state[h, 2], score[h, j])
-                    if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
-                        state[h, 3] = T.exp(state[h, 0] - state[h, 2])
-                        state[h, 1] = state[h, 1] * state[h, 3]
-                        for d in wide(dim):
-                            o[h, d] = o[h, d] * state[h, 3]
-                        state[h, 0] = state[h, 2]
-                    for j in wide(rb):
-                        score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
-                                                     vector_exp(score[h, j] - state[h, 0]))
-                    for j in range(rb):
-                        state[h, 1] = state[h, 1] + score[h, j]
-                    # The weighted sum, in strips of the head dim that stay in registers over the rows.
-                    for cs in range(dim // strip):
-                        for u in wide(strip):
-                            acc[u] = o[h, cs * strip + u]
+                                part[hh, j, l] = T.float32(0)
+                    for c in range(chunks):
                         for j in T.unroll(rb):
+                            for hh in T.unroll(hp):
+                                for l in T.vectorized(lanes):
+                                    part[hh, j, l] = part[hh, j, l] + \
+                                        Q[t, h0 + hq * hp + hh, c * lanes + l] * panel[j, c * lanes + l]
+                    for hh in range(hp):
+                        online_softmax(ROWS, o, score, state, part, m, t, kb, hq * hp + hh, hh)
+                    # The weighted sums, in strips of the head dim that stay in registers over the rows.
+                    for cs in range(dim // strip):
+                        for hh in T.unroll(hp):
                             for u in wide(strip):
-                                acc[u] = acc[u] + score[h, j] * panel[j, cs * strip + u]
-                        for u in wide(strip):
-                            o[h, cs * strip + u] = acc[u]
+                                acc[hh, u] = o[hq * hp + hh, cs * strip + u]
+                        for j in T.unroll(rb):
+                            for hh in T.unroll(hp):
+                                for u in wide(strip):
+                                    acc[hh, u] = acc[hh, u] + score[hq * hp + hh, j] * panel[j, cs * strip + u]
+                        for hh in T.unroll(hp):
+                            for u in wide(strip):
+                                o[hq * hp + hh, cs * strip + u] = acc[hh, u]
         for h in range(hb):
             for d in wide(dim):
                 OUT[t, h0 + h, d] = o[h, d] / state[h, 1]

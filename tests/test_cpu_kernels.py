@@ -281,6 +281,34 @@ def test_swiglu_matches_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
 
 
+def test_sparse_attn_matches_numpy_however_many_heads_at_once():
+    """Softmax attention over each query's row list, the sink in the denominator only: pool rows,
+    this step's fresh rows (>= the pool's), -1 gaps and a whole block of them, a list that is
+    not a multiple of the row block. Two heads at once (AVX-512's choice), one (AVX2's) or all
+    eight of a block give the same bits."""
+    rng = np.random.default_rng(9)
+    heads, dim, n, pool_rows, step_rows, m = 8, 64, 3, 40, 5, 21
+    q = rng.standard_normal((n, heads, dim)).astype(np.float32)
+    pool = rng.standard_normal((pool_rows, dim)).astype(np.float32)
+    step = rng.standard_normal((step_rows, dim)).astype(np.float32)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    rows = rng.integers(0, pool_rows + step_rows, (n, m)).astype(np.int32)
+    rows[0, 8:16] = -1  # a block without rows
+    rows[1, ::3] = -1
+    rows[2, 17:] = -1
+    got = {h: _call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, 0, h), q, pool, step, sink, rows,
+                    np.zeros((n, heads, dim), np.float32)) for h in (1, 2, 8)}
+    assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[8])
+    kv = np.concatenate([pool, step]).astype(np.float64)
+    for t in range(n):
+        picked = kv[rows[t][rows[t] >= 0]]
+        scores = q[t].astype(np.float64) @ picked.T * 0.125  # [heads, rows]
+        top = np.maximum(scores.max(1), sink)[:, None]
+        weights = np.exp(scores - top)
+        want = weights @ picked / (weights.sum(1, keepdims=True) + np.exp(sink[:, None] - top))
+        np.testing.assert_allclose(got[1][t], want, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("k, columns, max_lanes", [(6, 16, 0), (8, 3, 0), (512, 100, 0), (512, 512, 0), (512, 1500, 0),
                                                    (6, 16, K.GPU_MAX_LANES), (512, 1500, K.GPU_MAX_LANES)])
 def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
