@@ -162,6 +162,13 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                    help="drafts per decode step with --speculative; more than 1 chains the MTP layer (default 1)")
 
 
+def _weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=("auto", "read", "map"), default="auto",
+                   help="read the weights into memory (on the CPU, huge pages: faster decode) or map the files "
+                        "(fast start, pages load as first used); auto reads on the CPU when they take at most half "
+                        "the available memory (default auto)")
+
+
 def _cmd_generate(args) -> int:
     import numpy as np
 
@@ -180,7 +187,7 @@ def _cmd_generate(args) -> int:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
-                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens)
+                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights)
     prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
@@ -217,7 +224,7 @@ def _cmd_serve(args) -> int:
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
-                 num_draft_tokens=args.num_draft_tokens)
+                 num_draft_tokens=args.num_draft_tokens, weights=args.weights)
 
 
 def _cmd_verify(args) -> int:
@@ -294,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="check every artifact file against its sha256 first (reads every byte; `dsv4c verify` alone)")
     _speculative_args(p)
+    _weights_arg(p)
     p.add_argument("--stats", action="store_true",
                    help="print speculative decoding's acceptance rate and tokens per step on stderr")
     p.set_defaults(run=_cmd_generate)
@@ -312,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGINT / SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default 30)")
     _speculative_args(p)
+    _weights_arg(p)
     p.set_defaults(run=_cmd_serve)
 
     p = sub.add_parser("verify", help="check every file of an artifact against the sha256 in its manifest")

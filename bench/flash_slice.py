@@ -5,7 +5,8 @@ top-k 512), 2 layers (HCA + CSA), 16 experts top-6, vocab 32000. Our artifact ke
 checkpoint's FP8 / FP4 weights and decodes them inside the kernels; transformers runs the
 same (dequantized) weights in fp32. Each system runs in its own child process with the same
 thread count, so peak RSS is per system, and serves one short untimed request before the timed
-ones (our weights page in from the artifact as kernels first read them); the script prints ratios (ours / transformers),
+ones; our engine holds its weights as its default ``weights="auto"`` does (read into memory
+where they fit, see ``runtime.weights``). The script prints ratios (ours / transformers),
 which is what to compare on a noisy shared machine.
 
 It also prints what bounds decode: the weight bytes one decode token reads (from the
@@ -15,7 +16,7 @@ measured in the same run by a streaming-sum kernel that TVM builds for this CPU 
 kernels' compiler and thread pool), with one thread and with the bench's threads; the
 fraction compares decode with the latter. The machine's bandwidth also drifts within seconds,
 so our process then runs as many decode steps again, each between two reads of the weights a
-token reads in full (the same mapped pages), and compares each step with the reads around it.
+token reads in full (the same pages), and compares each step with the reads around it.
 Likewise what bounds prefill: the matmul FLOPs of a
 prefill token (from the artifact's weight shapes; attention, the head and the small kernels not
 counted), the GFLOP/s each system achieves on them, and this machine's fp32 matmul peak
@@ -216,8 +217,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def weight_read_probe(params, skip: set[int]):
     """A callable giving the GB/s of one streaming read (``_stream_sum``, int32 words) over the
-    step's own weights, ``params`` (the backend's tensors, which share the artifact's mapped
-    pages) except those at the indices ``skip`` (the routed experts, of which a token reads only
+    step's own weights, ``params`` (the backend's tensors, read or mapped as its weights mode
+    says) except those at the indices ``skip`` (the routed experts, of which a token reads only
     some): the same pages the decode step reads, and no new memory. Each tensor is read whole
     except a tail under 4 KiB."""
     import tvm
@@ -295,8 +296,8 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
         for start in range(0, n, 2048):
             forward(rng.integers(0, 32000, min(2048, n - start)), start, seq)
 
-    # A short request first, untimed: our weights are mapped from the artifact and page in as
-    # kernels first read them, transformers' were read whole at load; time both warm.
+    # A short request first, untimed: mapped weights (a weights mode our engine may choose) page
+    # in as kernels first read them; time both systems warm.
     new_request(0)
     prefill_to(0, 16)
     end_request(0)

@@ -166,16 +166,17 @@ class SafetensorsFile:
         shape = self._entry(name).shape
         return math.prod(shape[:-1]), (shape[-1] if shape else 1)
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, name: str, start: int, stop: int, empty=np.empty) -> np.ndarray:
         """Rows ``[start, stop)`` of the tensor seen as a matrix (see matrix_shape), in its storage
-        dtype, reading only their bytes. Safe to call from several threads at once."""
+        dtype, reading only their bytes into ``empty(nbytes, np.uint8)``. Safe to call from
+        several threads at once."""
         entry = self._entry(name)
         rows, cols = self.matrix_shape(name)
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"rows [{start}, {stop}) of tensor {name!r} with {rows} rows")
         dtype = STORAGE_DTYPES[entry.dtype]
         row_bytes = cols * dtype.itemsize
-        buffer = np.empty((stop - start) * row_bytes, np.uint8)
+        buffer = empty((stop - start) * row_bytes, np.uint8)
         offset, done = self._data_start + entry.begin + start * row_bytes, 0
         while done < buffer.size:  # pread may return less than asked for
             got = os.preadv(self._file.fileno(), [buffer[done:]], offset + done)
@@ -184,9 +185,10 @@ class SafetensorsFile:
             done += got
         return buffer.view(dtype).reshape(stop - start, cols)
 
-    def read_raw(self, name: str) -> np.ndarray:
-        """The tensor in its storage dtype (see STORAGE_DTYPES), reading only its own bytes."""
-        return self.read_rows(name, 0, self.matrix_shape(name)[0]).reshape(self._entry(name).shape)
+    def read_raw(self, name: str, empty=np.empty) -> np.ndarray:
+        """The tensor in its storage dtype (see STORAGE_DTYPES), reading only its own bytes (into
+        ``empty(nbytes, np.uint8)``)."""
+        return self.read_rows(name, 0, self.matrix_shape(name)[0], empty).reshape(self._entry(name).shape)
 
     def mapped(self) -> dict[str, np.ndarray]:
         """Every tensor as a read-only array over one memory map of the file, in its storage

@@ -24,11 +24,11 @@ from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.ir.kernels import request_groups
 from dsv4c.runtime.artifact import MANIFEST, ArtifactError
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
-from dsv4c.runtime.weights import open_weights
+from dsv4c.runtime.weights import open_weights, reads_weights
 
 
 class TvmBackend:
-    def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device):
+    def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto"):
         self.device = device
         self.on_host = device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
         vm = manifest["vm"]
@@ -43,9 +43,10 @@ class TvmBackend:
         self.decode_max_tokens, self.max_step_tokens = vm["decode_max_tokens"], vm["max_step_tokens"]
         self.entry_ratios = vm["entry_ratios"]
         self.pool = pool
-        # Weights mapped from their shards (on the CPU shared with the kernels as they are, pages
-        # loading as they are first read), constants from theirs.
-        weights = dict(open_weights(artifact, manifest))
+        # Weights mapped from their shards or read into memory (``weights_mode``, see
+        # runtime.weights); on the CPU shared with the kernels as they are. Constants from theirs.
+        self.reads_weights = reads_weights(artifact, manifest, weights_mode, self.on_host)
+        weights = dict(open_weights(artifact, manifest, read=self.reads_weights))
         with SafetensorsFile(artifact / vm["constants"]) as st:
             weights.update((name, st.read_raw(name)) for name in st.names())
         missing = [name for name in vm["params"] if name not in weights]

@@ -26,6 +26,7 @@ from dsv4c.runtime.artifact import ArtifactError, read_manifest
 from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolGeometry
 from dsv4c.runtime.sampling import Sampler, SamplingParams
 from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose
+from dsv4c.runtime.weights import check_weights_mode
 from dsv4c.targets import target_info
 
 TokenCallback = Callable[[int, int], None]  # (request id, token id)
@@ -66,7 +67,7 @@ class Result:
     speculative: dict | None = None  # SpecStats.to_json() when the engine speculates
 
 
-def load_backend(artifact: Path, manifest: dict, config, pool: KVPool):
+def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_mode: str = "auto"):
     info = target_info(manifest["target"])
     if not info.compiled:
         from dsv4c.ir.serialize import program_from_json
@@ -80,17 +81,20 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool):
     if device is None:
         raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
                             "there, or compile with --target llvm for this CPU")
-    return TvmBackend(artifact, manifest, pool, device)
+    return TvmBackend(artifact, manifest, pool, device, weights_mode)
 
 
 class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
-                 speculative: str | None = None, num_draft_tokens: int = 1):
+                 speculative: str | None = None, num_draft_tokens: int = 1, weights: str = "auto"):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
+        ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
+        when they take at most half the available memory; see ``runtime.weights``).
         ``speculative="mtp"`` drafts ``num_draft_tokens`` tokens per decode step with the model's
         MTP layer (chained on its own output when more than one) and verifies them in the step."""
+        check_weights_mode(weights)
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
         self.manifest = manifest
@@ -106,7 +110,7 @@ class Engine:
         if limit is not None and max_step_tokens > limit:
             raise UsageError(f"max_step_tokens {max_step_tokens} exceeds what {self.path} was compiled for ({limit}); "
                              "lower it")
-        self.backend = load_backend(self.path, manifest, self.config, self.pool)
+        self.backend = load_backend(self.path, manifest, self.config, self.pool, weights)
         self.max_step_tokens, self.prefill_chunk, self.max_requests = max_step_tokens, prefill_chunk, max_requests
         self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
         self.spec_stats = SpecStats()  # over every request this engine verified drafts for

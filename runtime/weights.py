@@ -1,8 +1,11 @@
 """The one loader of an artifact's weights, for every backend.
 
-:func:`open_weights` maps the weight files instead of reading them: start-up costs the
-headers, the OS pages weights in as the kernels first touch them (at the disk's speed) and
-can drop them again under memory pressure. Each array is read-only, in its storage dtype
+:func:`open_weights` maps the weight files by default instead of reading them: start-up costs
+the headers, the OS pages weights in as the kernels first touch them (at the disk's speed) and
+can drop them again under memory pressure. Read instead (``read=True``), each tensor is copied
+into memory of its own, which numpy backs with transparent huge pages from 4 MiB on: the CPU
+kernels stream such pages faster than the page cache's 4 KiB ones (``WEIGHTS_MODES``,
+``reads_weights``). Each array is read-only, in its storage dtype
 (``SafetensorsFile.read_raw``'s: uint8 for FP8 / FP4 / E8M0 codes, uint16 for BF16 bits,
 float32, int32, int64), stacked weights as one array. Tensors of a 64-byte multiple size
 start 64-byte aligned in the file (and the map is page aligned), so TVM can share them
@@ -19,17 +22,51 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dsv4c.errors import UsageError
 from dsv4c.frontend.safetensors_io import SafetensorsFile
 from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.runtime.kv_pool import aligned_empty
+
+# How a backend holds the weights: "map" the files, "read" them into memory, or "auto": read on
+# the CPU when the weight files take at most READ_SHARE of the memory available, map otherwise.
+# Decode steps of the flash-slice bench on Zen 4 ran 1.06x faster read (bench/RESULTS.md).
+WEIGHTS_MODES = ("auto", "read", "map")
+READ_SHARE = 0.5
 
 
-def open_weights(artifact: str | Path, manifest: dict[str, Any]) -> Mapping[str, np.ndarray]:
-    """Every weight of the artifact by name, memory-mapped from its shards (read-only arrays).
+def check_weights_mode(mode: str) -> None:
+    if mode not in WEIGHTS_MODES:
+        raise UsageError(f"weights mode {mode!r} is not one of {', '.join(WEIGHTS_MODES)}")
+
+
+def reads_weights(artifact: str | Path, manifest: dict[str, Any], mode: str, on_host: bool) -> bool:
+    """Whether a backend (on the CPU: ``on_host``) reads the weights into memory for ``mode``."""
+    check_weights_mode(mode)
+    if mode != "auto":
+        return mode == "read"
+    if not on_host:
+        return False  # a GPU backend copies every weight to the device: the map is only its source
+    size = sum((Path(artifact) / f).stat().st_size for f in manifest.get("weights", {}).get("files", []))
+    return size <= READ_SHARE * _available_memory()
+
+
+def _available_memory() -> int:
+    """Bytes the kernel reports available (MemAvailable), or 0 where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+
+
+def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = False) -> Mapping[str, np.ndarray]:
+    """Every weight of the artifact by name (read-only arrays), memory-mapped from its shards,
+    or with ``read`` read from them into 64-byte aligned memory.
 
     ``manifest`` is :func:`~dsv4c.runtime.artifact.read_manifest`'s, which has checked that
     every file is there with its size. Here each shard's header is parsed and checked
     (:class:`~dsv4c.errors.CheckpointError` naming the file), and the index against the
-    shards: every tensor in exactly the file the index names. No tensor data is read."""
+    shards: every tensor in exactly the file the index names. Mapped, no tensor data is read."""
     d = Path(artifact)
     weights = manifest.get("weights")
     if not manifest.get("has_weights"):
@@ -49,10 +86,26 @@ def open_weights(artifact: str | Path, manifest: dict[str, Any]) -> Mapping[str,
     if sorted(by_file) != sorted(files):
         raise ArtifactError(f"{index_path}: does not name the weight files the manifest lists; recompile")
     out: dict[str, np.ndarray] = {}
-    for file in files:
-        with SafetensorsFile(d / file) as st:
-            if set(st.names()) != by_file[file]:
-                stray = sorted(set(st.names()) ^ by_file[file])[0]
-                raise ArtifactError(f"{d}: {file} and {weights['index']} disagree about tensor {stray}; recompile")
-            out.update(st.mapped())
+    bar = None
+    if read:  # reading a large model takes a while: a bar after the first second
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum((d / f).stat().st_size for f in files), desc="reading weights", unit="B",
+                   unit_scale=True, unit_divisor=1024, leave=False, delay=1.0)
+    try:
+        for file in files:
+            with SafetensorsFile(d / file) as st:
+                if set(st.names()) != by_file[file]:
+                    stray = sorted(set(st.names()) ^ by_file[file])[0]
+                    raise ArtifactError(f"{d}: {file} and {weights['index']} disagree about tensor {stray}; recompile")
+                if read:
+                    for name in st.names():
+                        out[name] = st.read_raw(name, aligned_empty)
+                        out[name].flags.writeable = False
+                        bar.update(out[name].nbytes)
+                else:
+                    out.update(st.mapped())
+    finally:
+        if bar is not None:
+            bar.close()
     return MappingProxyType(out)

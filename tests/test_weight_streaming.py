@@ -324,6 +324,54 @@ def test_open_weights_maps_every_tensor_read_only_and_aligned(artifacts):
         weights["head.weight"] = None  # the mapping is read-only too
 
 
+def test_read_weights_equal_the_mapped_ones_in_memory_of_their_own(artifacts):
+    art = artifacts["llvm-sharded"]
+    mapped, read = (open_weights(art, read_manifest(art), read=r) for r in (False, True))
+    assert sorted(read) == sorted(mapped)
+    for name, array in read.items():
+        assert array.dtype == mapped[name].dtype and array.shape == mapped[name].shape, name
+        np.testing.assert_array_equal(array, mapped[name])
+        assert not array.flags.writeable and array.ctypes.data % 64 == 0, name
+        assert not np.shares_memory(array, mapped[name]), name
+
+
+def test_weights_mode_reads_on_the_cpu_when_they_fit(artifacts, monkeypatch):
+    from dsv4c.runtime import weights
+
+    art = artifacts["llvm-sharded"]
+    manifest = read_manifest(art)
+    size = sum((art / f).stat().st_size for f in manifest["weights"]["files"])
+    assert weights.reads_weights(art, manifest, "read", on_host=False)
+    assert not weights.reads_weights(art, manifest, "map", on_host=True)
+    monkeypatch.setattr(weights, "_available_memory", lambda: int(size / weights.READ_SHARE))
+    assert weights.reads_weights(art, manifest, "auto", on_host=True)
+    assert not weights.reads_weights(art, manifest, "auto", on_host=False)  # a GPU copies them anyway
+    monkeypatch.setattr(weights, "_available_memory", lambda: int(size / weights.READ_SHARE) - 1)
+    assert not weights.reads_weights(art, manifest, "auto", on_host=True)
+    with pytest.raises(UsageError, match="'mmap' is not one of auto, read, map"):
+        weights.reads_weights(art, manifest, "mmap", on_host=True)
+    assert weights._available_memory() > 0  # this Linux reports MemAvailable
+
+
+def test_generate_reads_or_maps_the_weights_alike(artifacts, capsys):
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.weights import WEIGHTS_MODES
+
+    args = ["generate", str(artifacts["llvm"]), "--token-ids", "5,6,7", "--max-new-tokens", "5"]
+    outputs = {}
+    for mode in WEIGHTS_MODES:
+        assert cli([*args, "--weights", mode]) == 0
+        outputs[mode] = capsys.readouterr().out
+    assert outputs["read"] == outputs["map"] == outputs["auto"] and len(outputs["map"].split()) == 5
+    assert Engine(artifacts["llvm"], weights="read").backend.reads_weights
+    assert not Engine(artifacts["llvm"], weights="map").backend.reads_weights
+    with pytest.raises(UsageError, match="weights mode 'copy'"):
+        Engine(artifacts["llvm"], weights="copy")
+    with pytest.raises(SystemExit):
+        cli([*args, "--weights", "copy"])
+    assert "invalid choice: 'copy'" in capsys.readouterr().err
+
+
 def test_read_only_weights_reach_tvm_without_a_copy(artifacts):
     tvm = pytest.importorskip("tvm")
     weights = open_weights(artifacts["llvm"], read_manifest(artifacts["llvm"]))

@@ -255,7 +255,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests: int = 8,
           max_context: int = 4096, max_waiting: int = 64, api_key: str | None = None,
-          shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1) -> int:
+          shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1,
+          weights: str = "auto") -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, cancel the rest and return 0. ``speculative="mtp"``: every
     request decodes speculatively with the model's MTP layer (``Engine``)."""
@@ -263,7 +264,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
                          "--shutdown-timeout >= 0")
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
-                    num_draft_tokens=num_draft_tokens)
+                    num_draft_tokens=num_draft_tokens, weights=weights)
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting)
     sock = _listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
