@@ -1785,6 +1785,17 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
             return pool[0][row, c * lanes + l]
         return main_fp8_value(pool[0], pool[1], row, c * lanes, l, nope_dim, fp8_format)
 
+    def lane_total(part, hh, j):
+        """The lanes of part[hh, j] added as a tree, halving the vector at each step: log2(lanes)
+        shuffles and adds where a lane at a time took a scalar extract and add per lane."""
+        if lanes == 1:
+            return part[hh, j, 0]
+        total, width = part[hh, j, T.Ramp(0, 1, lanes)], lanes
+        while width > 1:
+            width //= 2
+            total = T.Shuffle([total], list(range(width))) + T.Shuffle([total], list(range(width, 2 * width)))
+        return total
+
     @T.macro
     def online_softmax(ROWS, o, score, state, part, m, t, kb, h, hh):
         # Head h's scores of the block (from its accumulators part[hh]), its running max, the
@@ -1793,10 +1804,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         for j in range(rb):
             score[h, j] = T.float32(NEG_INF)
             if row_at(ROWS, m, t, kb * rb + j) >= 0:
-                score[h, j] = T.float32(0)
-                for l in range(lanes):
-                    score[h, j] = score[h, j] + part[hh, j, l]
-                score[h, j] = score[h, j] * T.float32(scale)
+                score[h, j] = lane_total(part, hh, j) * T.float32(scale)
                 state[h, 2] = T.max(state[h, 2], score[h, j])
         if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
             state[h, 3] = T.exp(state[h, 0] - state[h, 2])
