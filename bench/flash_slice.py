@@ -438,13 +438,15 @@ def main() -> None:
         gb_s = report["decode_gb_s"][str(ctx)] = weights["total"] / (ours[f"decode_ms_at_{ctx}"] / 1e3) / 1e9
         fraction = report["decode_fraction_of_read"][str(ctx)] = gb_s / bandwidth
         print(f"decode at {ctx}: {gb_s:.2f} GB/s of weights = {fraction:.1%} of the {args.threads}-thread read bandwidth")
-    # The same, each decode step beside a read of its own weights (the best round's medians).
-    report["decode_beside_read"] = {}
+    # The same, each decode step beside a read of its own weights (the best round's medians;
+    # every round's in the JSON).
+    report["decode_beside_read"], report["decode_beside_read_rounds"] = {}, beside_read
     for ctx in map(str, args.contexts):
         pair = report["decode_beside_read"][ctx] = max((r[ctx] for r in beside_read), key=lambda r: r["share"])
         print(f"decode at {ctx}, each step between two reads of the dense and head weights: {pair['decode_gb_s']:.2f} "
               f"GB/s of weights = {pair['share']:.1%} of the {pair['read_gb_s']:.1f} GB/s those reads reach "
-              f"(medians of {args.decode_steps} steps)")
+              f"(medians of {args.decode_steps} steps; rounds: "
+              + ", ".join(f"{r[ctx]['share']:.1%} of {r[ctx]['read_gb_s']:.1f}" for r in beside_read) + ")")
     # What bounds prefill: its matmul FLOPs against the machine's fp32 matmul peak.
     flops = report["prefill_matmul_gflop_per_token"] = prefill_matmul_flops(artifact) / 1e9
     peak = report["matmul_peak_gflop_s"]

@@ -91,7 +91,8 @@ class Engine:
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
-        when they take at most half the available memory; see ``runtime.weights``).
+        when they take at most half the available memory; see ``runtime.weights``); compiled
+        artifacts only, the reference interpreter maps them.
         ``speculative="mtp"`` drafts ``num_draft_tokens`` tokens per decode step with the model's
         MTP layer (chained on its own output when more than one) and verifies them in the step."""
         check_weights_mode(weights)
