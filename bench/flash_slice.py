@@ -218,8 +218,9 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 def weight_read_probe(params, skip: set[int]):
     """A callable giving the GB/s of one streaming read (``_stream_sum``, int32 words) over the
     step's own weights, ``params`` (the backend's tensors, read or mapped as its weights mode
-    says) except those at the indices ``skip`` (the routed experts, of which a token reads only
-    some): the same pages the decode step reads, and no new memory. Each tensor is read whole
+    says) except those at the indices ``skip`` (what a token reads only part of, the routed
+    experts and embedding rows, and the MTP layer's): the same pages the decode step reads, and
+    no new memory. Each tensor is read whole
     except a tail under 4 KiB."""
     import tvm
 
