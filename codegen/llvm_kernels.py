@@ -1751,8 +1751,8 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     for its scores (vector dot products along the head dim) and, after an online-softmax update
     of the running max, denominator and output (rescaled when the max grows), for its weighted
     sum; ``heads_at_once`` heads (0: by the CPU's vector registers) share each of those reads,
-    which changes no bits. GPU builds (``max_lanes``) take one head and one row at a time, in vectors of at most
-    ``max_lanes`` along the head dim.
+    which changes no bits. GPU builds (``max_lanes``) take one head and one row at a time, in
+    vectors of at most ``max_lanes`` along the head dim.
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
     planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the

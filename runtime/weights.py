@@ -46,8 +46,10 @@ def reads_weights(artifact: str | Path, manifest: dict[str, Any], mode: str, on_
         return mode == "read"
     if not on_host:
         return False  # a GPU backend copies every weight to the device: the map is only its source
-    size = sum((Path(artifact) / f).stat().st_size for f in manifest.get("weights", {}).get("files", []))
-    return size <= READ_SHARE * _available_memory()
+    files = (manifest.get("weights") or {}).get("files")
+    if not files:
+        return False  # a --no-weights artifact: open_weights says so
+    return sum((Path(artifact) / f).stat().st_size for f in files) <= READ_SHARE * _available_memory()
 
 
 def _available_memory() -> int:

@@ -351,6 +351,7 @@ def test_weights_mode_reads_on_the_cpu_when_they_fit(artifacts, monkeypatch):
     with pytest.raises(UsageError, match="'mmap' is not one of auto, read, map"):
         weights.reads_weights(art, manifest, "mmap", on_host=True)
     assert weights._available_memory() > 0  # this Linux reports MemAvailable
+    assert not weights.reads_weights(art, {**manifest, "weights": None}, "auto", on_host=True)  # --no-weights
 
 
 def test_generate_reads_or_maps_the_weights_alike(artifacts, capsys):
