@@ -1379,6 +1379,11 @@ def route_weights(n_experts: int, k: int, scale: float):
 #              or (gfx950) the same bytes in tiles of 64 rows (quant_plan.FP4_PRESHUFFLED)
 # The store kernels write the same bytes as the codecs' numpy writers, the readers below decode
 # to the same float32 values as their numpy readers.
+#
+# Pool rows: a kernel that takes pool planes declares their row count int64, so that TVM computes
+# every offset into them in 64 bits. A plane passes 2**31 elements in ordinary use: Flash's fp32
+# main plane holds 5.7M rows of 512 floats at 1M tokens, its fp8 NoPE plane 2.6 GB at 8 x 128K
+# tokens. With an int32 count the offsets wrapped and the kernels wrote outside the plane.
 
 MAIN_FP8_GROUP = 64
 INDEX_FP4_GROUP = 32
@@ -1429,7 +1434,8 @@ def _fp4_byte(plane, row, byte, dim: int, layout: str, scale: bool):
     width = index_row_bytes_of(dim, "fp4")
     if layout == ROW_MAJOR:
         return row, (dim // 2 + byte if scale else byte)
-    offset = (fp4_scale_offset if scale else fp4_code_offset)(layout, row, byte, plane.shape[0], dim)
+    # In 64 bits, as every offset into a pool plane (see "Pool rows").
+    offset = (fp4_scale_offset if scale else fp4_code_offset)(layout, tirx.Cast("int64", row), byte, plane.shape[0], dim)
     return offset // width, offset % width
 
 
@@ -1476,7 +1482,7 @@ def store_main_fp8(nope_dim: int, rope_dim: int, fp8_format: str):
 
     @T.prim_func
     def f(nope_plane: T.handle, rope_plane: T.handle, rows: T.handle, vals: T.handle):
-        r = T.int32()
+        r = T.int64()  # 64-bit offsets (see "Pool rows")
         n = T.int32()
         NOPE = T.match_buffer(nope_plane, (r, main_nope_width(nope_dim)), "uint8")
         ROPE = T.match_buffer(rope_plane, (r, rope_dim), "uint16")
@@ -1514,7 +1520,7 @@ def store_rows(dim: int, storage: str, fp8_format=None, layout=None):
 
     @T.prim_func
     def f(plane: T.handle, rows: T.handle, vals: T.handle):
-        r = T.int32()
+        r = T.int64()  # 64-bit offsets (see "Pool rows")
         n = T.int32()
         PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n,), "int32")
@@ -1715,7 +1721,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
-        r = T.int32()
+        r = T.int64()  # 64-bit offsets (see "Pool rows")
         e = T.int32()
         Q = T.match_buffer(q, (n, heads, dim), F32)
         W = T.match_buffer(w, (n, heads), F32)
@@ -1818,6 +1824,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         for j in range(rb):
             state[h, 1] = state[h, 1] + score[h, j]
 
+    # r: the pool's rows as int32, like the row ids it is compared with (only offsets need 64 bits).
     @T.macro
     def attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, t, h0):
         panel = T.alloc_buffer((rb, dim), F32, scope="local", annotations=ON_STACK)  # the block's KV rows
@@ -1886,7 +1893,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         def f(q: T.handle, nope_plane: T.handle, rope_plane: T.handle, step: T.handle, sink: T.handle,
               rows: T.handle, out: T.handle):
             n = T.int32()
-            r = T.int32()
+            r = T.int64()  # 64-bit offsets (see "Pool rows")
             s = T.int32()
             m = T.int32()
             Q = T.match_buffer(q, (n, heads, dim), F32)
@@ -1897,13 +1904,13 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
             ROWS = T.match_buffer(rows, (n, m), "int32")
             OUT = T.match_buffer(out, (n, heads, dim), F32)
             for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
-                attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, r, m, i // (heads // hb), i % (heads // hb) * hb)
+                attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, i // (heads // hb), i % (heads // hb) * hb)
         return f
 
     @T.prim_func
     def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
-        r = T.int32()
+        r = T.int64()  # 64-bit offsets (see "Pool rows")
         s = T.int32()
         m = T.int32()
         Q = T.match_buffer(q, (n, heads, dim), F32)
@@ -1913,5 +1920,5 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         ROWS = T.match_buffer(rows, (n, m), "int32")
         OUT = T.match_buffer(out, (n, heads, dim), F32)
         for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
-            attend(Q, (POOL,), STEP, SINK, ROWS, OUT, r, m, i // (heads // hb), i % (heads // hb) * hb)
+            attend(Q, (POOL,), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, i // (heads // hb), i % (heads // hb) * hb)
     return f

@@ -23,7 +23,8 @@ from dsv4c.frontend.config import config_from_dict, preset, resolve_model
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.runtime.kv_pool import KVPool, PoolGeometry
+from dsv4c.runtime.kv_pool import KVPool, PoolGeometry, aligned_zeros
+from dsv4c.runtime.pool_layout import PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset
 
 from parity_configs import PARITY_CONFIGS
 
@@ -259,6 +260,92 @@ def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model, target):
                pool.planes["rope"], step, sink, rows, out)[-1]
     want = _run(_kernel("sparse_attn", heads, dim, scale), q, decoded, step, sink, rows, out)[-1]
     assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------- planes past 2 GiB
+#
+# A pool plane passes 2**31 elements in ordinary use (Flash's fp8 NoPE plane at 8 x 128K tokens,
+# its fp32 main plane at 1M): every offset into one must be computed in 64 bits.
+
+
+def _plane_past_2_gib(width: int, dtype, tile_rows: int) -> np.ndarray:
+    """A plane of more than 2**31 elements in whole tiles of rows, lazily zeroed: only the pages a
+    kernel touches are ever allocated."""
+    rows = -(-(2 ** 31 // width + 1) // tile_rows) * tile_rows
+    return aligned_zeros((rows, width), dtype)
+
+
+def _shared(a: np.ndarray) -> tvm.runtime.Tensor:
+    return tvm.runtime.from_dlpack(a)  # no copy: the plane stays lazily allocated
+
+
+def _kernel_on(kernel, arrays: list, planes: dict[int, np.ndarray]) -> list[np.ndarray]:
+    """Run ``kernel`` on ``arrays`` (copies) with the big ``planes`` (by argument place) shared."""
+    tensors = [_shared(planes[i]) if i in planes else tvm.runtime.tensor(np.ascontiguousarray(a))
+               for i, a in enumerate(arrays)]
+    kernel(*tensors)
+    return [t.numpy() if i not in planes else None for i, t in enumerate(tensors)]
+
+
+@pytest.mark.parametrize("target", ["llvm", "sm90", "gfx950"])  # fp32 rows / fp8 rows / fp4 preshuffled index rows
+def test_kernels_reach_pool_rows_past_2_gib(target):
+    """The last rows of planes past 2**31 elements (8 GiB of address space for fp32 planes, lazily
+    allocated) are stored where the codec puts them and read from there: the same bytes, scores
+    and attention as the same rows of a small plane."""
+    small = _pool("flash", target)
+    for plane in [*small.planes.values(), small.index_plane]:
+        plane[...] = 0  # as the big planes: the padding bytes no writer touches compare equal
+    g, cfg = small.geometry, resolve_model("flash")
+    dim, rng = g.index_head_dim, np.random.default_rng(6)
+
+    # Index rows: store, compare the bytes, score.
+    width, dtype = K.index_plane_row(dim, g.index_storage)
+    big = _plane_past_2_gib(width, dtype, PRESHUFFLE_TILE_ROWS)
+    shift = len(big) - len(small.index_plane)  # whole tiles: row r of the small plane is row r + shift
+    rows = np.append(_written_rows(rng, len(small.index_plane) - 1, 15), len(small.index_plane) - 1).astype(np.int32)
+    store = _kernel("store_rows", dim, g.index_storage, g.fp8_format, g.index_layout)
+    args = [small.index_plane, rows, _index_rows(rng, len(rows), g)]
+    plane = _run(store, *args)[0]
+    _kernel_on(store, [big, rows + shift, args[2]], {0: big})
+    if g.index_storage == "fp4":
+        for offset, count in ((fp4_code_offset, dim // 2), (fp4_scale_offset, dim // 32)):
+            def at(r, n):
+                return offset(g.index_layout, r.astype(np.int64)[:, None], np.arange(count)[None], n, dim)
+            assert np.array_equal(big.reshape(-1)[at(rows + shift, len(big))], plane.reshape(-1)[at(rows, len(plane))])
+    else:
+        assert np.array_equal(big[rows + shift], plane[rows])
+    heads, entries = cfg.index_n_heads, rng.choice(rows, (2, 6)).astype(np.int32)
+    score = _kernel("index_score", heads, dim, g.index_storage, g.fp8_format, g.index_layout)
+    q, w, out = rng.standard_normal((2, heads, dim)).astype(F32), rng.standard_normal((2, heads)).astype(F32), np.zeros((2, 6), F32)
+    got = _kernel_on(score, [q, w, big, entries + shift, out], {2: big})[-1]
+    assert np.array_equal(got, _run(score, q, w, plane, entries, out)[-1])
+    del big
+
+    # Main rows: store, compare, attend (this step's rows follow the pool's in the row lists).
+    names = list(g.plane_bytes_per_row())  # ["kv"] (fp32) or ["nope", "rope"] (fp8)
+    if g.main_storage == "fp8":
+        store = _kernel("store_main_fp8", g.head_dim - g.rope_dim, g.rope_dim, g.fp8_format)
+        attn = _kernel("sparse_attn", 4, g.head_dim, g.head_dim ** -0.5, "fp8", g.rope_dim, g.fp8_format)
+        first = _plane_past_2_gib(g.plane_bytes_per_row()["nope"], np.uint8, 1)
+        bigs = [first, aligned_zeros((len(first), g.rope_dim), np.uint16)]
+    else:
+        store = _kernel("store_rows", g.head_dim, "fp32")
+        attn = _kernel("sparse_attn", 4, g.head_dim, g.head_dim ** -0.5)
+        bigs = [_plane_past_2_gib(g.head_dim, F32, 1)]
+    shift = len(bigs[0]) - small.total_rows
+    rows = np.append(_written_rows(rng, small.total_rows - 1, 15), small.total_rows - 1).astype(np.int32)
+    values = (rng.standard_normal((len(rows), g.head_dim)) * 10.0 ** rng.uniform(-4, 1, (len(rows), g.head_dim))).astype(F32)
+    planes = _run(store, *[small.planes[n] for n in names], rows, values)[:len(names)]
+    _kernel_on(store, [*bigs, rows + shift, values], dict(enumerate(bigs)))
+    for b, p in zip(bigs, planes):
+        assert np.array_equal(b[rows + shift], p[rows])
+    q = (rng.standard_normal((2, 4, g.head_dim)) * 0.1).astype(F32)
+    step, sink = rng.standard_normal((3, g.head_dim)).astype(F32), rng.standard_normal(4).astype(F32)
+    lists = _row_lists(rng, 2, rows, small.total_rows, 3, 8)
+    out = np.zeros((2, 4, g.head_dim), F32)
+    got = _kernel_on(attn, [q, *bigs, step, sink, np.where(lists >= 0, lists + shift, -1), out],
+                     {1 + i: b for i, b in enumerate(bigs)})[-1]
+    assert np.array_equal(got, _run(attn, q, *planes, step, sink, lists, out)[-1])
 
 
 # --------------------------------------------------------------------------- the declared format
