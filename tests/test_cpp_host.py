@@ -191,6 +191,19 @@ def test_host_runs_an_fp8_pool_artifact_like_dsv4c_generate(cpp, tmp_path, capsy
     assert done.stdout == expected and len(expected.split()) == 24
 
 
+def test_host_reads_or_maps_the_weights_to_the_same_tokens(cpp, capsys):
+    build, art = cpp
+    assert cli(["generate", str(art), "--token-ids", "4,5,6", "--max-new-tokens", "6", "--weights", "read"]) == 0
+    expected = capsys.readouterr().out
+    for mode in ("read", "map", "auto"):
+        done = _host(build, art, "--token-ids", "4,5,6", "--max-new-tokens", "6", "--weights", mode)
+        assert (done.returncode, done.stderr, done.stdout) == (0, "", expected), mode
+    with pytest.raises(UsageError) as info:
+        Engine(art, weights="all")
+    done = _host(build, art, "--token-ids", "4", "--max-new-tokens", "1", "--weights", "all")
+    assert (done.returncode, done.stderr) == (2, f"dsv4c: error: {info.value}\n")
+
+
 @pytest.mark.parametrize("argv", [
     ["--token-ids", "1,512", "--max-new-tokens", "2"],
     ["--token-ids", "1", "--max-new-tokens", "2", "--prefill-chunk", "0"],
@@ -216,9 +229,9 @@ def test_tampering_goes_unseen_without_verify_in_both(cpp, tmp_path, capsys):
 # --------------------------------------------------------------------------- weights
 
 
-def _dump(build: Path, art: Path) -> subprocess.CompletedProcess:
+def _dump(build: Path, art: Path, *flags: str) -> subprocess.CompletedProcess:
     tool = build / "dsv4c_runtime" / "dsv4c_weights_dump"
-    return subprocess.run([str(tool), str(art)], capture_output=True, text=True, timeout=120)
+    return subprocess.run([str(tool), str(art), *flags], capture_output=True, text=True, timeout=120)
 
 
 def _checksum(array: np.ndarray) -> int:
@@ -234,12 +247,13 @@ def sharded(cpp, tmp_path_factory):
                          shard_bytes=256 << 10)
 
 
-def test_cpp_weights_are_the_python_loaders(cpp, sharded):
+@pytest.mark.parametrize("read", [False, True], ids=["mapped", "read"])
+def test_cpp_weights_are_the_python_loaders(cpp, sharded, read):
     build, _ = cpp
     assert len(read_manifest(sharded)["weights"]["files"]) > 2
-    done = _dump(build, sharded)
+    done = _dump(build, sharded, *(["--read"] if read else []))
     assert (done.returncode, done.stderr) == (0, "")
-    weights = open_weights(sharded, read_manifest(sharded))
+    weights = open_weights(sharded, read_manifest(sharded), read=read)
     codes = {"f": 2, "u": 1, "i": 0, "b": 6}  # DLPack type codes of numpy kinds
     expected = [f"{name} {codes[a.dtype.kind]} {a.dtype.itemsize * 8} {','.join(map(str, a.shape))} {_checksum(a)} "
                 f"{int(a.ctypes.data % 64 == 0)}" for name, a in sorted(weights.items())]

@@ -2,12 +2,14 @@
 // dsv4c/runtime/engine.py, on the artifact's compiled step.
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <map>
 #include <tuple>
 
 #include "artifact.h"
 #include "dsv4c/runtime.h"
 #include "model_config.h"
+#include "safetensors.h"
 #include "step.h"
 
 namespace dsv4c {
@@ -120,12 +122,17 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
   if (options.max_step_tokens < 1 || (options.prefill_chunk && *options.prefill_chunk < 1)) {
     throw UsageError("max_step_tokens and prefill_chunk must be positive");
   }
+  if (std::find(std::begin(kWeightsModes), std::end(kWeightsModes), options.weights) == std::end(kWeightsModes)) {
+    std::string modes;
+    for (const char* mode : kWeightsModes) modes += (modes.empty() ? "" : ", ") + std::string(mode);
+    throw UsageError("weights mode " + json::py_repr(tvm::ffi::String(options.weights)) + " is not one of " + modes);
+  }
   int64_t limit = manifest.object("vm").integer("max_step_tokens");
   if (options.max_step_tokens > limit) {
     throw UsageError("max_step_tokens " + std::to_string(options.max_step_tokens) + " exceeds what " + m.path +
                      " was compiled for (" + std::to_string(limit) + "); lower it");
   }
-  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool);
+  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights);
 }
 
 Engine::~Engine() = default;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <tuple>
@@ -105,7 +106,7 @@ class Reader {
   std::map<std::string, Tensor> read_all() {
     std::map<std::string, Tensor> out;
     for (Entry& e : entries()) {
-      Tensor t = Tensor::zeros(e.shape_and_dtype.shape, e.shape_and_dtype.dtype);
+      Tensor t = Tensor::for_reading(e.shape_and_dtype.shape, e.shape_and_dtype.dtype);
       read_at(e.offset, t.data.get(), t.nbytes(), e.name);
       out[e.name] = std::move(t);
     }
@@ -217,7 +218,36 @@ std::optional<std::string> read_text(const std::string& path) {
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path) { return Reader(path).read_all(); }
 
-std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir) {
+namespace {
+
+// Bytes the kernel reports available (MemAvailable), or 0 where it does not say.
+uint64_t available_memory() {
+  std::optional<std::string> text = read_text("/proc/meminfo");
+  size_t at = text ? text->find("MemAvailable:") : std::string::npos;
+  return at == std::string::npos ? 0 : std::strtoull(text->c_str() + at + 13, nullptr, 10) * 1024;
+}
+
+}  // namespace
+
+bool reads_weights(const std::string& artifact_dir, const json::Fields& manifest, const std::string& mode,
+                   bool on_host) {
+  if (mode != "auto") return mode == "read";
+  if (!on_host) return false;  // a GPU copies every weight to the device: the map is only its source
+  std::optional<json::Value> weights_v = manifest.get("weights");
+  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
+  std::optional<json::Value> files_v = weights ? weights->Get(tvm::ffi::String("files")) : std::nullopt;
+  std::optional<json::Array> files = files_v ? json::as_array(*files_v) : std::nullopt;
+  uint64_t total = 0;
+  for (const json::Value& f : files ? *files : json::Array()) {
+    struct stat st;
+    std::optional<std::string> name = json::as_string(f);
+    if (name && ::stat(join_path(artifact_dir, *name).c_str(), &st) == 0) total += static_cast<uint64_t>(st.st_size);
+  }
+  // No weight files (a --no-weights artifact): read_artifact_weights says so.
+  return total > 0 && static_cast<double>(total) <= kReadShare * static_cast<double>(available_memory());
+}
+
+std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir, bool read) {
   json::Fields manifest = read_manifest(artifact_dir);
   const std::string d = python_path(artifact_dir);
   std::optional<json::Value> has = manifest.get("has_weights");
@@ -264,7 +294,8 @@ std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_
   }
   std::map<std::string, Tensor> out;
   for (const std::string& file : files) {
-    std::map<std::string, Tensor> mapped = Reader(join_path(d, file)).map_all();
+    Reader reader(join_path(d, file));
+    std::map<std::string, Tensor> mapped = read ? reader.read_all() : reader.map_all();
     std::set<std::string> names, stray;
     for (const auto& [name, tensor] : mapped) names.insert(name);
     std::set_symmetric_difference(names.begin(), names.end(), by_file[file].begin(), by_file[file].end(),

@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "json.h"
 #include "tensor.h"
 
 namespace dsv4c {
@@ -19,9 +20,20 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path);
 /// the shards its manifest lists: no data is read until used, storage dtypes as
 /// read_safetensors, stacked weights as one tensor. The maps are read-only (PROT_READ): writing
 /// to a weight faults. Tensors whose size is a multiple of 64 bytes are 64-byte aligned.
+/// With `read`, each tensor is read into storage of its own instead (Tensor::for_reading).
 /// Checks the manifest (format version, file sizes), every shard's header and the index against
 /// the shards; throws ArtifactError / CheckpointError with the Python loader's messages.
-std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir);
+std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir, bool read = false);
+
+/// The weights modes (EngineOptions::weights) and the share of MemAvailable that "auto" reads
+/// weight files up to, on the CPU (Python: runtime/weights.py, WEIGHTS_MODES, READ_SHARE).
+inline const char* const kWeightsModes[] = {"auto", "read", "map"};
+inline constexpr double kReadShare = 0.5;
+
+/// Whether a host on the CPU (`on_host`) or on a GPU reads the weights for a checked `mode`
+/// (Python: runtime.weights.reads_weights).
+bool reads_weights(const std::string& artifact_dir, const json::Fields& manifest, const std::string& mode,
+                   bool on_host);
 
 }  // namespace dsv4c
 

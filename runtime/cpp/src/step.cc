@@ -161,7 +161,8 @@ ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevic
 
 }  // namespace
 
-CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool)
+CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
+                           const std::string& weights_mode)
     : pool_(pool),
       device_(device_for(artifact, manifest)),
       vm_(load_vm(artifact, manifest.object("vm"), device_)) {
@@ -177,9 +178,11 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   auto empty = [&](const std::vector<int64_t>& shape, DLDataType dtype) {
     return alloc(ffi::Shape(shape), dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
   };
-  // Weights are mapped from their shards, constants read from theirs; on the CPU an aligned
-  // mapped weight is shared with the kernels as it is (its pages load as they are first read).
-  std::map<std::string, Tensor> weights = read_artifact_weights(artifact);
+  // Weights are mapped from their shards or read (see reads_weights), constants read from theirs;
+  // on the CPU an aligned weight is shared with the kernels as it is (mapped, its pages load as
+  // they are first read).
+  std::map<std::string, Tensor> weights =
+      read_artifact_weights(artifact, reads_weights(artifact, manifest, weights_mode, device_.device_type == kDLCPU));
   for (auto& [name, t] : read_safetensors(join_path(artifact, vm.string("constants")))) weights.emplace(name, t);
   for (const json::Value& name_value : vm.array("params")) {
     std::string name = json::as_string(name_value).value_or("");

@@ -23,8 +23,10 @@ namespace dsv4c {
 class CompiledStep {
  public:
   /// Opens `artifact`'s library on the device its target names (the CPU for llvm; the first
-  /// CUDA / ROCm GPU otherwise, which must exist). Throws ArtifactError / CheckpointError.
-  CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool);
+  /// CUDA / ROCm GPU otherwise, which must exist) and binds its weights, read or mapped as
+  /// `weights_mode` (a checked EngineOptions::weights) says. Throws ArtifactError / CheckpointError.
+  CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
+               const std::string& weights_mode);
 
   /// One step over tokens of the pool's admitted requests (each request's tokens contiguous,
   /// consecutive positions); returns the logits of `logit_rows` (token indices), row-major

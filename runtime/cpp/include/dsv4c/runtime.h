@@ -40,6 +40,9 @@ struct EngineOptions {
   std::optional<int64_t> prefill_chunk;  // at most this many prompt tokens per step; unset: no limit
   int64_t max_requests = 8;              // requests in the pool at once (later ones wait)
   int64_t max_context = 4096;            // prompt + new tokens of one request; sizes the pool
+  // "map" the weight files, "read" them into memory (on the CPU, huge pages: faster decode), or
+  // "auto": read on the CPU when they take at most half of MemAvailable, map otherwise.
+  std::string weights = "auto";
 };
 
 /// What to generate for one request (greedy decoding).
@@ -70,9 +73,9 @@ class Engine {
  public:
   /// Loads the artifact directory written by `dsv4c compile`: checks the format version and the
   /// size of every file (not their bytes: see verify_artifact), opens model.so through the TVM
-  /// runtime (a GPU artifact on a host with that GPU), maps and uploads the weights, and
-  /// allocates the KV pool for `options`. Throws ArtifactError / CheckpointError /
-  /// UsageError with the Python runtime's messages.
+  /// runtime (a GPU artifact on a host with that GPU), maps or reads the weights (as
+  /// options.weights says) and uploads them, and allocates the KV pool for `options`. Throws
+  /// ArtifactError / CheckpointError / UsageError with the Python runtime's messages.
   explicit Engine(const std::string& artifact, const EngineOptions& options = {});
   ~Engine();
   Engine(Engine&&) noexcept;
