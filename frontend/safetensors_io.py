@@ -170,20 +170,32 @@ class SafetensorsFile:
         """Rows ``[start, stop)`` of the tensor seen as a matrix (see matrix_shape), in its storage
         dtype, reading only their bytes into ``empty(nbytes, np.uint8)``. Safe to call from
         several threads at once."""
-        entry = self._entry(name)
-        rows, cols = self.matrix_shape(name)
-        if not 0 <= start <= stop <= rows:
-            raise ValueError(f"rows [{start}, {stop}) of tensor {name!r} with {rows} rows")
-        dtype = STORAGE_DTYPES[entry.dtype]
-        row_bytes = cols * dtype.itemsize
+        row_bytes, dtype, cols = self._rows(name, start, stop)
         buffer = empty((stop - start) * row_bytes, np.uint8)
-        offset, done = self._data_start + entry.begin + start * row_bytes, 0
-        while done < buffer.size:  # pread may return less than asked for
-            got = os.preadv(self._file.fileno(), [buffer[done:]], offset + done)
+        self.read_rows_into(name, start, stop, buffer)
+        return buffer.view(dtype).reshape(stop - start, cols)
+
+    def read_rows_into(self, name: str, start: int, stop: int, out: np.ndarray) -> None:
+        """Rows ``[start, stop)`` (see read_rows) into ``out``, uint8 holding exactly their bytes.
+        Safe to call from several threads at once."""
+        row_bytes = self._rows(name, start, stop)[0]
+        if out.dtype != np.uint8 or out.nbytes != (stop - start) * row_bytes:
+            raise ValueError(f"rows [{start}, {stop}) of tensor {name!r} need {(stop - start) * row_bytes} bytes, "
+                             f"not a {out.dtype} array of {out.nbytes}")
+        offset, done = self._data_start + self._entry(name).begin + start * row_bytes, 0
+        while done < out.size:  # pread may return less than asked for
+            got = os.preadv(self._file.fileno(), [out[done:]], offset + done)
             if got <= 0:
                 raise self._fail(f"file ended while reading the tensor; {_REEXPORT}", name)
             done += got
-        return buffer.view(dtype).reshape(stop - start, cols)
+
+    def _rows(self, name: str, start: int, stop: int) -> tuple[int, np.dtype, int]:
+        """(bytes per row, storage dtype, columns) of a checked row range of the tensor."""
+        rows, cols = self.matrix_shape(name)
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"rows [{start}, {stop}) of tensor {name!r} with {rows} rows")
+        dtype = STORAGE_DTYPES[self._entry(name).dtype]
+        return cols * dtype.itemsize, dtype, cols
 
     def read_raw(self, name: str, empty=np.empty) -> np.ndarray:
         """The tensor in its storage dtype (see STORAGE_DTYPES), reading only its own bytes (into

@@ -283,14 +283,15 @@ def _set_manifest(art: Path, **values) -> None:
     (art / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.parametrize("read", [False, True], ids=["mapped", "read"])
 @pytest.mark.parametrize("breakage", sorted(WEIGHT_BREAKAGES))
-def test_cpp_weight_errors_are_the_python_loaders(cpp, sharded, tmp_path, breakage):
+def test_cpp_weight_errors_are_the_python_loaders(cpp, sharded, tmp_path, breakage, read):
     build, _ = cpp
     art = Path(shutil.copytree(sharded, tmp_path / "art"))
     WEIGHT_BREAKAGES[breakage](art, art / read_manifest(sharded)["weights"]["files"][-1])
     with pytest.raises(DsvError) as info:
-        open_weights(art, read_manifest(art))
-    done = _dump(build, art)
+        open_weights(art, read_manifest(art), read=read)
+    done = _dump(build, art, *(["--read"] if read else []))
     assert (done.returncode, done.stdout, done.stderr) == (2, "", f"dsv4c: error: {info.value}\n")
 
 

@@ -31,6 +31,7 @@ from dsv4c.frontend.trace import trace
 from dsv4c.passes.merge_projections import base_weight_names, materialize_weights, weight_sources
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.runtime.artifact import ArtifactError, read_manifest
+from dsv4c.runtime import weights as weight_loader
 from dsv4c.runtime.weights import open_weights
 
 from file_breakages import corrupt_header, flip_byte, offsets_past_the_end, truncate
@@ -324,8 +325,12 @@ def test_open_weights_maps_every_tensor_read_only_and_aligned(artifacts):
         weights["head.weight"] = None  # the mapping is read-only too
 
 
-def test_read_weights_equal_the_mapped_ones_in_memory_of_their_own(artifacts):
+@pytest.mark.parametrize("chunk", [weight_loader.READ_CHUNK_BYTES, 1000], ids=["whole-tensors", "in-pieces"])
+def test_read_weights_equal_the_mapped_ones_in_memory_of_their_own(artifacts, monkeypatch, chunk):
+    """Read whole or, in jobs of a few rows on several threads, in pieces (the tiny model's
+    tensors are smaller than a real job)."""
     art = artifacts["llvm-sharded"]
+    monkeypatch.setattr(weight_loader, "READ_CHUNK_BYTES", chunk)
     mapped, read = (open_weights(art, read_manifest(art), read=r) for r in (False, True))
     assert sorted(read) == sorted(mapped)
     for name, array in read.items():

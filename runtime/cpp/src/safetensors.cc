@@ -6,10 +6,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -22,6 +26,7 @@ namespace dsv4c {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // a larger length field means a corrupt or foreign file
+constexpr uint64_t kReadChunkBytes = 64ull << 20;    // a read job (runtime/weights.py, READ_CHUNK_BYTES)
 const char* const kReexport = "the file is corrupt or truncated; re-download or re-export the checkpoint";
 
 // The DLPack dtype of numpy's storage dtype for each safetensors dtype.
@@ -103,13 +108,41 @@ class Reader {
     return out;
   }
 
+  // Every tensor read into storage of its own, in pieces of at most kReadChunkBytes on up to 8
+  // threads (Python: runtime/weights.py, _read_file): the page faults and copies into fresh
+  // memory scale with the threads.
   std::map<std::string, Tensor> read_all() {
+    struct Piece {
+      uint64_t offset, size;
+      char* to;
+      std::string name;
+    };
     std::map<std::string, Tensor> out;
+    std::vector<Piece> pieces;
     for (Entry& e : entries()) {
-      Tensor t = Tensor::for_reading(e.shape_and_dtype.shape, e.shape_and_dtype.dtype);
-      read_at(e.offset, t.data.get(), t.nbytes(), e.name);
-      out[e.name] = std::move(t);
+      Tensor& t = out[e.name] = Tensor::for_reading(e.shape_and_dtype.shape, e.shape_and_dtype.dtype);
+      for (uint64_t at = 0; at < t.nbytes(); at += kReadChunkBytes) {
+        pieces.push_back({e.offset + at, std::min<uint64_t>(kReadChunkBytes, t.nbytes() - at), t.ptr<char>() + at, e.name});
+      }
     }
+    std::atomic<size_t> next{0};
+    std::exception_ptr failure;
+    std::mutex failure_lock;
+    auto work = [&] {
+      for (size_t i; (i = next++) < pieces.size();) {
+        try {
+          read_at(pieces[i].offset, pieces[i].to, pieces[i].size, pieces[i].name);
+        } catch (...) {
+          std::lock_guard<std::mutex> hold(failure_lock);
+          if (!failure) failure = std::current_exception();
+        }
+      }
+    };
+    const size_t workers = std::clamp(std::thread::hardware_concurrency(), 1u, 8u);  // Python: default_workers()
+    std::vector<std::thread> threads(std::min(pieces.size(), workers));
+    for (std::thread& t : threads) t = std::thread(work);
+    for (std::thread& t : threads) t.join();
+    if (failure) std::rethrow_exception(failure);
     return out;
   }
 
