@@ -83,9 +83,12 @@ def _read_file(st: SafetensorsFile, bar) -> dict[str, np.ndarray]:
         st.read_rows_into(*job)
         return job[3].nbytes
 
-    with ThreadPoolExecutor(default_workers(), thread_name_prefix="dsv4c-read") as pool:
+    pool = ThreadPoolExecutor(default_workers(), thread_name_prefix="dsv4c-read")
+    try:
         for done in pool.map(read, jobs):
             bar.update(done)
+    finally:  # a failed read or Ctrl-C drops the jobs not yet started
+        pool.shutdown(cancel_futures=True)
     for array in arrays.values():
         array.flags.writeable = False
     return arrays

@@ -7,6 +7,7 @@ checkpoint unchanged where that function re-quantized the dequantized values, so
 compared by value, and the codes against the checkpoint's own, tile for tile.
 """
 
+import itertools
 import json
 import re
 import shutil
@@ -22,7 +23,7 @@ from dsv4c.codegen.compile import compile_model
 from dsv4c.codegen.convert import convert_weights
 from dsv4c.codegen.llvm_kernels import column_tile
 from dsv4c.codegen.lowering import column_tiles, dense_kernel_quant, fp4_words, weight_layouts
-from dsv4c.errors import UsageError
+from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.frontend import checkpoint, lowbit
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, load_weights, write_checkpoint
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
@@ -338,6 +339,23 @@ def test_read_weights_equal_the_mapped_ones_in_memory_of_their_own(artifacts, mo
         np.testing.assert_array_equal(array, mapped[name])
         assert not array.flags.writeable and array.ctypes.data % 64 == 0, name
         assert not np.shares_memory(array, mapped[name]), name
+
+
+def test_a_failed_read_job_fails_open_weights_with_its_error(artifacts, monkeypatch):
+    """A file that ends early (e.g. truncated while loading, after the header checks) is
+    reported as such from whichever thread read it."""
+    art = artifacts["llvm-sharded"]
+    monkeypatch.setattr(weight_loader, "READ_CHUNK_BYTES", 1000)
+    calls, read_rows_into = itertools.count(), SafetensorsFile.read_rows_into
+
+    def short_file(st, name, start, stop, out):
+        if next(calls) == 4:  # one call, whichever thread makes it (count() is atomic)
+            raise st._fail("file ended while reading the tensor", name)
+        read_rows_into(st, name, start, stop, out)
+
+    monkeypatch.setattr(SafetensorsFile, "read_rows_into", short_file)
+    with pytest.raises(CheckpointError, match="file ended while reading the tensor"):
+        open_weights(art, read_manifest(art), read=True)
 
 
 def test_weights_mode_reads_on_the_cpu_when_they_fit(artifacts, monkeypatch):

@@ -126,15 +126,17 @@ class Reader {
       }
     }
     std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};  // a failed read stops the pieces not yet started
     std::exception_ptr failure;
     std::mutex failure_lock;
     auto work = [&] {
-      for (size_t i; (i = next++) < pieces.size();) {
+      for (size_t i; !failed && (i = next++) < pieces.size();) {
         try {
           read_at(pieces[i].offset, pieces[i].to, pieces[i].size, pieces[i].name);
         } catch (...) {
           std::lock_guard<std::mutex> hold(failure_lock);
           if (!failure) failure = std::current_exception();
+          failed = true;
         }
       }
     };
