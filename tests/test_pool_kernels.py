@@ -39,9 +39,17 @@ def _kernel(factory: str, *params):
 
 def _run(kernel, *arrays):
     """Run a kernel on copies of ``arrays``; returns them all, as the kernel left them."""
-    tensors = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
+    return _kernel_on(kernel, list(arrays), {})
+
+
+def _kernel_on(kernel, arrays: list, shared: dict[int, np.ndarray]) -> list[np.ndarray | None]:
+    """Run ``kernel`` on copies of ``arrays``, but on the ``shared`` ones (by argument place)
+    themselves (no copy: a lazily allocated plane stays so); returns the copies as the kernel
+    left them (None for the shared)."""
+    tensors = [tvm.runtime.from_dlpack(shared[i]) if i in shared else tvm.runtime.tensor(np.ascontiguousarray(a))
+               for i, a in enumerate(arrays)]
     kernel(*tensors)
-    return [t.numpy() for t in tensors]
+    return [None if i in shared else t.numpy() for i, t in enumerate(tensors)]
 
 
 # --------------------------------------------------------------------------- encoders
@@ -273,18 +281,6 @@ def _plane_past_2_gib(width: int, dtype, tile_rows: int) -> np.ndarray:
     kernel touches are ever allocated."""
     rows = -(-(2 ** 31 // width + 1) // tile_rows) * tile_rows
     return aligned_zeros((rows, width), dtype)
-
-
-def _shared(a: np.ndarray) -> tvm.runtime.Tensor:
-    return tvm.runtime.from_dlpack(a)  # no copy: the plane stays lazily allocated
-
-
-def _kernel_on(kernel, arrays: list, planes: dict[int, np.ndarray]) -> list[np.ndarray]:
-    """Run ``kernel`` on ``arrays`` (copies) with the big ``planes`` (by argument place) shared."""
-    tensors = [_shared(planes[i]) if i in planes else tvm.runtime.tensor(np.ascontiguousarray(a))
-               for i, a in enumerate(arrays)]
-    kernel(*tensors)
-    return [t.numpy() if i not in planes else None for i, t in enumerate(tensors)]
 
 
 @pytest.mark.parametrize("target", ["llvm", "sm90", "gfx950"])  # fp32 rows / fp8 rows / fp4 preshuffled index rows

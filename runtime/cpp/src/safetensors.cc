@@ -255,6 +255,13 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path) { return
 
 namespace {
 
+// A field of the manifest's "weights": {"index": file name, "files": [file names]}, where present.
+std::optional<json::Value> weights_field(const json::Fields& manifest, const char* key) {
+  std::optional<json::Value> weights_v = manifest.get("weights");
+  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
+  return weights ? weights->Get(tvm::ffi::String(key)) : std::nullopt;
+}
+
 // Bytes the kernel reports available (MemAvailable), or 0 where it does not say.
 uint64_t available_memory() {
   std::optional<std::string> text = read_text("/proc/meminfo");
@@ -268,9 +275,7 @@ bool reads_weights(const std::string& artifact_dir, const json::Fields& manifest
                    bool on_host) {
   if (mode != "auto") return mode == "read";
   if (!on_host) return false;  // a GPU copies every weight to the device: the map is only its source
-  std::optional<json::Value> weights_v = manifest.get("weights");
-  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
-  std::optional<json::Value> files_v = weights ? weights->Get(tvm::ffi::String("files")) : std::nullopt;
+  std::optional<json::Value> files_v = weights_field(manifest, "files");
   std::optional<json::Array> files = files_v ? json::as_array(*files_v) : std::nullopt;
   uint64_t total = 0;
   for (const json::Value& f : files ? *files : json::Array()) {
@@ -290,11 +295,7 @@ std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_
     throw ArtifactError(d + ": compiled with --no-weights, so there are no weights to load; compile it again "
                         "from a model directory");
   }
-  // The manifest's "weights": {"index": file name, "files": [file names]}.
-  std::optional<json::Value> weights_v = manifest.get("weights");
-  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
-  std::optional<json::Value> files_v = weights ? weights->Get(tvm::ffi::String("files")) : std::nullopt;
-  std::optional<json::Value> index_v = weights ? weights->Get(tvm::ffi::String("index")) : std::nullopt;
+  std::optional<json::Value> files_v = weights_field(manifest, "files"), index_v = weights_field(manifest, "index");
   std::optional<json::Array> files_a = files_v ? json::as_array(*files_v) : std::nullopt;
   std::optional<std::string> index_name = index_v ? json::as_string(*index_v) : std::nullopt;
   std::vector<std::string> files;
