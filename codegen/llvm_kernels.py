@@ -1756,8 +1756,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     ATTN_ROW_BLOCK, each decoded once into an L1 panel that every head of the block reads twice:
     for its scores (vector dot products along the head dim) and, after an online-softmax update
     of the running max, denominator and output (rescaled when the max grows), for its weighted
-    sum; ``heads_at_once`` heads (0: by the CPU's vector registers) share each of those reads,
-    which changes no bits. GPU builds (``max_lanes``) take one head and one row at a time, in
+    sum; ``heads_at_once`` heads (0: two) share each of those reads, which changes no bits. GPU builds (``max_lanes``) take one head and one row at a time, in
     vectors of at most ``max_lanes`` along the head dim.
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
@@ -1772,9 +1771,15 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     chunks = dim // lanes
     hb, rb = (1, 1) if max_lanes else (math.gcd(heads, ATTN_HEAD_BLOCK), ATTN_ROW_BLOCK)
     # Heads whose scores and weighted sums accumulate together, each panel vector loaded once
-    # for all of them: two where 32 vector registers hold their 2 x 8 accumulators (AVX-512).
-    hp = math.gcd(hb, heads_at_once or (2 if not max_lanes and cpu_vector()[1] >= 32 else 1))
-    strip = math.gcd(dim, 8 * lanes)  # 8 accumulator vectors a head
+    # for all of them (two on any CPU), and the accumulator vectors a head keeps in registers:
+    # half of the registers between the heads, at most 8. AVX-512: 2 x 8 of 32. AVX2: 2 x 4 of 16,
+    # so a head's scores take the block's rows 4 at a time and its weighted sums strips of 4
+    # vectors; one head with 8 (the loads per FMA 9 / 8 where they are now 6 / 8) ran 1.09-1.27x
+    # slower over 256 queries (x86-64-v3 code on Zen 4, interleaved A/B).
+    hp = math.gcd(hb, heads_at_once or (1 if max_lanes else 2))
+    per_head = 8 if max_lanes else max(1, min(8, cpu_vector()[1] // 2 // hp))
+    strip = math.gcd(dim, per_head * lanes)  # the weighted sums' strip of the head dim
+    rh = math.gcd(rb, per_head)  # rows a score pass takes
     wide = T.serial if max_lanes else T.vectorized  # loops wider than a vector (GPU code generators refuse them)
     if main_storage == "fp8":
         _check_main_fp8(nope_dim, fp8_format)
@@ -1859,17 +1864,19 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                             for l in T.vectorized(lanes):
                                 panel[j, c * lanes + l] = stored(pool, ROWS[t, kb * rb + j], c, l)
                 for hq in range(hb // hp):
-                    # The heads' scores against the block's rows, a vector accumulator per head and row.
-                    for hh in T.unroll(hp):
-                        for j in T.unroll(rb):
-                            for l in T.vectorized(lanes):
-                                part[hh, j, l] = T.float32(0)
-                    for c in range(chunks):
-                        for j in T.unroll(rb):
-                            for hh in T.unroll(hp):
+                    # The heads' scores against the block's rows, a vector accumulator per head and
+                    # row, rh rows a pass.
+                    for jp in T.unroll(rb // rh):
+                        for hh in T.unroll(hp):
+                            for j in T.unroll(rh):
                                 for l in T.vectorized(lanes):
-                                    part[hh, j, l] = part[hh, j, l] + \
-                                        Q[t, h0 + hq * hp + hh, c * lanes + l] * panel[j, c * lanes + l]
+                                    part[hh, jp * rh + j, l] = T.float32(0)
+                        for c in range(chunks):
+                            for j in T.unroll(rh):
+                                for hh in T.unroll(hp):
+                                    for l in T.vectorized(lanes):
+                                        part[hh, jp * rh + j, l] = part[hh, jp * rh + j, l] + \
+                                            Q[t, h0 + hq * hp + hh, c * lanes + l] * panel[jp * rh + j, c * lanes + l]
                     for hh in range(hp):
                         online_softmax(ROWS, o, score, state, part, m, t, kb, hq * hp + hh, hh)
                     # The weighted sums, in strips of the head dim that stay in registers over the rows.
