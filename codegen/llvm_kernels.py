@@ -1756,8 +1756,9 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     ATTN_ROW_BLOCK, each decoded once into an L1 panel that every head of the block reads twice:
     for its scores (vector dot products along the head dim) and, after an online-softmax update
     of the running max, denominator and output (rescaled when the max grows), for its weighted
-    sum; ``heads_at_once`` heads (0: two) share each of those reads, which changes no bits. GPU builds (``max_lanes``) take one head and one row at a time, in
-    vectors of at most ``max_lanes`` along the head dim.
+    sum; ``heads_at_once`` heads (0: two) share each of those reads, which changes no bits. GPU
+    builds (``max_lanes``) take one head and one row at a time, in vectors of at most
+    ``max_lanes`` along the head dim.
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
     planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the
@@ -1774,8 +1775,8 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     # for all of them (two on any CPU), and the accumulator vectors a head keeps in registers:
     # half of the registers between the heads, at most 8. AVX-512: 2 x 8 of 32. AVX2: 2 x 4 of 16,
     # so a head's scores take the block's rows 4 at a time and its weighted sums strips of 4
-    # vectors; one head with 8 (the loads per FMA 9 / 8 where they are now 6 / 8) ran 1.09-1.27x
-    # slower over 256 queries (x86-64-v3 code on Zen 4, interleaved A/B).
+    # vectors. One head with 8 (9 vector loads per 8 FMAs where two heads with 4 load 6) ran
+    # 1.03-1.18x slower over 256 queries (x86-64-v3 code on Zen 4, bench/RESULTS.md session 12).
     hp = math.gcd(hb, heads_at_once or (1 if max_lanes else 2))
     per_head = 8 if max_lanes else max(1, min(8, cpu_vector()[1] // 2 // hp))
     strip = math.gcd(dim, per_head * lanes)  # the weighted sums' strip of the head dim
