@@ -21,8 +21,13 @@ QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp4_g32", "bf16")
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(factory: str, *params):
-    return _kernel_of(getattr(K, factory)(*params))
+def _kernel(factory: str, *params, cpu: str | None = None):
+    """The kernel built for ``cpu`` (an LLVM CPU name; None: this host), which its factory
+    reads the vector width and registers of."""
+    target = target_info("llvm").for_cpu(cpu).tvm_target()
+    with target:
+        func = getattr(K, factory)(*params)
+    return _kernel_of(func, target)
 
 
 def _kernel_of(func, target=None):
@@ -79,46 +84,52 @@ def _close(got, want):
     assert np.abs(got - want).max() <= 1e-5 * scale
 
 
-def _gemm(out_dim, in_dim, quant, x, parts, groups=0):
+def _gemm(out_dim, in_dim, quant, x, parts, groups=0, cpu=None):
     """GEMM over x [n, (G,) I] zero-padded to blocks of GEMM_ROWS, as the prefill function calls it."""
     n = x.shape[0]
     blocks = -(-n // K.GEMM_ROWS)
     padded = np.zeros((blocks * K.GEMM_ROWS,) + x.shape[1:], np.float32)
     padded[:n] = x
     y = np.zeros((blocks, K.GEMM_ROWS) + x.shape[1:-1] + (out_dim,), np.float32)
-    kernel = _kernel("linear", out_dim, in_dim, quant, False, groups)
+    kernel = _kernel("linear", out_dim, in_dim, quant, False, groups, cpu=cpu)
     return _call(kernel, padded.reshape((blocks, K.GEMM_ROWS) + x.shape[1:]), *parts, y).reshape(
         (-1,) + x.shape[1:-1] + (out_dim,))[:n]
 
 
-def _gemv(out_dim, in_dim, quant, x, parts, groups=0):
-    kernel = _kernel("linear", out_dim, in_dim, quant, True, groups)
+def _gemv(out_dim, in_dim, quant, x, parts, groups=0, cpu=None):
+    kernel = _kernel("linear", out_dim, in_dim, quant, True, groups, cpu=cpu)
     return _call(kernel, x, *parts, np.zeros(x.shape[:-1] + (out_dim,), np.float32))
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("out_dim, in_dim", [(192, 4 * 128 + 64), (64, 1024), (80, 96), (24, 160), (12, 64)])
-def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim):
+# Kernels built for this host and for any AVX2 CPU: an AVX-512 host runs both loop shapes (an
+# AVX2 host builds the same code twice; test_matmul_kernels_build_for_avx512 covers AVX-512 there).
+CPUS = [None, "x86-64-v3"]
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+@pytest.mark.parametrize("quant, out_dim, in_dim", [
+    (quant, out_dim, in_dim) for quant in QUANTS
+    for out_dim, in_dim in [(192, 4 * 128 + 64), (64, 1024), (80, 96), (24, 160), (12, 64)]
+    if quant != "fp4_g32" or in_dim % 32 == 0])  # FP4 groups are 32 inputs
+def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim, cpu):
     """Tiles of 64, 16, 8 and 1 column(s), narrower than a vector; k not a multiple of the scale block or of the panel's k
     block, or several k blocks of several scale groups each (1024); 1 to 4 decode rows; prefill
     rows in a half register block (3), a half block and single rows (5), whole blocks and one
     row (13 on blocks of 6: AVX2's, and every scaled format's) or many (37)."""
-    if quant == "fp4_g32" and in_dim % 32:
-        pytest.skip("FP4 groups are 32 inputs")
     rng = np.random.default_rng(out_dim + in_dim)
     parts, w = _stored(rng, out_dim, in_dim, quant)
     x = rng.standard_normal((37, in_dim)).astype(np.float32)
     want = x.astype(np.float64) @ w.T
-    prefill = _gemm(out_dim, in_dim, quant, x, parts)
+    prefill = _gemm(out_dim, in_dim, quant, x, parts, cpu=cpu)
     _close(prefill, want)
     for n in (3, 5, 13):
-        assert np.array_equal(_gemm(out_dim, in_dim, quant, x[:n], parts), prefill[:n])
+        assert np.array_equal(_gemm(out_dim, in_dim, quant, x[:n], parts, cpu=cpu), prefill[:n])
     for n in (1, 2, 3, 4):
-        decode = _gemv(out_dim, in_dim, quant, x[:n], parts)
+        decode = _gemv(out_dim, in_dim, quant, x[:n], parts, cpu=cpu)
         _close(decode, want[:n])
         assert np.array_equal(decode, prefill[:n])  # decode and prefill give the same bits
     # The GEMV kernel takes any row count (GEMV_ROWS at a time).
-    assert np.array_equal(_gemv(out_dim, in_dim, quant, x[:9], parts), prefill[:9])
+    assert np.array_equal(_gemv(out_dim, in_dim, quant, x[:9], parts, cpu=cpu), prefill[:9])
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -148,8 +159,9 @@ def test_grouped_linear(quant):
     assert np.array_equal(decode, prefill[:2])
 
 
+@pytest.mark.parametrize("cpu", CPUS)
 @pytest.mark.parametrize("quant", ["fp32", "fp4_g32", "fp8_b128"])
-def test_expert_linear_groups_of_every_size(quant):
+def test_expert_linear_groups_of_every_size(quant, cpu):
     """Experts with 0, 1, 4 (the decode loop), 5, 13 and 30 rows (the panel loop, with a partial
     register block); each row equals the dense GEMV of its expert bit for bit."""
     rng = np.random.default_rng(9)
@@ -158,12 +170,12 @@ def test_expert_linear_groups_of_every_size(quant):
     sizes = [5, 0, 1, 13, 4, 30]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     x = rng.standard_normal((offsets[-1], in_dim)).astype(np.float32)
-    kernel = _kernel("expert_linear", out_dim, in_dim, quant, experts)
+    kernel = _kernel("expert_linear", out_dim, in_dim, quant, experts, cpu=cpu)
     y = _call(kernel, x, offsets, *parts, np.zeros((offsets[-1], out_dim), np.float32))
     for e in np.flatnonzero(sizes):
         rows = slice(offsets[e], offsets[e + 1])
         _close(y[rows], x[rows].astype(np.float64) @ w[e].T)
-        assert np.array_equal(y[rows], _gemv(out_dim, in_dim, quant, x[rows], [p[e] for p in parts]))
+        assert np.array_equal(y[rows], _gemv(out_dim, in_dim, quant, x[rows], [p[e] for p in parts], cpu=cpu))
 
 
 def test_register_tile_fits_the_vector_registers():
@@ -281,7 +293,7 @@ def test_swiglu_matches_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("cpu", [None, "x86-64-v3"])
+@pytest.mark.parametrize("cpu", CPUS)
 def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
     """Softmax attention over each query's row list, the sink in the denominator only: pool rows,
     this step's fresh rows (>= the pool's), -1 gaps and a whole block of them, a list that is
@@ -298,11 +310,8 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
     rows[0, 8:16] = -1  # a block without rows
     rows[1, ::3] = -1
     rows[2, 17:] = -1
-    target = target_info("llvm").for_cpu(cpu).tvm_target()
-    with target:
-        kernels = {h: K.sparse_attn(heads, dim, 0.125, "fp32", 0, None, 0, h) for h in (1, 2, 8)}
-    got = {h: _call(_kernel_of(func, target), q, pool, step, sink, rows, np.zeros((n, heads, dim), np.float32))
-           for h, func in kernels.items()}
+    got = {h: _call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, 0, h, cpu=cpu), q, pool, step, sink,
+                    rows, np.zeros((n, heads, dim), np.float32)) for h in (1, 2, 8)}
     assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[8])
     kv = np.concatenate([pool, step]).astype(np.float64)
     for t in range(n):
