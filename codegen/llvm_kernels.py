@@ -1777,7 +1777,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     # so a head's scores take the block's rows 4 at a time and its weighted sums strips of 4
     # vectors. One head with 8 (9 vector loads per 8 FMAs where two heads with 4 load 6) ran
     # 1.03-1.18x slower over 256 queries (x86-64-v3 code on Zen 4, bench/RESULTS.md session 12).
-    hp = math.gcd(hb, heads_at_once or (1 if max_lanes else 2))
+    hp = math.gcd(hb, heads_at_once or 2)  # GPU builds: one (hb = 1)
     per_head = 8 if max_lanes else max(1, min(8, cpu_vector()[1] // 2 // hp))
     strip = math.gcd(dim, per_head * lanes)  # the weighted sums' strip of the head dim
     rh = math.gcd(rb, per_head)  # rows a score pass takes
