@@ -432,8 +432,10 @@ def group_scale(quant: str, parts, lead: tuple, a, kk, c):
     return scale * tirx.const(2.0 ** (RAW_POWER[quant] - X_BOOST), F32)
 
 
-def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized, cpu: bool = True):
-    """The CPU matmul's loops over a range of rows of x [P, (G,) I] -> y [P, (G,) O] for one column
+def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized, cpu: bool = True,
+                  group_major_x: bool = False):
+    """The CPU matmul's loops over a range of rows of x [P, (G,) I] (``group_major_x``: x [G, P, I])
+    -> y [P, (G,) O] for one column
     tile ``a`` of weight ``w`` (a group or an expert: the parts' leading index), shared by
     ``linear`` and ``expert_linear``. Every output is summed in input order the same way, whichever
     loop runs it and however many rows there are, so results do not depend on the step's size
@@ -483,6 +485,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     fp4_table = cpu and columns is T.vectorized and lanes == 16 and tile % 16 == 0
     decode = functools.partial(weight_raw, fp4_table=fp4_table) if cpu else weight_value
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
+    x_index = (lambda r, g, i: (g, r, i)) if group_major_x else at  # noqa: E731
 
     panel_value = boosted if scaled else (lambda w: w)  # noqa: E731  (the panel's decoded weights)
 
@@ -515,7 +518,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 0, 3, 1))
 
     def x_at(X, xs, g, first, r, kg, i):  # the direct loop's x: input i of group kg, boosted when scaled
-        return xs[r, i] if scaled else X[at(first + r, g, kg * group + i)]
+        return xs[r, i] if scaled else X[x_index(first + r, g, kg * group + i)]
 
     def total(previous, raw_sum, scale):  # a group's sum added to the total
         return previous + raw_sum * scale if scaled else raw_sum
@@ -561,7 +564,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             if scaled:
                 for r in T.unroll(R):
                     for i in columns(group):
-                        xs[r, i] = boosted(X[at(first + r, g, kg * group + i)])
+                        xs[r, i] = boosted(X[x_index(first + r, g, kg * group + i)])
             for cc in range(tile // chunk(R)):
                 # This chunk's accumulators, which LLVM keeps in registers over the group.
                 part = T.alloc_buffer((R, chunk(R)), F32, scope="local", annotations=ON_STACK)
@@ -639,7 +642,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             for ki in range(group if scaled else kc):
                 for r in T.unroll(R):
                     for c in T.vectorized(cols):
-                        acc[r, c] = acc[r, c] + X[at(row + r, g, kb * kc + kg * group + ki)] * \
+                        acc[r, c] = acc[r, c] + X[x_index(row + r, g, kb * kc + kg * group + ki)] * \
                             weight(panel, parts, w, a, kb * kc + kg * group + ki, kg * group + ki, pb, cs * cols + c)
             if scaled:
                 # The group's scales, once for all rows.
@@ -688,7 +691,12 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
     [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); FP4; or
     BF16 (half the bytes of fp32 for the BF16 tensors of the checkpoint, such as the head).
     GEMV: x [N, I] -> y [N, O]; GEMM: x [B, 8, I] -> y [B, 8, O] (rows padded to blocks of 8).
-    ``groups`` > 0: G independent projections, x [..., G, I], weights [G, O / tile, I, tile].
+    ``groups`` > 0: G independent projections, weights [G, O / tile, I, tile], y [..., G, O]; the
+    GEMV's x is [N, G, I], the GEMM's group-major, [G, B, 8, I] (step_kernels.pad_rows writes it
+    so). Its rows are then 4 * I bytes apart, not G times that: Flash's wo_a (8 groups of 4096
+    inputs) had rows 128 KiB apart, which maps every row of a k block to the same few L2 sets;
+    group-major, it ran 1.14-1.22x faster over 512 rows (Zen 4, AVX-512 and x86-64-v3 code,
+    interleaved A/B, bench/RESULTS.md session 13).
 
     The CPU kernel (``schedule``) runs ``_matmul_loops`` in parallel over (group, column tile):
     the direct loop for GEMV, the panel loop for GEMM. ``schedule=False`` gives the compute
@@ -702,7 +710,7 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
         n = te.var("B")
         rows = (n, GEMM_ROWS)
     lead = (groups,) if groups else ()
-    x = te.placeholder(rows + lead + (in_dim,), F32, name="x")
+    x = te.placeholder((rows + lead if gemv else lead + rows) + (in_dim,), F32, name="x")
     tile = column_tile(out_dim)
     args = [te.placeholder(lead + shape, dtype, name=name)
             for (shape, dtype), name in zip(weight_storage(out_dim, in_dim, quant), ("w", "s"))]
@@ -712,19 +720,22 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
         decoded = te.compute(lead + (out_dim // tile, in_dim, tile), tiled, name="w_decoded")
         tiled = lambda *i: decoded[i]  # noqa: E731
     k = te.reduce_axis((0, in_dim), "k")
+    x_row = (lambda idx: idx[:-1]) if gemv else (lambda idx: idx[len(rows):-1] + idx[:len(rows)])  # noqa: E731
     y = te.compute(rows + lead + (out_dim,), lambda *idx: te.sum(
-        x[idx[:-1] + (k,)] * tiled(*idx[len(rows):-1], idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
+        x[x_row(idx) + (k,)] * tiled(*idx[len(rows):-1], idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
     return te.create_prim_func([x] + args + [y])
 
 
 def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
     g = max(groups, 1)
     tiles = out_dim // column_tile(out_dim)
-    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, True)
+    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv)
     run = direct_rows if gemv else panel_rows
     lead = (groups,) if groups else ()
     outer = (lambda n: (n,)) if gemv else (lambda n: (n, GEMM_ROWS))  # noqa: E731
     rows = (lambda n: n) if gemv else (lambda n: n * GEMM_ROWS)  # noqa: E731
+    x_shape = (lambda n: outer(n) + lead) if gemv else (lambda n: lead + outer(n))  # noqa: E731
+    x_flat = (lambda n: (rows(n), g)) if gemv else (lambda n: (g, rows(n)))  # noqa: E731
     storage = weight_storage(out_dim, in_dim, quant)
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 
@@ -732,11 +743,11 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
         @T.prim_func
         def f(x: T.handle, w: T.handle, s: T.handle, y: T.handle):
             n = T.int32()
-            X0 = T.match_buffer(x, outer(n) + lead + (in_dim,), F32)
+            X0 = T.match_buffer(x, x_shape(n) + (in_dim,), F32)
             W0 = T.match_buffer(w, lead + w_shape, w_dtype)
             S0 = T.match_buffer(s, lead + s_shape, s_dtype)
             Y0 = T.match_buffer(y, outer(n) + lead + (out_dim,), F32)
-            X = T.decl_buffer((rows(n), g, in_dim), F32, data=X0.data)
+            X = T.decl_buffer(x_flat(n) + (in_dim,), F32, data=X0.data)
             W = T.decl_buffer((g,) + w_shape, w_dtype, data=W0.data)
             S = T.decl_buffer((g,) + s_shape, s_dtype, data=S0.data)
             Y = T.decl_buffer((rows(n), g, out_dim), F32, data=Y0.data)
@@ -747,10 +758,10 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
     @T.prim_func
     def f(x: T.handle, w: T.handle, y: T.handle):
         n = T.int32()
-        X0 = T.match_buffer(x, outer(n) + lead + (in_dim,), F32)
+        X0 = T.match_buffer(x, x_shape(n) + (in_dim,), F32)
         W0 = T.match_buffer(w, lead + w_shape, w_dtype)
         Y0 = T.match_buffer(y, outer(n) + lead + (out_dim,), F32)
-        X = T.decl_buffer((rows(n), g, in_dim), F32, data=X0.data)
+        X = T.decl_buffer(x_flat(n) + (in_dim,), F32, data=X0.data)
         W = T.decl_buffer((g,) + w_shape, w_dtype, data=W0.data)
         Y = T.decl_buffer((rows(n), g, out_dim), F32, data=Y0.data)
         for job in T.parallel(g * tiles):

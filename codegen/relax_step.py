@@ -148,16 +148,16 @@ class _Emitter:
     # ------------------------------------------------------------------ matmuls
     def matmul(self, roles: dict, prefix: str, x: relax.Var, weight: list, out_dim: int) -> relax.Var:
         """y = x @ W.T over rows x [n, (G,) in]: GEMV in the decode function; in prefill the rows
-        are zero-padded to whole blocks of GEMM_ROWS for the GEMM kernel and the result is a
-        prefix view."""
+        are zero-padded to whole blocks of GEMM_ROWS (and G groups laid out one after another)
+        for the GEMM kernel and the result is a prefix view."""
         shape = self.shape(x)
         lead = shape[1:-1]
         if self.gemv:
             return self.call(roles[prefix + "gemv"], [x] + weight, (shape[:-1] + [out_dim], F32))
-        n, width = shape[0], int(_prod(shape[1:]))
+        n, groups, width = shape[0], int(_prod(lead)), shape[-1]
         blocks = tirx.floordiv(n + GEMM_ROWS - 1, GEMM_ROWS)
-        padded = self.call("pad_rows", [self.view(x, [n, width])], ([blocks * GEMM_ROWS, width], F32))
-        y = self.call(roles[prefix + "gemm"], [self.view(padded, [blocks, GEMM_ROWS] + shape[1:])] + weight,
+        padded = self.call("pad_rows", [self.view(x, [n, groups, width])], ([groups, blocks * GEMM_ROWS, width], F32))
+        y = self.call(roles[prefix + "gemm"], [self.view(padded, lead + [blocks, GEMM_ROWS, width])] + weight,
                       ([blocks, GEMM_ROWS] + lead + [out_dim], F32))
         return self.view(y, [n] + lead + [out_dim])
 

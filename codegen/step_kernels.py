@@ -312,18 +312,20 @@ def gather_rows():
 
 
 def pad_rows():
-    """x [n, d] as the first n rows of out [m, d], zeros below (the GEMM kernels run on whole
-    blocks of rows)."""
+    """x [n, g, d] as out [g, m, d], each group's n rows first and zeros below: the GEMM kernels
+    run on whole blocks of rows, and a grouped GEMM's on its groups one after another (see
+    llvm_kernels.linear)."""
     @T.prim_func
     def f(x: T.handle, out: T.handle):
         n = T.int32()
         m = T.int32()
+        g = T.int32()
         d = T.int32()
-        X = T.match_buffer(x, (n, d), "float32")
-        OUT = T.match_buffer(out, (m, d), "float32")
-        for i in T.parallel(m):
+        X = T.match_buffer(x, (n, g, d), "float32")
+        OUT = T.match_buffer(out, (g, m, d), "float32")
+        for i in T.parallel(g * m):
             for j in range(d):
-                OUT[i, j] = T.if_then_else(i < n, X[T.min(i, n - 1), j], T.float32(0))
+                OUT[i // m, i % m, j] = T.if_then_else(i % m < n, X[T.min(i % m, n - 1), i // m, j], T.float32(0))
     return f
 
 

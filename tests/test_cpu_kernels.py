@@ -85,15 +85,16 @@ def _close(got, want):
 
 
 def _gemm(out_dim, in_dim, quant, x, parts, groups=0, cpu=None):
-    """GEMM over x [n, (G,) I] zero-padded to blocks of GEMM_ROWS, as the prefill function calls it."""
-    n = x.shape[0]
+    """GEMM over x [n, (G,) I] zero-padded to blocks of GEMM_ROWS, groups one after another, as
+    the prefill function calls it (its pad_rows)."""
+    n, lead = x.shape[0], x.shape[1:-1]
     blocks = -(-n // K.GEMM_ROWS)
-    padded = np.zeros((blocks * K.GEMM_ROWS,) + x.shape[1:], np.float32)
-    padded[:n] = x
-    y = np.zeros((blocks, K.GEMM_ROWS) + x.shape[1:-1] + (out_dim,), np.float32)
+    padded = np.zeros(lead + (blocks * K.GEMM_ROWS, in_dim), np.float32)
+    padded[..., :n, :] = np.moveaxis(x, 0, -2)
+    y = np.zeros((blocks, K.GEMM_ROWS) + lead + (out_dim,), np.float32)
     kernel = _kernel("linear", out_dim, in_dim, quant, False, groups, cpu=cpu)
-    return _call(kernel, padded.reshape((blocks, K.GEMM_ROWS) + x.shape[1:]), *parts, y).reshape(
-        (-1,) + x.shape[1:-1] + (out_dim,))[:n]
+    return _call(kernel, padded.reshape(lead + (blocks, K.GEMM_ROWS, in_dim)), *parts, y).reshape(
+        (-1,) + lead + (out_dim,))[:n]
 
 
 def _gemv(out_dim, in_dim, quant, x, parts, groups=0, cpu=None):
