@@ -1702,12 +1702,18 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
 
     In parallel over (query, block of entries): the block's keys are decoded once into an L1
     panel [dim, block], then every head's dot products with the block run as one vector per
-    input (the entries are the lanes), each summed in input order as a single dot product
-    would be. GPU builds (``max_lanes``) take blocks of at most that many entries."""
+    input (the entries are the lanes), several heads at a time, each summed in input order as a
+    single dot product would be. GPU builds (``max_lanes``) take blocks of at most that many entries."""
     scale = (heads ** -0.5) * (dim ** -0.5)
     width, dtype = index_plane_row(dim, storage)
     _check_index_format(storage, fp8_format, layout)
     block = min(INDEX_ENTRY_BLOCK, max_lanes) if max_lanes else INDEX_ENTRY_BLOCK
+    # Heads whose dot products run together, their accumulators in half of the vector registers
+    # (AVX-512: 8 heads x 2 vectors, AVX2: 2 x 4). One head's 2 or 4 chains of dependent FMAs
+    # kept the pipes half idle: 1.4x (AVX2) and 1.65x (AVX-512) slower over 512 queries, Flash's
+    # 64 x 128 index heads on Zen 4 (bench/RESULTS.md session 13). GPU builds: one head.
+    lanes, registers = cpu_vector()
+    hi = 1 if max_lanes else math.gcd(heads, max(1, registers // 2 // max(1, block // lanes)))
 
     @T.macro
     def score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, t, first):  # query t's entries first ..
@@ -1717,14 +1723,17 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
                                        dim, storage, fp8_format, layout)
         for j in T.vectorized(block):
             acc[j] = T.float32(0)
-        for h in range(heads):
-            for j in T.vectorized(block):
-                part[j] = T.float32(0)
-            for d in range(dim):
+        for hq in range(heads // hi):
+            for hh in T.unroll(hi):
                 for j in T.vectorized(block):
-                    part[j] = part[j] + Q[t, h, d] * keys[d, j]
-            for j in T.vectorized(block):
-                acc[j] = acc[j] + T.max(part[j], T.float32(0)) * (W[t, h] * T.float32(scale))
+                    part[hh, j] = T.float32(0)
+            for d in range(dim):
+                for hh in T.unroll(hi):
+                    for j in T.vectorized(block):
+                        part[hh, j] = part[hh, j] + Q[t, hq * hi + hh, d] * keys[d, j]
+            for hh in range(hi):  # added in head order
+                for j in T.vectorized(block):
+                    acc[j] = acc[j] + T.max(part[hh, j], T.float32(0)) * (W[t, hq * hi + hh] * T.float32(scale))
         for j in range(block):
             if first + j < e:
                 OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
@@ -1741,7 +1750,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
         OUT = T.match_buffer(out, (n, e), F32)
         for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
             keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
-            part = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
+            part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
             acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
             score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
                         i % ((e + block - 1) // block) * block)

@@ -324,6 +324,28 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
         np.testing.assert_allclose(got[1][t], want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("heads", [12, 3])
+def test_index_score_matches_numpy_on_every_cpu_level(heads):
+    """Index scores of each query's entries: 70 entries (two whole blocks of 32 and a partial
+    one), -1 rows scored -inf. 12 heads run 4 at a time built for an AVX-512 host (8 heads' 2
+    vectors of accumulators; gcd 4), 2 at a time for AVX2; 3 heads one at a time. Every build
+    sums each dot product in input order and adds the heads in order: the same bits."""
+    rng = np.random.default_rng(heads)
+    dim, n, pool_rows, entries = 64, 3, 50, 70
+    q = rng.standard_normal((n, heads, dim)).astype(np.float32)
+    w = rng.standard_normal((n, heads)).astype(np.float32)
+    pool = rng.standard_normal((pool_rows, dim)).astype(np.float32)
+    rows = rng.integers(0, pool_rows, (n, entries)).astype(np.int32)
+    rows[1, ::4] = -1
+    got = [_call(_kernel("index_score", heads, dim, cpu=cpu), q, w, pool, rows, np.zeros((n, entries), np.float32))
+           for cpu in CPUS]
+    assert np.array_equal(got[0], got[1])
+    dots = np.einsum("thd,ted->the", q.astype(np.float64), pool[np.maximum(rows, 0)].astype(np.float64))
+    want = np.einsum("th,the->te", w.astype(np.float64), np.maximum(dots, 0)) * (heads * dim) ** -0.5
+    want[rows < 0] = K.NEG_INF
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("k, columns, max_lanes", [(6, 16, 0), (8, 3, 0), (512, 100, 0), (512, 512, 0), (512, 1500, 0),
                                                    (6, 16, K.GPU_MAX_LANES), (512, 1500, K.GPU_MAX_LANES)])
 def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
