@@ -1762,17 +1762,23 @@ VECTOR_KERNELS = frozenset({"sparse_attn", "expert_linear", "index_score", "swig
 GPU_MAX_LANES = 4
 
 
-ATTN_HEAD_BLOCK = 8  # heads that share each KV row read on the CPU (MQA: every head reads the same rows)
+# Heads that share each KV row read on the CPU (MQA: every head reads the same rows): a task's
+# heads. Decode steps take 8, so that one query's heads make tasks for every core; prefill takes
+# 64, whose panel copies (the rows gathered from L3 for each block of heads) cost less: 1.14x
+# faster than 8 over 256 queries of Flash's shape, AVX-512 and x86-64-v3 code alike, 32 1.12x
+# (Zen 4, interleaved A/B, bench/RESULTS.md session 13).
+ATTN_HEAD_BLOCK = 8
+ATTN_PREFILL_HEAD_BLOCK = 64
 ATTN_ROW_BLOCK = 8  # KV rows decoded together into an L1 panel, one online-softmax update each
 
 
 def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
-                fp8_format=None, max_lanes: int = 0, heads_at_once: int = 0):
+                fp8_format=None, head_block: int = ATTN_HEAD_BLOCK, max_lanes: int = 0, heads_at_once: int = 0):
     """Softmax attention over each query's row list (``rows [N, M]``, -1 = none, see
     ``step_kernels.attention_rows``); rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only.
 
-    In parallel over (query, block of ATTN_HEAD_BLOCK heads); the query's rows go in blocks of
+    In parallel over (query, block of ``head_block`` heads); the query's rows go in blocks of
     ATTN_ROW_BLOCK, each decoded once into an L1 panel that every head of the block reads twice:
     for its scores (vector dot products along the head dim) and, after an online-softmax update
     of the running max, denominator and output (rescaled when the max grows), for its weighted
@@ -1790,7 +1796,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     widest = max_lanes or cpu_vector()[0]
     lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= widest)
     chunks = dim // lanes
-    hb, rb = (1, 1) if max_lanes else (math.gcd(heads, ATTN_HEAD_BLOCK), ATTN_ROW_BLOCK)
+    hb, rb = (1, 1) if max_lanes else (math.gcd(heads, head_block), ATTN_ROW_BLOCK)
     # Heads whose scores and weighted sums accumulate together, each panel vector loaded once
     # for all of them (two on any CPU), and the accumulator vectors a head keeps in registers:
     # half of the registers between the heads, at most 8. AVX-512: 2 x 8 of 32. AVX2: 2 x 4 of 16,

@@ -107,8 +107,14 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         return {"main": _k("topk_rows", a["k"])}
     if op == "sparse_attn":
         compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
+        from dsv4c.codegen.llvm_kernels import ATTN_PREFILL_HEAD_BLOCK
+
+        # Prefill takes wider blocks of heads on the CPU (GPU builds run one head per thread
+        # either way, the same code under two symbols).
         return {"rows": _k("attention_rows", window, window_rows, a["ratio"], compressed),
-                "main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *main_format)}
+                "main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *main_format),
+                "prefill": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], main_kv, *(main_format[1:] or (0, None)),
+                              ATTN_PREFILL_HEAD_BLOCK)}
     if op == "grouped_linear":
         # The groups are independent projections of the heads: one kernel runs them all.
         g, rows_in = a["groups"], ins[1]

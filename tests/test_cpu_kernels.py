@@ -299,10 +299,11 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
     """Softmax attention over each query's row list, the sink in the denominator only: pool rows,
     this step's fresh rows (>= the pool's), -1 gaps and a whole block of them, a list that is
     not a multiple of the row block. Two heads at once (the default), one or all eight of a
-    block give the same bits, built for this host and for any AVX2 CPU (whose 16 registers
-    split the block's rows and the head dim between two heads: other loops)."""
+    block give the same bits, and so do the decode steps' blocks of 8 heads and prefill's of
+    all 16, built for this host and for any AVX2 CPU (whose 16 registers split the block's
+    rows and the head dim between two heads: other loops)."""
     rng = np.random.default_rng(9)
-    heads, dim, n, pool_rows, step_rows, m = 8, 64, 3, 40, 5, 21
+    heads, dim, n, pool_rows, step_rows, m = 16, 64, 3, 40, 5, 21
     q = rng.standard_normal((n, heads, dim)).astype(np.float32)
     pool = rng.standard_normal((pool_rows, dim)).astype(np.float32)
     step = rng.standard_normal((step_rows, dim)).astype(np.float32)
@@ -311,9 +312,10 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
     rows[0, 8:16] = -1  # a block without rows
     rows[1, ::3] = -1
     rows[2, 17:] = -1
-    got = {h: _call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, 0, h, cpu=cpu), q, pool, step, sink,
-                    rows, np.zeros((n, heads, dim), np.float32)) for h in (1, 2, 8)}
-    assert np.array_equal(got[1], got[2]) and np.array_equal(got[1], got[8])
+    blocks = [(K.ATTN_HEAD_BLOCK, 1), (K.ATTN_HEAD_BLOCK, 2), (K.ATTN_HEAD_BLOCK, 8), (K.ATTN_PREFILL_HEAD_BLOCK, 0)]
+    got = [_call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, block, 0, h, cpu=cpu), q, pool, step, sink,
+                 rows, np.zeros((n, heads, dim), np.float32)) for block, h in blocks]
+    assert all(np.array_equal(got[0], other) for other in got[1:])
     kv = np.concatenate([pool, step]).astype(np.float64)
     for t in range(n):
         picked = kv[rows[t][rows[t] >= 0]]
@@ -321,7 +323,7 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
         top = np.maximum(scores.max(1), sink)[:, None]
         weights = np.exp(scores - top)
         want = weights @ picked / (weights.sum(1, keepdims=True) + np.exp(sink[:, None] - top))
-        np.testing.assert_allclose(got[1][t], want, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(got[0][t], want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("heads", [12, 3])
