@@ -248,6 +248,13 @@ def bf16_bits(x):
 
 GEMM_ROWS = 8  # the prefill function pads a matmul's rows to blocks of 8 (see relax_step.matmul)
 GEMV_ROWS = 4  # rows the decode loop accumulates together, each weight decoded once for all of them
+# The GEMM takes its rows in chunks whose x k block (rows x k block of fp32) fits in this many
+# bytes, so that the block stays in L2 while each of the tile's panels runs over it. All rows at
+# once, 2048 rows' FP8 k block (2 MiB) spilled to L3: chunks of 256 KiB ran 1.26-1.40x faster at
+# 2048 rows, 1.0-1.22x at 1024 and 1.0-1.13x at 512 (FP8 Flash shapes; FP4 experts of 768 rows
+# 1.12x; Zen 4, AVX-512 and x86-64-v3 code, interleaved A/B, bench/RESULTS.md session 13);
+# 128 KiB and 512 KiB did no better.
+X_CHUNK_BYTES = 256 * 1024
 PANEL_FLOATS = 4096  # a decoded weight panel (columns x k block): 16 KiB, L1-resident
 SCALED_PANEL_COLUMNS = 16  # a scaled format's panel: 16 columns by 256 inputs (see _matmul_loops)
 SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
@@ -450,8 +457,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     chunks of four vectors or more sum in slot order, see ``slotted``); the group's codes are
     re-read from L1 by the later chunks, and (scaled formats) its x, boosted once into a stack
     buffer, is broadcast from there.
-    ``panel``: for each k block of whole groups and each panel of columns, the weights are
-    decoded once into an L1 panel (fp32 weights are read in place), then a register-tiled
+    ``panel``: for each chunk of rows (X_CHUNK_BYTES), each k block of whole groups and each
+    panel of columns, the weights are decoded once into an L1 panel (fp32 weights are read in place), then a register-tiled
     micro-kernel (``register_tile``) runs every block of rows over it: unscaled, its running
     sums go to y; scaled, each group's sum is added to the output's total, which it keeps beside
     the sums over the k block's groups (from y, zero in the first block) and then writes to y.
@@ -477,6 +484,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
               if in_dim % b == 0 and b * pw <= max(PANEL_FLOATS, pw * group) and (not scaled or b % group == 0))
     rb, cols = register_tile(pw, scaled) if columns is T.vectorized else (1, 1)
+    chunk_rows = max(rb, X_CHUNK_BYTES // (4 * kc) // rb * rb)  # see X_CHUNK_BYTES
     half = rb // 2
     lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
@@ -661,7 +669,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                     Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = totals[r, c]
 
     @T.macro
-    def panel_rows(X, parts, Y, w, g, a, first, count):
+    def panel_chunk(X, parts, Y, w, g, a, first, count):
         panel = T.alloc_buffer((kc, pw) if decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
         for kb in range(in_dim // kc):
             for pb in range(tile // pw):
@@ -681,6 +689,12 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                     for r in range(count % rb % half):
                         for cs in range(pw // cols):
                             micro(X, panel, parts, Y, w, g, a, first + count - count % rb % half + r, pb, cs, kb, 1)
+
+    @T.macro
+    def panel_rows(X, parts, Y, w, g, a, first, count):
+        # Chunks of rows whose x k block stays in L2 across the tile's panels.
+        for rc in range((count + chunk_rows - 1) // chunk_rows):
+            panel_chunk(X, parts, Y, w, g, a, first + rc * chunk_rows, T.min(chunk_rows, count - rc * chunk_rows))
 
     return direct_rows, panel_rows
 

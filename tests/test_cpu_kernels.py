@@ -133,6 +133,22 @@ def test_linear_gemv_and_gemm_match_numpy_and_each_other(quant, out_dim, in_dim,
     assert np.array_equal(_gemv(out_dim, in_dim, quant, x[:9], parts, cpu=cpu), prefill[:9])
 
 
+@pytest.mark.parametrize("cpu", CPUS)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_gemm_over_several_chunks_of_rows(quant, cpu):
+    """1100 rows: more than one chunk of rows whose x k block fits X_CHUNK_BYTES (1024 rows of
+    the unscaled formats' 64-input k blocks, 252 of the scaled formats' 256) and a partial last
+    one. The chunked GEMM gives the GEMV's bits."""
+    rng = np.random.default_rng(11)
+    out_dim, in_dim, n = 64, 256, 1100
+    assert n > K.X_CHUNK_BYTES // (4 * 64)
+    parts, w = _stored(rng, out_dim, in_dim, quant)
+    x = rng.standard_normal((n, in_dim)).astype(np.float32)
+    prefill = _gemm(out_dim, in_dim, quant, x, parts, cpu=cpu)
+    _close(prefill, x.astype(np.float64) @ w.T)
+    assert np.array_equal(prefill, _gemv(out_dim, in_dim, quant, x, parts, cpu=cpu))
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 def test_small_inputs_keep_full_precision(quant):
     """Tiny activations times small weights: each output within 1e-5 of the sum of its terms'
