@@ -458,8 +458,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     re-read from L1 by the later chunks, and (scaled formats) its x, boosted once into a stack
     buffer, is broadcast from there.
     ``panel``: for each chunk of rows (X_CHUNK_BYTES), each k block of whole groups and each
-    panel of columns, the weights are decoded once into an L1 panel (fp32 weights are read in place), then a register-tiled
-    micro-kernel (``register_tile``) runs every block of rows over it: unscaled, its running
+    panel of columns, the weights are decoded once into an L1 panel (fp32 weights are read in
+    place), then a register-tiled micro-kernel (``register_tile``) runs every block of rows over it: unscaled, its running
     sums go to y; scaled, each group's sum is added to the output's total, which it keeps beside
     the sums over the k block's groups (from y, zero in the first block) and then writes to y.
 

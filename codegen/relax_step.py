@@ -436,8 +436,9 @@ class _Emitter:
             rows = self.call(roles["rows"], common + [i["block_table"], topk] + layer +
                              [*self._envelope(a["layer"], False)], ([self.t, window + self.shape(topk)[1]], I32))
         planes = [self.pool[p] for p in self._main_planes()]
-        out = self.call(roles["main" if self.gemv else "prefill"],
-                        [args[0]] + planes + [args[1], self.param(node.inputs[2].name), rows], (self.shape(args[0]), F32))
+        attend = roles["main" if self.gemv else "prefill"]  # prefill: wider blocks of heads
+        out = self.call(attend, [args[0]] + planes + [args[1], self.param(node.inputs[2].name), rows],
+                        (self.shape(args[0]), F32))
         return [out]
 
 
