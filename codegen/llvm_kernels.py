@@ -260,7 +260,12 @@ SCALED_PANEL_COLUMNS = 16  # a scaled format's panel: 16 columns by 256 inputs (
 SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
 # How far ahead (bytes) the decode loop prefetches the weight tile it streams, by format: the
 # best of 512-4096 on Zen 3 (FP8, BF16) and of 0-32768 on Zen 4 (FP4; see _matmul_loops).
+# CPUs measured otherwise override it (an LLVM CPU name: what the kernels are built for). Zen 4
+# streams BF16 at the rate of a plain streaming sum over the same bytes without the prefetch,
+# 1.1-1.3x faster than with 1024 (AVX-512 and x86-64-v3 code, weights in huge pages or not,
+# interleaved A/B, bench/RESULTS.md session 14); its FP8 and FP4 rates did not change with it.
 PREFETCH_BYTES = {"fp8_b128": 2048, "fp8fnuz_b128": 2048, "bf16": 1024, "fp4_g32": 2048}
+PREFETCH_BYTES_BY_CPU = {"znver4": {"bf16": 0}}
 ACC_VECTORS = 8  # vector registers of the direct loop's accumulators: half of AVX2's
 # Scratch buffers of the matmul loops live on the thread's stack, where LLVM keeps accumulators
 # in registers: TVM would otherwise allocate any of 1 KiB or more from its workspace pool, per
@@ -277,21 +282,35 @@ def column_tile(out_dim: int) -> int:
     return next(t for t in (64, 16, 8, 1) if out_dim % t == 0)
 
 
-def cpu_vector() -> tuple[int, int]:
-    """(float32 lanes, vector registers) of the CPU the kernels are built for: the current TVM
-    target (the builder enters it), else this host's. AVX-512: 16 lanes and 32 registers; AVX /
-    AVX2: 8 and 16; any other CPU is taken as 4 lanes and 16 registers."""
+def _cpu_target():
+    """The TVM target of the CPU the kernels are built for: the current one (the builder enters
+    it), else this host's."""
     import tvm
-    from tvm.target import codegen
 
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name != "llvm":
         from dsv4c.targets import target_info
 
         target = target_info("llvm").tvm_target()
+    return target
+
+
+def cpu_vector() -> tuple[int, int]:
+    """(float32 lanes, vector registers) of the CPU the kernels are built for. AVX-512: 16 lanes
+    and 32 registers; AVX / AVX2: 8 and 16; any other CPU is taken as 4 lanes and 16 registers."""
+    from tvm.target import codegen
+
+    target = _cpu_target()
     if codegen.target_has_features("avx512f", target):
         return 16, 32
     return (8 if codegen.target_has_features("avx", target) else 4), 16
+
+
+def prefetch_bytes(quant: str) -> int:
+    """How far ahead the decode loop prefetches a ``quant`` weight tile on the CPU the kernels are
+    built for (PREFETCH_BYTES, PREFETCH_BYTES_BY_CPU); 0: not at all."""
+    by_cpu = PREFETCH_BYTES_BY_CPU.get(str(_cpu_target().attrs.get("mcpu", "")), {})
+    return by_cpu.get(quant, PREFETCH_BYTES.get(quant, 0))
 
 
 def register_tile(tile: int, scaled: bool) -> tuple[int, int]:
@@ -504,7 +523,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     def vector(R):  # the columns of one vector of a chunk (the whole chunk if narrower)
         return math.gcd(chunk(R), lanes)
 
-    # Software prefetch of the streamed FP8 / BF16 / FP4 tile, PREFETCH_BYTES ahead: each unrolled
+    # Software prefetch of the streamed FP8 / BF16 / FP4 tile, prefetch_bytes ahead: each unrolled
     # step of the direct loop's first chunk touches the cache lines the reads will need that far
     # on. On Zen 3 (~35 GB/s read bandwidth), interleaved A/B on 8192 x 4096 weights: FP8 ~24 ->
     # ~30 GB/s, BF16 ~24 -> ~26.5. fp32 streams near the bandwidth without it (and lost ~10% with
@@ -512,11 +531,12 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # table decodes fast enough for memory to matter: 20-23 -> 26.7-29.0 GB/s, near their
     # in-cache rate; 2048-4096 bytes were best. A stored row of the tile (``parts[0]``'s
     # second-to-last index) holds one input of FP8 / BF16, a word of eight of FP4.
-    prefetched = cpu and PREFETCH_BYTES.get(quant, 0) > 0
+    ahead_bytes = prefetch_bytes(quant) if cpu else 0
+    prefetched = ahead_bytes > 0
     inputs_per_row = 8 if quant == "fp4_g32" else 1
     row_bytes = tile * {"bf16": 2, "fp4_g32": 4}.get(quant, 1)
     step_lines = max(1, unroll // inputs_per_row * row_bytes // 64)
-    ahead = max(1, PREFETCH_BYTES.get(quant, 0) // row_bytes)
+    ahead = max(1, ahead_bytes // row_bytes)
 
     @T.macro
     def prefetch(parts, w, a, k):  # k: the input the step starts at
