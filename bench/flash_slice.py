@@ -25,7 +25,14 @@ A shared machine's speed drifts by tens of percent over minutes, so everything r
 times (default 2), the systems alternating, and each figure keeps its best. ``--json PATH``
 writes all of it.
 
-    python bench/flash_slice.py [--contexts 2048 8192] [--prefill 2048] [--decode-steps 8] [--rounds 2] [--json out.json]
+``--cpu NAME`` builds the artifact for another x86 CPU level (e.g. x86-64-v3, any AVX2
+machine). An artifact without AVX-512 on an AVX-512 host is measured as on an AVX2-only
+machine (``--baseline-isa``, default ``auto``): transformers and the matmul peak then run with
+AVX2 at most (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), so that
+neither system uses instructions the other lacks. The memory system stays this machine's.
+
+    python bench/flash_slice.py [--contexts 2048 8192] [--prefill 2048] [--decode-steps 8] [--rounds 2]
+                                [--cpu x86-64-v3] [--baseline-isa auto|host|avx2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -71,9 +78,23 @@ class _Dequantized(dict):
         return self.checkpoint.read(dict.__getitem__(self, name), self.n_experts)
 
 
-def prepare(workdir: Path, stage: str) -> None:
+# What limits torch (its ATen kernels, MKL, oneDNN) to AVX2, as on a machine without AVX-512.
+AVX2_BASELINE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def baseline_isa(choice: str, artifact_features: list[str], host_flags) -> str:
+    """The instructions the baseline may use: ``host`` (all this machine has) or ``avx2``;
+    ``auto`` takes avx2 where the artifact's kernels have no AVX-512 and this machine does."""
+    if choice != "auto":
+        return choice
+    host_avx512 = host_flags is not None and "avx512f" in host_flags
+    return "avx2" if host_avx512 and "avx512f" not in artifact_features else "host"
+
+
+def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
     """One stage per child process, so that no process holds two copies of 1.4 G parameters:
-    make the FP8 / FP4 checkpoint, write the same values as fp32 for transformers, compile."""
+    make the FP8 / FP4 checkpoint, write the same values as fp32 for transformers, compile
+    (for ``cpu``, default this machine's)."""
     from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
     from dsv4c.frontend.config import config_from_dict, with_weights
 
@@ -87,7 +108,7 @@ def prepare(workdir: Path, stage: str) -> None:
         from dsv4c.codegen.compile import compile_model
 
         start = time.perf_counter()
-        compile_model(str(workdir / "fp8"), "llvm", workdir / "artifact", progress=False)
+        compile_model(str(workdir / "fp8"), "llvm", workdir / "artifact", progress=False, cpu=cpu)
         print(f"compile: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
@@ -362,6 +383,10 @@ def main() -> None:
     p.add_argument("--workdir", type=Path)
     p.add_argument("--rounds", type=int, default=2,
                    help="run every measurement this many times, the systems alternating, and keep each figure's best")
+    p.add_argument("--cpu", help="build the artifact for this LLVM CPU name (default: this machine's), e.g. x86-64-v3")
+    p.add_argument("--baseline-isa", choices=["auto", "host", "avx2"], default="auto",
+                   help="instructions transformers and the matmul peak may use (auto: avx2 when the artifact "
+                        "has no AVX-512 and this machine has)")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     p.add_argument("--system", choices=["dsv4c", "transformers", "bandwidth", "matmul"], help=argparse.SUPPRESS)
     p.add_argument("--stage", choices=["make", "fp32", "compile"], help=argparse.SUPPRESS)
@@ -369,7 +394,7 @@ def main() -> None:
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.stage:
-        prepare(args.workdir, args.stage)
+        prepare(args.workdir, args.stage, args.cpu)
         return
     if args.system == "bandwidth":  # child process, with TVM_NUM_THREADS set
         print(json.dumps({"read_gb_s": read_bandwidth()}))
@@ -381,25 +406,39 @@ def main() -> None:
         print(json.dumps(run_system(args.system, args.workdir, args.prefill, args.contexts, args.decode_steps,
                                     args.threads)))
         return
+    from dsv4c.errors import UsageError
+    from dsv4c.targets import checked_cpu_name, host_cpu, host_cpu_flags
+
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dsv4c-bench-"))
+    artifact = workdir / "artifact"
+    try:
+        wanted_cpu = host_cpu() if args.cpu in (None, "native") else checked_cpu_name(args.cpu)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    if artifact.exists():
+        built_for = json.loads((artifact / "manifest.json").read_text())["kernels"]["mcpu"]
+        if built_for != wanted_cpu:
+            sys.exit(f"error: {artifact} was built for {built_for}, not {wanted_cpu}: "
+                     "remove it or use another --workdir")
     for stage, done in (("make", "fp8"), ("fp32", "fp32"), ("compile", "artifact")):
         if not (workdir / done).exists():
-            subprocess.run([sys.executable, __file__, "--stage", stage, "--workdir", str(workdir)], check=True)
+            subprocess.run([sys.executable, __file__, "--stage", stage, "--workdir", str(workdir)]
+                           + (["--cpu", args.cpu] if args.cpu else []), check=True)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    host = host_cpu_flags()
+    isa = baseline_isa(args.baseline_isa, manifest["kernels"]["cpu_features"], host.flags if host else None)
+
     def child(system: str, threads: int) -> dict:
         cmd = [sys.executable, __file__, "--system", system, "--workdir", str(workdir), "--prefill", str(args.prefill),
                "--decode-steps", str(args.decode_steps), "--threads", str(threads), "--contexts",
                *map(str, args.contexts)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TVM_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TVM_NUM_THREADS": str(threads),
+               **(AVX2_BASELINE_ENV if isa == "avx2" and system in ("transformers", "matmul") else {})}
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    from dsv4c.targets import host_cpu, host_cpu_flags
-
-    artifact = workdir / "artifact"
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    host = host_cpu_flags()
     report = {"cpu": {"model": host.model if host else None, "llvm_cpu": host_cpu(),
-                      "artifact_cpu": manifest["kernels"]["mcpu"]}, "threads": args.threads}
+                      "artifact_cpu": manifest["kernels"]["mcpu"], "baseline_isa": isa}, "threads": args.threads}
     # Rounds: a shared machine's speed drifts over minutes, so each system (and each baseline
     # measurement) runs once a round, in alternating order, and every figure keeps its best.
     # Each thread count's bandwidth in its own process (TVM sizes its pool once), alone.
@@ -420,6 +459,9 @@ def main() -> None:
     print(f"flash slice on {cpu['model']} (LLVM {cpu['llvm_cpu']}; artifact built for {cpu['artifact_cpu']}), "
           f"{args.threads} threads, best of {args.rounds} alternating round(s) "
           "(ratios: higher is better for tok/s, lower for ms and MiB)")
+    if isa == "avx2":
+        print("transformers and the matmul peak ran with AVX2 at most ("
+              + ", ".join(f"{k}={v}" for k, v in AVX2_BASELINE_ENV.items()) + "), as on an AVX2-only machine")
     print(f"{'metric':<22}{'dsv4c':>12}{'transformers':>14}{'ratio':>9}")
     report["ratios"] = {}
     for key in ours:
