@@ -78,8 +78,13 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         return {"main": _k("mhc_post", ins[1][1], ins[1][2])}
     if op == "rmsnorm":
         return {"main": _k("rmsnorm", ins[0][-1], a["eps"], len(ins) == 2)}
-    if op in ("linear", "lm_head", "linear_split"):
+    if op in ("linear", "linear_split"):
         return _matmul("", *ins[1], _dense_quant(a["quant"]))
+    if op == "lm_head":
+        # Every step takes the logits of a few rows (one per request), prefill steps too: the
+        # GEMV streams the head once per GEMV_ROWS rows, where the GEMM would decode it into
+        # panels for a block of 8 rows, 7 of them padding (see relax_step.op_lm_head).
+        return {"gemv": _matmul("", *ins[1], _dense_quant(a["quant"]))["gemv"]}
     if op == "reshape":
         return {}
     if op == "add":

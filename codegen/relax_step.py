@@ -274,9 +274,12 @@ class _Emitter:
         return [self.view(y, shape[:-1] + [out_dim])]
 
     def op_lm_head(self, node, roles, args):
+        """The logits of the rows ``logit_rows`` names, by GEMV in every function (see lowering)."""
         rows = self.inputs["logit_rows"]
         x = self.call("gather_rows", [args[0], rows], ([self.shape(rows)[0], self.shape(args[0])[1]], F32))
-        return self.op_linear(node, roles, [x])
+        w = node.inputs[1]
+        return [self.call(roles["gemv"], [x] + self.weight(w.name, roles["gemv"]),
+                          ([self.shape(rows)[0], w.type.shape[0]], F32))]
 
     def op_linear_split(self, node, roles, args):
         (y,) = self.op_linear(node, roles, args)
