@@ -84,7 +84,7 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         # Every step takes the logits of a few rows (one per request), prefill steps too: the
         # GEMV streams the head once per GEMV_ROWS rows, where the GEMM would decode it into
         # panels for a block of 8 rows, 7 of them padding (see relax_step.op_lm_head).
-        return {"gemv": _matmul("", *ins[1], _dense_quant(a["quant"]))["gemv"]}
+        return {"gemv": _k("linear", *ins[1], _dense_quant(a["quant"]), True, 0)}
     if op == "reshape":
         return {}
     if op == "add":

@@ -208,6 +208,16 @@ def test_register_tile_fits_the_vector_registers():
             assert K.register_tile(K.SCALED_PANEL_COLUMNS, True) == (6, 16)
 
 
+def _cross_built_asm(mcpu: str, factory: str, *params) -> str:
+    """The assembly of a kernel built for ``mcpu``, which this machine may lack."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
+    with target:
+        func = getattr(K, factory)(*params)
+    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
+        lib = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)
+    return lib.mod.inspect_source("asm") if hasattr(lib, "mod") else lib.inspect_source("asm")
+
+
 @pytest.mark.parametrize("factory, params", [("expert_linear", (2048, 4096, "fp4_g32", 16)),
                                              ("linear", (4096, 4096, "fp8_b128", False)),
                                              ("linear", (4096, 4096, "fp8_b128", True))])
@@ -216,12 +226,7 @@ def test_matmul_kernels_build_for_avx512(factory, params):
     for znver4 (running them is the bench's job there, and the other tests' on such a machine):
     512-bit FMAs come out, FP4 codes go through the vpermps table, and the decode loops
     prefetch the weights they stream."""
-    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4", "mtriple": "x86_64-linux-gnu"})
-    with target:
-        func = getattr(K, factory)(*params)
-    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
-        lib = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)
-    asm = lib.mod.inspect_source("asm") if hasattr(lib, "mod") else lib.inspect_source("asm")
+    asm = _cross_built_asm("znver4", factory, *params)
     assert any("vfmadd" in line and "zmm" in line for line in asm.splitlines())
     if "fp4_g32" in params:
         assert any("vperm" in line and "zmm" in line for line in asm.splitlines())
@@ -233,14 +238,7 @@ def test_matmul_kernels_build_for_avx512(factory, params):
 def test_bf16_gemv_prefetches_where_it_was_measured_to_help(mcpu):
     """PREFETCH_BYTES_BY_CPU reaches the built code: Zen 4 streams BF16 weights fastest without
     software prefetch; other CPUs (Zen 3's measurement) prefetch them, and FP8 everywhere."""
-    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
-    asm = {}
-    for quant in ("bf16", "fp8_b128"):
-        with target:
-            func = K.linear(1024, 1024, quant, True)
-        with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
-            lib = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)
-        asm[quant] = lib.mod.inspect_source("asm") if hasattr(lib, "mod") else lib.inspect_source("asm")
+    asm = {quant: _cross_built_asm(mcpu, "linear", 1024, 1024, quant, True) for quant in ("bf16", "fp8_b128")}
     assert ("prefetcht0" in asm["bf16"]) == (mcpu != "znver4")
     assert "prefetcht0" in asm["fp8_b128"]
 
