@@ -146,13 +146,14 @@ class _Emitter:
         return [self.sym.get(d, d) if isinstance(d, str) else d for d in ir_shape]
 
     # ------------------------------------------------------------------ matmuls
-    def matmul(self, roles: dict, prefix: str, x: relax.Var, weight: list, out_dim: int) -> relax.Var:
-        """y = x @ W.T over rows x [n, (G,) in]: GEMV in the decode function; in prefill the rows
-        are zero-padded to whole blocks of GEMM_ROWS (and G groups laid out one after another)
-        for the GEMM kernel and the result is a prefix view."""
+    def matmul(self, roles: dict, prefix: str, x: relax.Var, weight: list, out_dim: int,
+               gemv: bool | None = None) -> relax.Var:
+        """y = x @ W.T over rows x [n, (G,) in]: GEMV in the decode function (or where ``gemv``
+        says so); in prefill the rows are zero-padded to whole blocks of GEMM_ROWS (and G groups
+        laid out one after another) for the GEMM kernel and the result is a prefix view."""
         shape = self.shape(x)
         lead = shape[1:-1]
-        if self.gemv:
+        if self.gemv if gemv is None else gemv:
             return self.call(roles[prefix + "gemv"], [x] + weight, (shape[:-1] + [out_dim], F32))
         n, groups, width = shape[0], int(_prod(lead)), shape[-1]
         blocks = tirx.floordiv(n + GEMM_ROWS - 1, GEMM_ROWS)
@@ -278,8 +279,7 @@ class _Emitter:
         rows = self.inputs["logit_rows"]
         x = self.call("gather_rows", [args[0], rows], ([self.shape(rows)[0], self.shape(args[0])[1]], F32))
         w = node.inputs[1]
-        return [self.call(roles["gemv"], [x] + self.weight(w.name, roles["gemv"]),
-                          ([self.shape(rows)[0], w.type.shape[0]], F32))]
+        return [self.matmul(roles, "", x, self.weight(w.name, roles["gemv"]), w.type.shape[0], gemv=True)]
 
     def op_linear_split(self, node, roles, args):
         (y,) = self.op_linear(node, roles, args)
