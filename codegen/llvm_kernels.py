@@ -264,6 +264,7 @@ SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
 # streams BF16 at the rate of a plain streaming sum over the same bytes without the prefetch,
 # 1.1-1.3x faster than with 1024 (AVX-512 and x86-64-v3 code, weights in huge pages or not,
 # interleaved A/B, bench/RESULTS.md session 14); its FP8 and FP4 rates did not change with it.
+# Zen 5 (znver5) keeps the defaults: each was the best or within noise of it there (session 15).
 PREFETCH_BYTES = {"fp8_b128": 2048, "fp8fnuz_b128": 2048, "bf16": 1024, "fp4_g32": 2048}
 PREFETCH_BYTES_BY_CPU = {"znver4": {"bf16": 0}}
 ACC_VECTORS = 8  # vector registers of the direct loop's accumulators: half of AVX2's
