@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(BIN)/dsv4c generate $(DEMO)/tiny-llvm --token-ids 1,2,3,4,5,6,7,8 --max-new-tokens 16 --greedy
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest tests
 
 clean:
 	rm -rf build $(VENV)
