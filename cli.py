@@ -48,7 +48,7 @@ def _cmd_inspect(args) -> int:
 
     from dsv4c.frontend.config import resolve_model
     from dsv4c.passes.quant_plan import plan_for
-    from dsv4c.runtime.kv_pool import PoolGeometry
+    from dsv4c.artifact.pool import PoolGeometry
 
     cfg = resolve_model(args.model)
     plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
@@ -228,7 +228,7 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from dsv4c.runtime.artifact import read_manifest, verify_artifact
+    from dsv4c.artifact.manifest import read_manifest, verify_artifact
 
     manifest = read_manifest(args.artifact)
     checked = verify_artifact(args.artifact, manifest)

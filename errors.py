@@ -28,3 +28,7 @@ class IRError(DsvError):
 
 class UsageError(DsvError):
     """An API or CLI call was made with invalid arguments."""
+
+
+class ArtifactError(DsvError):
+    """An artifact is missing, tampered with, from another format version, or for another host."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from dsv4c.errors import UsageError
@@ -68,26 +67,6 @@ class TargetInfo:
             arch = re.search(r"gfx\d+", f"{device.device_name} {device.compute_version}")
             return device if arch is None or arch[0] == self.tvm["mcpu"] else None
         return None
-
-    @contextmanager
-    def toolchain(self):
-        """The environment a build for this target needs (nvcc, ld.lld + ROCm bitcode), checked."""
-        if not self.gpu:
-            yield
-            return
-        from dsv4c.codegen import gpu
-
-        env = gpu.toolchain_environment(self)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     def library_facts(self, target) -> dict:
         """What the manifest records of a built library: the CPU it was built for and the

@@ -136,7 +136,7 @@ def _convert_only(ckpt: Path, out: Path) -> None:
 
 
 def weight_startup(artifact: Path) -> float:
-    code = ("import sys, time; from dsv4c.runtime.artifact import read_manifest; "
+    code = ("import sys, time; from dsv4c.artifact.manifest import read_manifest; "
             "from dsv4c.runtime.weights import open_weights; t = time.perf_counter(); "
             "w = open_weights(sys.argv[1], read_manifest(sys.argv[1])); print(time.perf_counter() - t, len(w))")
     done = subprocess.run([sys.executable, "-c", code, str(artifact)], check=True, capture_output=True, text=True)

@@ -118,8 +118,8 @@ def _step_weights(artifact: Path):
     fraction a token reads, 1 except for the embedding and hash-routing tables (one row) and
     the routed experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``). The
     MTP layer's own weights (which only its draft function reads) are part ``mtp``."""
-    from dsv4c.frontend.safetensors_io import SafetensorsFile
-    from dsv4c.runtime.artifact import read_manifest
+    from dsv4c.artifact.safetensors_io import SafetensorsFile
+    from dsv4c.artifact.manifest import read_manifest
     from dsv4c.runtime.weights import open_weights
 
     manifest = read_manifest(artifact)
@@ -164,7 +164,7 @@ def prefill_matmul_flops(artifact: Path) -> float:
     scales apart; FP4 holds two weights per byte) of the dense layers and the routed
     experts' top-k share. The head (prefill takes logits of one row), attention and the
     mHC / norm kernels are not counted: a lower bound of the work."""
-    from dsv4c.runtime.artifact import read_manifest
+    from dsv4c.artifact.manifest import read_manifest
 
     fp4_experts = read_manifest(artifact)["quant_plan"]["weights"]["expert"]["storage"] == "fp4"
     flops = 0.0
@@ -270,7 +270,7 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
     rng = np.random.default_rng(0)
     out: dict = {}
     if system == "dsv4c":
-        from dsv4c.runtime.artifact import read_manifest
+        from dsv4c.artifact.manifest import read_manifest
         from dsv4c.runtime.engine import Engine
 
         engine = Engine(workdir / "artifact", max_step_tokens=2048,

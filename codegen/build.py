@@ -10,6 +10,7 @@ from pathlib import Path
 import tvm
 from tvm import relax, tirx
 
+from dsv4c.codegen.gpu import toolchain
 from dsv4c.codegen.llvm_kernels import CPU_PASS_CONFIG
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
@@ -82,7 +83,7 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
     start = time.perf_counter()
     lowered, step, target = lower_step(program, plan, geometry, info, max_step_tokens, progress)
     config = CPU_PASS_CONFIG if info.kind == "cpu" else {}
-    with info.toolchain(), tvm.transform.PassContext(config=config):
+    with toolchain(info), tvm.transform.PassContext(config=config):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
         executable.export_library(str(out_dir / LIBRARY))
     kernels = {"count": len(kernel_table(program, plan)[0]), "build_seconds": round(time.perf_counter() - start, 2),

@@ -15,16 +15,17 @@ from pathlib import Path
 from dsv4c import __version__
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, write_checkpoint
-from dsv4c.frontend.config import ModelConfig, resolve_model
+from dsv4c.artifact.model_config import ModelConfig
+from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
 from dsv4c.ir.serialize import program_to_json
 from dsv4c.passes.merge_projections import base_weight_names, weight_sources
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.frontend.safetensors_io import write_safetensors
+from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.ir.core import Program
-from dsv4c.runtime.artifact import WEIGHTS_INDEX, staging, write_manifest
-from dsv4c.runtime.kv_pool import PoolGeometry
+from dsv4c.artifact.manifest import WEIGHTS_INDEX, staging, write_manifest
+from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.targets import target_info
 
 CONSTANTS = "constants.safetensors"  # the compiled step's constants (see step_constants)

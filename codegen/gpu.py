@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import tvm
@@ -118,6 +119,23 @@ def rocm_environment() -> dict[str, str]:
         link.unlink(missing_ok=True)
         link.symlink_to(os.path.realpath(lld))  # TVM calls it as plain `ld.lld`
     return {"PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "ROCM_PATH": rocm}
+
+
+@contextmanager
+def toolchain(info):
+    """The environment a build for target ``info`` needs (nvcc, ld.lld + ROCm bitcode), checked
+    and set for the duration; nothing for the CPU."""
+    env = toolchain_environment(info) if info.gpu else {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def toolchain_environment(info) -> dict[str, str]:

@@ -21,8 +21,9 @@ import struct
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from dsv4c.frontend.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, FP8_FORMATS, FP8_SCALE_FACTOR
-from dsv4c.runtime.pool_layout import FP4_PRESHUFFLED, ROW_MAJOR, fp4_code_offset, fp4_scale_offset, index_row_bytes_of
+from dsv4c.artifact.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR, FP8_FORMATS, FP8_SCALE_FACTOR
+from dsv4c.artifact.pool_rows import (FP4_GROUP, FP4_PRESHUFFLED, MAIN_FP8_GROUP, ROW_MAJOR, fp4_code_offset,
+                                      fp4_scale_offset, index_plane_row, index_row_bytes_of, main_nope_width)
 
 
 F32 = "float32"
@@ -1410,47 +1411,16 @@ def route_weights(n_experts: int, k: int, scale: float):
 
 
 
-# --------------------------------------------------------------------------- KV state
-
-
 # --------------------------------------------------------------------------- low-bit pool rows
 #
-# The byte layouts of runtime.kv_pool's codecs (sizes and layouts: passes.quant_plan), one pool
-# row each, with FP8 codes in the plan's fp8 format (e4m3fn; gfx942: e4m3fnuz, the same bits
-# with doubled scales, see lowbit.fp8_in_format):
-#   main fp8   nope plane u8 [NoPE codes | one E8M0 scale per 64 | padding to 8 bytes]
-#              rope plane u16 [BF16 bits]
-#   index fp8  u8 [codes | one fp32 scale, 4 bytes little-endian]
-#   index fp4  u8 [e2m1 pairs, element 2i in the low nibble | one E8M0 scale per 32], row-major,
-#              or (gfx950) the same bytes in tiles of 64 rows (quant_plan.FP4_PRESHUFFLED)
-# The store kernels write the same bytes as the codecs' numpy writers, the readers below decode
-# to the same float32 values as their numpy readers.
+# The byte layouts of ``artifact.pool_rows`` (its docstring lists them), one pool row each. The
+# store kernels write the same bytes as its numpy codecs, the readers below decode to the same
+# float32 values.
 #
 # Pool rows: a kernel that takes pool planes declares their row count int64, so that TVM computes
 # every offset into them in 64 bits. A plane passes 2**31 elements in ordinary use: Flash's fp32
 # main plane holds 5.7M rows of 512 floats at 1M tokens, its fp8 NoPE plane 2.6 GB at 8 x 128K
 # tokens. With an int32 count the offsets wrapped and the kernels wrote outside the plane.
-
-MAIN_FP8_GROUP = 64
-INDEX_FP4_GROUP = 32
-
-
-def main_nope_width(nope_dim: int) -> int:
-    """Bytes per row of the main fp8 NoPE plane: codes, then the scales padded to 8 bytes (the
-    448 + 8 packing of vLLM / SGLang; quant_plan.main_row_bytes minus the rope plane)."""
-    return nope_dim + -(-(nope_dim // MAIN_FP8_GROUP) // 8) * 8
-
-
-def index_plane_row(dim: int, storage: str) -> tuple[int, str]:
-    """(elements per row, dtype) of the index plane for ``storage``."""
-    if storage == "fp32":
-        return dim, F32
-    if storage == "fp4" and dim % INDEX_FP4_GROUP:
-        raise ValueError(f"fp4 index rows need a multiple of {INDEX_FP4_GROUP} values, got {dim}")
-    if storage not in ("fp8", "fp4"):
-        raise ValueError(f"unknown index storage {storage!r}: fp32, fp8 or fp4")
-    return index_row_bytes_of(dim, storage), "uint8"
-
 
 def _check_fp8_format(fp8_format) -> None:
     if fp8_format not in FP8_FORMATS:
@@ -1493,7 +1463,7 @@ def index_key(plane, row, d, dim: int, storage: str, fp8_format=None, layout=Non
     if storage == "fp8":
         return DECODE_FP8[fp8_format](plane[row, d]) * decode_f32_le(plane, row, dim)
     code_at = _fp4_byte(plane, row, d // 2, dim, layout, scale=False)
-    scale_at = _fp4_byte(plane, row, d // INDEX_FP4_GROUP, dim, layout, scale=True)
+    scale_at = _fp4_byte(plane, row, d // FP4_GROUP, dim, layout, scale=True)
     nibble = tirx.shift_right(_u(plane[code_at]), (d % 2) * 4) & 15
     return decode_e2m1(nibble) * decode_e8m0(plane[scale_at])
 
@@ -1588,15 +1558,15 @@ def store_rows(dim: int, storage: str, fp8_format=None, layout=None):
                         PLANE[ROWS[i], dim + b] = T.Cast(
                             "uint8", (T.reinterpret("int32", fp8_format_scale(scale[0], fp8_format)) >> (8 * b)) & 255)
                 else:
-                    for g in range(dim // INDEX_FP4_GROUP):
-                        _amax_bits(VALS, i, g * INDEX_FP4_GROUP, INDEX_FP4_GROUP, amax)
+                    for g in range(dim // FP4_GROUP):
+                        _amax_bits(VALS, i, g * FP4_GROUP, FP4_GROUP, amax)
                         scale[0] = pow2_ceil_scale(T.reinterpret(F32, amax[0]), FP4_AMAX_FLOOR, E2M1_MAX)
-                        for j in range(INDEX_FP4_GROUP // 2):  # pack_fp4: element 2j in the low nibble
-                            x_low = VALS[i, g * INDEX_FP4_GROUP + 2 * j] / scale[0]
-                            x_high = VALS[i, g * INDEX_FP4_GROUP + 2 * j + 1] / scale[0]
+                        for j in range(FP4_GROUP // 2):  # pack_fp4: element 2j in the low nibble
+                            x_low = VALS[i, g * FP4_GROUP + 2 * j] / scale[0]
+                            x_high = VALS[i, g * FP4_GROUP + 2 * j + 1] / scale[0]
                             low = encode_e2m1(x_low)
                             high = encode_e2m1(x_high)
-                            code_at = _fp4_byte(PLANE, ROWS[i], g * (INDEX_FP4_GROUP // 2) + j, dim, layout, scale=False)
+                            code_at = _fp4_byte(PLANE, ROWS[i], g * (FP4_GROUP // 2) + j, dim, layout, scale=False)
                             PLANE[code_at[0], code_at[1]] = T.Cast("uint8", low | (high << 4))
                         scale_at = _fp4_byte(PLANE, ROWS[i], g, dim, layout, scale=True)
                         PLANE[scale_at[0], scale_at[1]] = T.Cast("uint8", encode_e8m0(scale[0]))

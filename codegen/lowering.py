@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv4c.artifact.quant import BF16, FP8_BLOCK, FP32, I32, I64, Fp8Blocks, WeightFormat, dense_format, expert_format
 from dsv4c.errors import UsageError
-from dsv4c.frontend import lowbit
 from dsv4c.frontend.checkpoint import Rows
-from dsv4c.frontend.safetensors_io import STORAGE_DTYPES
 from dsv4c.ir.core import Node, Program
 
 
@@ -50,7 +49,7 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     main_format = (main_kv,) if main_kv == "fp32" else (main_kv, cfg.rope_dim, plan.fp8_format)
 
     def _dense_quant(quant: str) -> str:
-        return dense_kernel_quant(quant, plan.fp8_format)
+        return dense_format(quant, plan.fp8_format).name
 
     def _store(stream: str, width: int) -> KernelSpec:
         """Writes pool rows in the plan's format."""
@@ -137,7 +136,7 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         # Routed (token, slot) pairs grouped by expert on the device, then each expert's matmuls
         # over its group, then every token's experts added in ascending id order.
         e, inter, d = ins[3]
-        q = _expert_quant(a["quant"])
+        q = expert_format(a["quant"]).name
         k = ins[2][1]
         return {"group": _k("moe_group", k, e), "up": _k("expert_linear", inter, d, q, e),
                 "act": _k("swiglu", inter, a["limit"]), "down": _k("expert_linear", d, inter, q, e),
@@ -153,19 +152,6 @@ def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0)
     """A weight's two matmul kernels: GEMV for decode-sized steps, GEMM (8-row blocks) for prefill."""
     return {f"{prefix}gemv": _k("linear", out_dim, in_dim, quant, True, groups),
             f"{prefix}gemm": _k("linear", out_dim, in_dim, quant, False, groups)}
-
-
-def dense_kernel_quant(quant: str, fp8_format: str = "e4m3fn") -> str:
-    """FP8 blocks stay FP8 (decoded in the kernel, fnuz on gfx942), BF16 stays BF16; the rest fp32."""
-    if quant == "bf16":
-        return "bf16"
-    if quant != "fp8_b128":
-        return "fp32"
-    return "fp8fnuz_b128" if fp8_format == "e4m3fnuz" else "fp8_b128"
-
-
-def _expert_quant(quant: str) -> str:
-    return "fp4_g32" if quant == "fp4_g32" else "fp32"
 
 
 # Shape-generic kernels every step calls (see step_kernels), by symbol.
@@ -204,87 +190,49 @@ class WeightLayout:
     its rows turns into their bytes, so weights convert piece by piece.
 
     The weight is seen as a matrix ``[rows, cols]`` (cols = its last axis; stacked experts and
-    the groups of a grouped weight one after another). ``format``: ``fp8`` (U8 e4m3 codes +
-    ``.scale`` F32 block scales expanded per column; e4m3fnuz with doubled scales when ``fnuz``),
-    ``fp4`` (I32 words of eight e2m1 codes, input 8i + j on bits 4j..4j+3: the checkpoint's
-    packed pairs four bytes at a time, + ``.scale`` U8 E8M0 per 32), ``bf16``, ``f32``, ``i32``,
-    ``i64``. A ``tile`` > 0 stores matmul weights in column tiles ``[..., out / tile, cols, tile]``
-    (see ``llvm_kernels.linear``), per expert / per group; ``tile`` 0 stores the weight as is."""
+    the groups of a grouped weight one after another), stored in ``format`` (an
+    ``artifact.quant.WeightFormat``). A ``tile`` > 0 stores matmul weights in column tiles
+    ``[..., out / tile, cols, tile]`` (see the matmul kernels), per expert / per group; ``tile``
+    0 stores the weight as is."""
 
     name: str
     shape: tuple[int, ...]
-    format: str
+    format: WeightFormat
     tile: int = 0
     groups: int = 1
-    fnuz: bool = False
 
     @property
     def rows(self) -> int:
         return math.prod(self.shape[:-1])
 
-    def _columns(self) -> dict[str, tuple[str, int]]:
-        """Artifact tensor -> (dtype, stored columns per weight row)."""
-        cols, scale = self.shape[-1], self.name + ".scale"
-        if self.format == "fp8":
-            return {self.name: ("U8", cols), scale: ("F32", -(-cols // 128))}
-        if self.format == "fp4":
-            return {self.name: ("I32", cols // 8), scale: ("U8", cols // 32)}
-        return {self.name: ({"bf16": "BF16", "f32": "F32", "i32": "I32", "i64": "I64"}[self.format], cols)}
-
     def stored(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The artifact tensors of this weight: name -> (dtype, shape)."""
         out = {}
-        for name, (dtype, cols) in self._columns().items():
+        for suffix, (dtype, cols) in self.format.stored(self.shape[-1]).items():
             if not self.tile:
-                out[name] = (dtype, (*self.shape[:-1], cols))
+                out[self.name + suffix] = (dtype, (*self.shape[:-1], cols))
                 continue
             lead, out_dim = (self.groups,) if self.groups > 1 else self.shape[:-2], self.shape[-2] // self.groups
-            out[name] = (dtype, (*lead, out_dim // self.tile, cols, self.tile))
+            out[self.name + suffix] = (dtype, (*lead, out_dim // self.tile, cols, self.tile))
         return out
 
     def row_bytes(self) -> dict[str, int]:
         """Bytes each weight row takes in each artifact tensor (a range of rows starting at row
         r lies at byte r * row_bytes of the tensor, tiles included)."""
-        return {name: cols * STORAGE_DTYPES[dtype].itemsize for name, (dtype, cols) in self._columns().items()}
+        return {self.name + suffix: n for suffix, n in self.format.row_bytes(self.shape[-1]).items()}
 
     @property
     def row_step(self) -> int:
         """Row ranges converted on their own start on multiples of this: whole tiles, and whole
         128-row blocks where FP8 scales may have to be computed."""
         step = self.tile or 1
-        return math.lcm(step, 128) if self.format == "fp8" else step
+        return math.lcm(step, FP8_BLOCK) if isinstance(self.format, Fp8Blocks) else step
 
     def lay_out(self, parts: list[Rows]) -> dict[str, np.ndarray]:
         """The artifact bytes of a range of rows (starting on a multiple of ``row_step``), given
         as the checkpoint holds them: one :class:`Rows` per checkpoint tensor they come from."""
-        if self.format == "fp8":
-            codes, scales = zip(*(p.fp8() for p in parts))
-            codes, scales = _joined(codes), _joined(scales).astype(np.float32, copy=False)
-            if self.fnuz:  # gfx942: keep the bits, double the scale
-                codes, scales = lowbit.e4m3fn_to_fnuz(codes), 2 * scales
-            arrays = {self.name: codes, self.name + ".scale": scales}
-        elif self.format == "fp4":
-            packed, scales = zip(*(p.fp4() for p in parts))
-            arrays = {self.name: fp4_words(_joined(packed)), self.name + ".scale": _joined(scales)}
-        elif self.format == "bf16":
-            arrays = {self.name: _joined([p.bf16_bits(self.name) for p in parts])}
-        else:
-            values = _joined([p.decode() for p in parts])
-            arrays = {self.name: values.astype({"f32": np.float32, "i32": np.int32, "i64": np.int64}[self.format],
-                                               copy=False)}
-        return {name: column_tiles(a, self.tile) if self.tile else a for name, a in arrays.items()}
-
-
-def fp4_words(packed: np.ndarray) -> np.ndarray:
-    """Packed e2m1 pairs ``[n, cols / 2]`` (U8, input 2i in the low nibble) as int32 words of
-    eight codes ``[n, cols / 8]``: four bytes read little-endian, so input 8i + j lies on bits
-    4j..4j+3, which the CPU kernels decode in registers (``llvm_kernels.weight_raw``)."""
-    return np.ascontiguousarray(packed, dtype=np.uint8).view("<i4")
-
-
-def _joined(parts) -> np.ndarray:
-    """Row blocks stacked; a single block as it is (one copy fewer of every byte)."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        arrays = self.format.lay_out(self.name, parts)
+        return {self.name + suffix: column_tiles(a, self.tile) if self.tile else a for suffix, a in arrays.items()}
 
 
 def column_tiles(rows: np.ndarray, tile: int) -> np.ndarray:
@@ -310,23 +258,26 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
     blocks as e4m3 codes with per-column scales, FP4 experts packed with E8M0 scales per 32,
     BF16 matmul weights as BF16 bits, tid2eid as int32, everything else float32."""
     if target == "reference":
-        return {name: WeightLayout(name, tuple(v.type.shape), "i64" if v.type.dtype.startswith("i") else "f32")
+        return {name: WeightLayout(name, tuple(v.type.shape), I64 if v.type.dtype.startswith("i") else FP32)
                 for fn in program.functions.values() for name, v in fn.weights.items()}
     from dsv4c.codegen.llvm_kernels import column_tile
 
-    matmul, fp8, fp4, bf16 = set(), set(), set(), set()
+    # A weight the compiled step multiplies keeps its low-bit format; everything else is fp32.
+    matmul: dict[str, WeightFormat] = {}
     for node in compiled_nodes(program):
         q = node.attrs.get("quant") or ""
         reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
                  "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4], "grouped_linear": node.inputs[1:2],
                  "experts": node.inputs[3:6]}.get(node.op, [])
-        matmul.update(v.name for v in reads)
-        if node.op not in ("moe_route", "experts") and dense_kernel_quant(q) == "fp8_b128":
-            fp8.update(v.name for v in reads)
-        if node.op == "experts" and _expert_quant(q) == "fp4_g32":
-            fp4.update(v.name for v in reads)
-        if node.op in ("linear", "linear_split", "lm_head") and dense_kernel_quant(q) == "bf16":
-            bf16.update(v.name for v in reads)
+        if node.op == "experts":
+            fmt = expert_format(q)
+        elif node.op == "moe_route":
+            fmt = FP32
+        else:
+            fmt = dense_format(q, fp8_format)
+            if fmt is BF16 and node.op not in ("linear", "linear_split", "lm_head"):
+                fmt = FP32  # the shared expert and the grouped projection read BF16 checkpoints as fp32
+        matmul.update((v.name, fmt) for v in reads)
     groups = {n.inputs[1].name: n.attrs["groups"] for n in compiled_nodes(program) if n.op == "grouped_linear"}
 
     out: dict[str, WeightLayout] = {}
@@ -336,13 +287,7 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
             g = groups.get(name, 1)
             tile = column_tile(shape[-2] // g) if name in matmul and not is_int else 0
             if is_int:
-                out[name] = WeightLayout(name, shape, "i32")
-            elif name in fp8:
-                out[name] = WeightLayout(name, shape, "fp8", tile, g, fnuz=fp8_format == "e4m3fnuz")
-            elif name in fp4:
-                out[name] = WeightLayout(name, shape, "fp4", tile)
-            elif name in bf16:
-                out[name] = WeightLayout(name, shape, "bf16", tile)
+                out[name] = WeightLayout(name, shape, I32)
             else:
-                out[name] = WeightLayout(name, shape, "f32", tile, g if tile else 1)
+                out[name] = WeightLayout(name, shape, matmul.get(name, FP32), tile, g if tile else 1)
     return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 
+from dsv4c.artifact.pool import PoolTensor
 from dsv4c.codegen.llvm_kernels import FP8_DECODERS, GEMM_ROWS
 from dsv4c.codegen.lowering import KernelSpec, compiled_nodes, node_kernels
 from dsv4c.errors import UnsupportedModelError
@@ -49,20 +50,6 @@ def entry_functions(program: Program, max_step_tokens: int) -> dict[str, tuple[s
     return out
 
 
-@dataclass(frozen=True)
-class PoolTensor:
-    """One tensor of the KV pool as the step takes it. ``rows`` names the row space: ``main``
-    (envelopes + slots, the pool's total rows), ``index`` (index envelopes) or ``slots``
-    (compressor rings: shape [slots, ring rows, width])."""
-    name: str
-    rows: str
-    shape: tuple[int, ...]  # per row (main / index) or per slot (state)
-    dtype: str
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "rows": self.rows, "shape": list(self.shape), "dtype": self.dtype}
-
-
 @dataclass
 class StepModule:
     module: tvm.IRModule
@@ -71,22 +58,6 @@ class StepModule:
     pool: list[PoolTensor]
     entry_ratios: list[int]  # compress ratios of entry_extents, in order
     max_step_tokens: int
-
-
-def pool_tensors(geometry) -> list[PoolTensor]:
-    """The pool's tensors in the step's order: main planes, the index plane, then per
-    compressor state (layer, stream) its kv ring and its score ring."""
-    from dsv4c.codegen.llvm_kernels import index_plane_row
-
-    main = {"fp32": [PoolTensor("main.kv", "main", (geometry.head_dim,), F32)],
-            "fp8": [PoolTensor("main.nope", "main", (geometry.main_row_bytes - 2 * geometry.rope_dim,), "uint8"),
-                    PoolTensor("main.rope", "main", (geometry.rope_dim,), "uint16")]}[geometry.main_storage]
-    width, dtype = index_plane_row(geometry.index_head_dim, geometry.index_storage)
-    out = main + [PoolTensor("index", "index", (width,), dtype)]
-    for s in geometry.states:
-        for part in ("kv", "score"):
-            out.append(PoolTensor(f"state.{s.layer}.{s.stream}.{part}", "slots", (s.rows, s.width), F32))
-    return out
 
 
 def _scaled(quant: str) -> bool:
@@ -192,7 +163,7 @@ class _Emitter:
         self.params_var = relax.Var("params", relax.TupleType(
             [relax.TensorType(list(shape), dtype) for shape, dtype in self.param_types]))
         rows_of = {"main": pool_rows, "index": index_rows}
-        self.pool_layout = pool_tensors(self.geometry)
+        self.pool_layout = self.geometry.tensors()
         pool_var = relax.Var("pool", relax.TupleType(
             [relax.TensorType([rows_of[p.rows]] + list(p.shape) if p.rows != "slots" else [slots] + list(p.shape),
                               p.dtype) for p in self.pool_layout]))

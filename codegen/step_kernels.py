@@ -24,7 +24,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from dsv4c.codegen.llvm_kernels import ON_STACK
-from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS
+from dsv4c.artifact.pool import ENVELOPE_TOKENS
 
 REQ_SLOT, REQ_FIRST_TOKEN, REQ_COUNT, REQ_FIRST_POS = range(4)
 REQ_COLUMNS = 4

@@ -24,9 +24,9 @@ from typing import Iterable, Iterator, Mapping
 import numpy as np
 
 from dsv4c.errors import CheckpointError, UsageError
-from dsv4c.frontend import lowbit
-from dsv4c.frontend.config import CSA, HASH_MOE, LayerSpec, ModelConfig
-from dsv4c.frontend.safetensors_io import STORAGE_DTYPES, SafetensorsFile, SafetensorsWriter
+from dsv4c.artifact import lowbit
+from dsv4c.artifact.model_config import CSA, HASH_MOE, LayerSpec, ModelConfig
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile, SafetensorsWriter
 from dsv4c.threads import BoundedPool
 
 # Storage kinds of SPEC §3.
@@ -179,8 +179,8 @@ class Rows:
     float16 or uint16 bits ``[n, cols]``; ``FP8``: e4m3fn codes ``[n, cols]`` and, per row, the
     float32 scale of each 128-column block ``[n, ceil(cols / 128)]``; ``FP4``: e2m1 pairs (element
     2i in the low nibble) ``[n, cols / 2]`` and their E8M0 scale codes ``[n, cols / 32]``; ``INT``:
-    int64 ``[n, cols]``. The ``fp8`` / ``fp4`` / ``bf16_bits`` views hand the checkpoint's own
-    bytes through and quantize only rows stored in another format."""
+    int64 ``[n, cols]``. The artifact's weight formats (``artifact.quant``) take the checkpoint's
+    own bytes where it holds their format and quantize only rows stored in another."""
 
     storage: str
     values: np.ndarray
@@ -195,31 +195,6 @@ class Rows:
         if self.storage == "BF16":
             return lowbit.f32_from_bf16_bits(self.values)
         return self.values.astype(np.int64 if self.storage == "INT" else np.float32, copy=False)
-
-    def fp8(self) -> tuple[np.ndarray, np.ndarray]:
-        """(e4m3fn codes, per-row block scales) as ``values`` / ``scales`` hold them for FP8. Rows
-        in another format are quantized with E8M0 scales; they must start on a 128-row boundary."""
-        if self.storage == "FP8":
-            return self.values, self.scales
-        codes, grid = lowbit.quantize_fp8_blocks(self.decode(), 128, "e8m0")
-        return codes, np.repeat(lowbit.decode_e8m0(grid), 128, axis=0)[:codes.shape[0]]
-
-    def fp4(self) -> tuple[np.ndarray, np.ndarray]:
-        """(packed e2m1 pairs as uint8, E8M0 codes per 32): the checkpoint's own, or quantized."""
-        if self.storage == "FP4":
-            return self.values, self.scales
-        packed, scales = lowbit.quantize_fp4_groups(self.decode(), 32)
-        return packed.view(np.uint8), scales
-
-    def bf16_bits(self, name: str) -> np.ndarray:
-        """uint16 BF16 bits: the checkpoint's own, or float values BF16 holds exactly."""
-        if self.storage == "BF16":
-            return self.values
-        value = self.decode()
-        if not np.array_equal(lowbit.bf16_roundtrip(value), value):
-            raise UsageError(f"weight {name} is declared BF16 but holds values BF16 cannot represent; "
-                             "fix the checkpoint's config (torch_dtype / quantization_config)")
-        return lowbit.bf16_bits_from_f32(value)
 
 
 class RowSource:

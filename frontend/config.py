@@ -1,4 +1,5 @@
-"""One frozen, validated description of a DeepSeek-V4 model.
+"""Reading a model's config: every spelling, validated, into one :class:`ModelConfig`
+(``artifact.model_config``, which the runtime shares).
 
 Configs arrive in three spellings and all load into :class:`ModelConfig`:
 
@@ -17,284 +18,17 @@ would compile a wrong model.
 from __future__ import annotations
 
 import json
-import math
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_MLP_TYPES, ROUTED_MOE, SLIDING, LayerSpec,
+                                         ModelConfig, Rope, WeightFormats, Yarn)
 from dsv4c.errors import ConfigError, UnsupportedModelError
 
-SLIDING, CSA, HCA = "sliding", "csa", "hca"
-ATTENTION_KINDS = (SLIDING, CSA, HCA)
-HASH_MOE, ROUTED_MOE = "hash", "routed"
-
-_HF_LAYER_TYPES = {
-    "sliding_attention": SLIDING,
-    "compressed_sparse_attention": CSA,
-    "heavily_compressed_attention": HCA,
-}
-_HF_MLP_TYPES = {"hash_moe": HASH_MOE, "moe": ROUTED_MOE}
 PRESETS = ("pro", "flash", "tiny")
-
-
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN extension of the compressed-attention rope (SPEC §2)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-
-@dataclass(frozen=True)
-class Rope:
-    theta: float
-    yarn: Yarn | None = None
-
-    def inv_freq(self, rope_dim: int) -> np.ndarray:
-        """Per-pair inverse frequencies, float32, as ``transformers`` computes them
-        (``attention_factor`` forced to 1.0 for YaRN, truncated correction range)."""
-        exponent = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
-        pos_freqs = np.power(np.float32(self.theta), exponent, dtype=np.float32)
-        extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
-        if self.yarn is None:
-            return extrapolation
-        y = self.yarn
-        interpolation = (np.float32(1.0) / (np.float32(y.factor) * pos_freqs)).astype(np.float32)
-
-        def correction_dim(rotations: float) -> float:
-            return (rope_dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
-                2 * math.log(self.theta)
-            )
-
-        low = max(math.floor(correction_dim(y.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(y.beta_slow)), rope_dim - 1)
-        if low == high:
-            high += 0.001  # the reference avoids a zero-width ramp the same way
-        ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
-        extrapolation_factor = (1 - ramp).astype(np.float32)
-        return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One transformer block: its attention kind and compress ratio, its MoE routing."""
-
-    index: int
-    attention: str  # SLIDING / CSA / HCA
-    compress_ratio: int  # 0 for sliding layers
-    moe: str  # HASH_MOE / ROUTED_MOE
-
-    @property
-    def is_compressed(self) -> bool:
-        return self.attention != SLIDING
-
-    @property
-    def has_indexer(self) -> bool:
-        return self.attention == CSA
-
-
-@dataclass(frozen=True)
-class WeightFormats:
-    """How the checkpoint stores weights (SPEC §3); the loader also accepts other dtypes."""
-
-    dense: str = "fp8"  # fp8 (128x128 blocks) / bf16 / fp32
-    experts: str = "fp4"  # fp4 (1x32 groups) / fp8 / bf16 / fp32
-    scale: str = "e8m0"  # e8m0 / fp32 scales of fp8 blocks
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    rope_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    n_routed_experts: int
-    n_experts_per_tok: int
-    moe_intermediate_size: int
-    routed_scaling_factor: float
-    swiglu_limit: float
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    sliding_window: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    rms_norm_eps: float
-    main_rope: Rope
-    compress_rope: Rope
-    layers: tuple[LayerSpec, ...]
-    mtp_layers: tuple[LayerSpec, ...] = ()
-    max_position_embeddings: int = 1048576
-    bos_token_id: int | None = 0
-    eos_token_ids: tuple[int, ...] = (1,)
-    weights: WeightFormats = field(default_factory=WeightFormats)
-    name: str = "custom"
-
-    # ----- derived sizes, one place for each -----
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def window_rows_per_request(self) -> int:
-        """Sliding-window rows of one request: every backbone layer's and the MTP layers'."""
-        return (len(self.layers) + len(self.mtp_layers)) * self.sliding_window
-
-    @property
-    def nope_dim(self) -> int:
-        return self.head_dim - self.rope_dim
-
-    @property
-    def hc_mix_size(self) -> int:
-        return (2 + self.hc_mult) * self.hc_mult
-
-    def compress_ratios(self, kind: str) -> tuple[int, ...]:
-        return tuple(sorted({l.compress_ratio for l in self.layers + self.mtp_layers if l.attention == kind}))
-
-    def layers_of(self, kind: str) -> list[LayerSpec]:
-        return [l for l in self.layers if l.attention == kind]
-
-    def rope_for(self, layer: LayerSpec) -> Rope:
-        # Sliding-only layers use the plain rope; compressed layers, their compressors
-        # and the indexer use the YaRN-extended compress rope (SPEC §2).
-        return self.compress_rope if layer.is_compressed else self.main_rope
-
-    # ----- serialisation -----
-    def to_json_dict(self, spelling: str | None = None) -> dict[str, Any]:
-        """A ``config.json`` that this loader and ``transformers`` both read.
-
-        ``official`` is the hub spelling (``compress_ratios``); ``transformers`` reads it
-        only for ratios 0/4/128, so ``hf`` (``layer_types`` + ``compress_rates``) is the
-        default for anything else."""
-        standard = all(l.compress_ratio in (0, 4, 128) for l in self.layers + self.mtp_layers) and all(
-            l.compress_ratio == {SLIDING: 0, CSA: 4, HCA: 128}[l.attention] for l in self.layers + self.mtp_layers
-        )
-        n_hash = self._hash_prefix_length()
-        spelling = spelling or ("official" if standard and n_hash is not None else "hf")
-        if spelling not in ("official", "hf"):
-            raise ConfigError(f"unknown config spelling {spelling!r}; use 'official' or 'hf'")
-        if spelling == "official" and not standard:
-            raise ConfigError("the official config spelling only expresses compress ratios 0/4/128; use spelling='hf'")
-        d: dict[str, Any] = {
-            "architectures": ["DeepseekV4ForCausalLM"],
-            "model_type": "deepseek_v4",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": 1,
-            "head_dim": self.head_dim,
-            "qk_rope_head_dim": self.rope_dim,
-            "q_lora_rank": self.q_lora_rank,
-            "o_groups": self.o_groups,
-            "o_lora_rank": self.o_lora_rank,
-            "n_routed_experts": self.n_routed_experts,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": self.n_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "scoring_func": "sqrtsoftplus",
-            "norm_topk_prob": True,
-            "swiglu_limit": self.swiglu_limit,
-            "index_n_heads": self.index_n_heads,
-            "index_head_dim": self.index_head_dim,
-            "index_topk": self.index_topk,
-            "sliding_window": self.sliding_window,
-            "hc_mult": self.hc_mult,
-            "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
-            "hc_eps": self.hc_eps,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.main_rope.theta,
-            "compress_rope_theta": self.compress_rope.theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "num_nextn_predict_layers": len(self.mtp_layers),
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            "tie_word_embeddings": False,
-            "hidden_act": "silu",
-        }
-        yarn = self.compress_rope.yarn
-        if spelling == "official":
-            d["compress_ratios"] = [l.compress_ratio for l in self.layers + self.mtp_layers]
-            if n_hash is None:
-                raise ConfigError("num_hash_layers only expresses hash layers as a prefix; use spelling='hf'")
-            d["num_hash_layers"] = n_hash
-            if yarn:
-                d["rope_scaling"] = {
-                    "type": "yarn",
-                    "factor": yarn.factor,
-                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                    "beta_fast": yarn.beta_fast,
-                    "beta_slow": yarn.beta_slow,
-                }
-        else:
-            if any(l.is_compressed for l in self.mtp_layers):
-                raise ConfigError(
-                    "the hf config spelling has no field for a compressed MTP layer; use spelling='official'"
-                )
-            inverse = {v: k for k, v in _HF_LAYER_TYPES.items()}
-            d["layer_types"] = [inverse[l.attention] for l in self.layers]
-            d["mlp_layer_types"] = [{HASH_MOE: "hash_moe", ROUTED_MOE: "moe"}[l.moe] for l in self.layers]
-            rates = {}
-            for kind in (CSA, HCA):
-                ratios = self.compress_ratios(kind)
-                if len(ratios) > 1:
-                    raise ConfigError(f"the hf spelling holds one ratio per attention kind; {kind} layers use {ratios}")
-                if ratios:
-                    rates[inverse[kind]] = ratios[0]
-            d["compress_rates"] = rates
-            compress: dict[str, Any] = {"rope_type": "default", "rope_theta": self.compress_rope.theta}
-            if yarn:
-                compress = {
-                    "rope_type": "yarn",
-                    "rope_theta": self.compress_rope.theta,
-                    "factor": yarn.factor,
-                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                    "beta_fast": yarn.beta_fast,
-                    "beta_slow": yarn.beta_slow,
-                    "attention_factor": 1.0,
-                }
-            partial = self.rope_dim / self.head_dim
-            if int(self.head_dim * partial) != self.rope_dim:  # transformers truncates the product
-                partial = math.nextafter(partial, 1.0)
-            d["partial_rotary_factor"] = partial
-            d["rope_parameters"] = {
-                "main": {"rope_type": "default", "rope_theta": self.main_rope.theta, "partial_rotary_factor": partial},
-                "compress": {**compress, "partial_rotary_factor": partial},
-            }
-        if self.weights.dense == "fp8":
-            d["quantization_config"] = {
-                "quant_method": "fp8",
-                "fmt": "e4m3",
-                "activation_scheme": "dynamic",
-                "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
-                "weight_block_size": [128, 128],
-            }
-        # Always written: the loader's default depends on the dense format (fp4 beside fp8).
-        d["expert_dtype"] = self.weights.experts
-        d["torch_dtype"] = "float32" if self.weights.dense == "fp32" else "bfloat16"
-        return d
-
-    def _hash_prefix_length(self) -> int | None:
-        """``num_hash_layers`` of the official spelling; None where hash layers are not a prefix."""
-        kinds = [l.moe for l in self.layers]
-        n = kinds.count(HASH_MOE)
-        return n if kinds == [HASH_MOE] * n + [ROUTED_MOE] * (len(kinds) - n) else None
-
-    def summary(self) -> dict[str, Any]:
-        """A JSON-friendly description, stored in artifact manifests."""
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -500,7 +234,7 @@ def _compress_rates(raw: dict[str, Any]) -> dict[str, int]:
         rates = {}
     if not isinstance(rates, dict):
         raise ConfigError(f"config field 'compress_rates' must be an object, got {rates!r}")
-    bad_rates = [k for k in rates if k not in _HF_LAYER_TYPES or k == "sliding_attention"]
+    bad_rates = [k for k in rates if k not in HF_LAYER_TYPES or k == "sliding_attention"]
     if bad_rates:
         raise UnsupportedModelError(f"config field compress_rates[{bad_rates[0]!r}] names an unknown attention kind")
     ratio_of = {SLIDING: 0}
@@ -569,11 +303,11 @@ def _attention_schedule(raw: dict[str, Any], n: int, n_mtp: int) -> tuple[list[t
             raise ConfigError(f"config field 'layer_types' has {len(types)} entries for num_hidden_layers = {n}")
         kinds = []
         for i, t in enumerate(types):
-            if not isinstance(t, str) or t not in _HF_LAYER_TYPES:
+            if not isinstance(t, str) or t not in HF_LAYER_TYPES:
                 raise UnsupportedModelError(
-                    f"config field layer_types[{i}] = {t!r} is not one of {sorted(_HF_LAYER_TYPES)}"
+                    f"config field layer_types[{i}] = {t!r} is not one of {sorted(HF_LAYER_TYPES)}"
                 )
-            kinds.append(_HF_LAYER_TYPES[t])
+            kinds.append(HF_LAYER_TYPES[t])
         # transformers does not instantiate MTP; the official MTP block is sliding-only.
         from_types = [(k, ratio_of[k]) for k in kinds], [(SLIDING, 0)] * n_mtp
     if ratios is None:
@@ -620,9 +354,9 @@ def _moe_schedule(raw: dict[str, Any], f: dict[str, Any], n: int) -> list[str]:
         raise ConfigError(f"config field 'mlp_layer_types' has {got}; expected a list of num_hidden_layers = {n}")
     out = []
     for i, t in enumerate(types):
-        if not isinstance(t, str) or t not in _HF_MLP_TYPES:
+        if not isinstance(t, str) or t not in HF_MLP_TYPES:
             raise UnsupportedModelError(f"config field mlp_layer_types[{i}] = {t!r} is not 'hash_moe' or 'moe'")
-        out.append(_HF_MLP_TYPES[t])
+        out.append(HF_MLP_TYPES[t])
     if n_hash is not None and out != [HASH_MOE] * n_hash + [ROUTED_MOE] * (n - n_hash):
         raise ConfigError(f"config fields disagree: {_field(raw, 'num_hash_layers')} = {n_hash} vs mlp_layer_types")
     return out

@@ -11,31 +11,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from typing import Any, Iterable
 
-Dim = Union[int, str]  # a concrete size or a symbolic name such as "T" (tokens in the step)
-
-
-@dataclass(frozen=True)
-class TensorType:
-    dtype: str  # "f32", "i32", "i64"
-    shape: tuple[Dim, ...]
-
-    def __str__(self) -> str:
-        return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
-
-
-@dataclass(frozen=True)
-class StateType:
-    """The KV / compressor state after a side effect; carries no data of its own."""
-
-    def __str__(self) -> str:
-        return "state"
-
-
-STATE = StateType()
-Type = Union[TensorType, StateType]
-
+from dsv4c.ir.ops import infer_types
+from dsv4c.ir.types import TensorType, Type
 
 class Value:
     """An SSA value: a function input, a weight, or a node output."""
@@ -85,7 +64,7 @@ class Function:
 class Program:
     """Everything the compiler hands from stage to stage: functions plus the model description."""
 
-    config: Any  # dsv4c.frontend.config.ModelConfig
+    config: Any  # dsv4c.artifact.model_config.ModelConfig
     functions: dict[str, Function]
     numerics: str = "exact"  # "exact" (fp32, what transformers computes) or "qat" (official QAT round trips)
 
@@ -124,8 +103,6 @@ class Builder:
 
     def emit(self, op: str, inputs: list[Value], attrs: dict[str, Any] | None = None,
              names: str | list[str] | None = None) -> Value | tuple[Value, ...]:
-        from dsv4c.ir.ops import infer_types
-
         attrs = dict(attrs or {})
         out_types = infer_types(op, [v.type for v in inputs], attrs)
         hints = [names] if isinstance(names, str) else list(names or [])

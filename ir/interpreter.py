@@ -13,7 +13,8 @@ import numpy as np
 
 from dsv4c.errors import UsageError
 from dsv4c.ir import kernels
-from dsv4c.ir.core import Function, Node, Program, TensorType
+from dsv4c.ir.core import Function, Node, Program
+from dsv4c.ir.types import TensorType
 
 Hook = Callable[[Node, list[Any], Any], None]
 

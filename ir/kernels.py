@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dsv4c.errors import UsageError
-from dsv4c.frontend import lowbit
+from dsv4c.artifact import lowbit
 
 F32 = np.float32
 

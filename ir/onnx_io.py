@@ -16,8 +16,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from dsv4c import __version__
+from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.errors import IRError, UsageError
-from dsv4c.ir.core import STATE, Function, Node, Program, StateType, TensorType, Type, Value
+from dsv4c.ir.core import Function, Node, Program, Value
+from dsv4c.ir.types import STATE, StateType, TensorType, Type
 
 try:
     import onnx
@@ -114,7 +116,7 @@ def program_to_onnx(program: Program, weights: dict[str, np.ndarray] | None = No
                               producer_name="dsv4c", producer_version=__version__,
                               doc_string=f"DeepSeek-V4 {program.config.name}: dsv4c IR ({stage})")
     helper.set_model_props(model, {"dsv4c.model": program.config.name, "dsv4c.numerics": program.numerics,
-                                   "dsv4c.stage": stage, "dsv4c.config": json.dumps(program.config.to_json_dict())})
+                                   "dsv4c.stage": stage, "dsv4c.config": json.dumps(program.config.to_json_dict("hf"))})
     return model
 
 
@@ -204,13 +206,12 @@ def _function(name: str, params: Iterable[str], nodes: Iterable[onnx.NodeProto],
 def program_from_onnx(model: onnx.ModelProto) -> Program:
     """The program an ONNX model written by :func:`program_to_onnx` holds, verified; the model
     config comes from the file's metadata."""
-    from dsv4c.frontend.config import config_from_dict
     from dsv4c.ir.verify import verify
 
     meta = {p.key: p.value for p in model.metadata_props}
     if "dsv4c.numerics" not in meta:
         raise IRError("not an ONNX model written by dsv4c (no dsv4c.numerics metadata)")
-    config = config_from_dict(json.loads(meta["dsv4c.config"]), name=meta["dsv4c.model"])
+    config = ModelConfig.from_json_dict(json.loads(meta["dsv4c.config"]), meta["dsv4c.model"], "ONNX metadata")
     g = model.graph
     functions = [_function(g.name, [vi.name for vi in g.input], g.node, [vi.name for vi in g.output],
                            [*g.input, *g.output, *g.value_info])]

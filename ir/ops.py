@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dsv4c.errors import IRError
-from dsv4c.ir.core import STATE, Dim, StateType, TensorType, Type
+from dsv4c.ir.types import STATE, Dim, StateType, TensorType, Type
 
 
 @dataclass(frozen=True)

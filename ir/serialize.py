@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from dsv4c.errors import IRError
-from dsv4c.ir.core import STATE, Function, Node, Program, StateType, TensorType, Type, Value
+from dsv4c.ir.core import Function, Node, Program, Value
+from dsv4c.ir.types import STATE, StateType, TensorType, Type
 
 
 def _type_to_json(t: Type) -> Any:

@@ -1,64 +1,16 @@
-"""Per-target quantization plan (SPEC §5): how every weight kind and every pool plane is
-stored, its block shape, scale format and compute dtype. Computed once per (model, target,
-numerics) and passed on: the pool geometry, the weight converter, the kernels and the
-artifact manifest all read it from here.
+"""Choosing the per-target quantization plan (SPEC §5; the plan itself is
+``artifact.quant.QuantPlan``): how every weight kind and every pool plane is stored, its block
+shape, scale format and compute dtype. Computed once per (model, target, numerics) and passed
+on: the pool geometry, the weight converter, the kernels and the artifact manifest read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
+from dsv4c.artifact.model_config import ModelConfig
+from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, MAIN_FP8_LAYOUT, ROW_MAJOR, index_row_bytes_of, main_row_bytes
+from dsv4c.artifact.quant import PoolLayout, QuantPlan, WeightQuant
 from dsv4c.errors import UsageError
-from dsv4c.frontend.config import ModelConfig
-from dsv4c.runtime.pool_layout import FP4_PRESHUFFLED, MAIN_FP8_LAYOUT, ROW_MAJOR, index_row_bytes_of
 from dsv4c.targets import target_info
-
-
-@dataclass(frozen=True)
-class WeightLayout:
-    storage: str  # fp8 / fp4 / bf16 / fp32 / int
-    block: tuple[int, int] | None  # quantization block (rows, cols); None when unquantized
-    scale: str | None  # e8m0 / fp32 / None
-    compute: str  # dtype the kernel multiplies in
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    storage: str  # fp8 / bf16 / fp32 (main); fp4 / fp8 / fp32 (index)
-    row_bytes: int
-    layout: str  # a tag of the byte layout, separate from the quant mode (gfx950 vs gfx1250 FP4)
-    hadamard: bool = False  # index rows are Hadamard-rotated before quantization
-
-
-@dataclass(frozen=True)
-class QuantPlan:
-    target: str
-    numerics: str
-    fp8_format: str  # e4m3fn / e4m3fnuz: dense FP8 weights, the main pool's NoPE codes, FP8 index rows
-    weights: dict[str, WeightLayout]  # by checkpoint storage kind (see frontend.checkpoint)
-    main_kv: PoolLayout
-    index_kv: PoolLayout
-
-    @property
-    def expert_format(self) -> str:
-        return self.weights["expert"].storage
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def main_row_bytes(cfg: ModelConfig, storage: str) -> int:
-    if storage == "fp8":
-        # NoPE e4m3 values + one E8M0 scale per 64, padded to 8 bytes (the 448 + 8 packing of
-        # vLLM / SGLang), then the BF16 rope plane: 584 B for V4.
-        scales = -(-cfg.nope_dim // 64)
-        return cfg.nope_dim + (-(-scales // 8) * 8) + 2 * cfg.rope_dim
-    return cfg.head_dim * {"bf16": 2, "fp32": 4}[storage]
-
-
-def index_row_bytes(cfg: ModelConfig, storage: str) -> int:
-    return index_row_bytes_of(cfg.index_head_dim, storage)
-
 
 KV_CACHE_DTYPES = ("auto", "fp32", "fp8")
 
@@ -71,19 +23,19 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
     cpu = not info.gpu
     fp8 = "fp8_fnuz" if fnuz else "fp8"
     # gfx942 keeps the e4m3fn bits and doubles the (still power-of-two) scale.
-    blocks = WeightLayout(fp8, (128, 128), "e8m0", "fp32" if cpu else "bf16")
+    blocks = WeightQuant(fp8, (128, 128), "e8m0", "fp32" if cpu else "bf16")
     if info.fp4_math:
-        expert = WeightLayout("fp4", (1, 32), "e8m0", "fp4")  # native MX FP4 math
+        expert = WeightQuant("fp4", (1, 32), "e8m0", "fp4")  # native MX FP4 math
     else:
         # No FP4 math on sm90 / gfx942: the kernels dequantize FP4 to BF16 (CPU: fp32).
-        expert = WeightLayout("fp4", (1, 32), "e8m0", "fp32" if cpu else "bf16")
+        expert = WeightQuant("fp4", (1, 32), "e8m0", "fp32" if cpu else "bf16")
     compute = "fp32" if cpu else "bf16"
     weights = {
         "dense": blocks,
         "expert": expert,
-        "bf16": WeightLayout("bf16", None, None, compute),
-        "fp32": WeightLayout("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
-        "index": WeightLayout("int", None, None, "int32"),
+        "bf16": WeightQuant("bf16", None, None, compute),
+        "fp32": WeightQuant("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
+        "index": WeightQuant("int", None, None, "int32"),
     }
     if kv_cache_dtype == "auto":
         # The CPU pool follows the numerics: fp32 rows reproduce transformers exactly, the
@@ -111,6 +63,6 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         numerics=numerics,
         fp8_format=info.fp8_format,
         weights=weights,
-        main_kv=PoolLayout(main, main_row_bytes(cfg, main), MAIN_FP8_LAYOUT if main == "fp8" else ROW_MAJOR),
-        index_kv=PoolLayout(index, index_row_bytes(cfg, index), index_layout, hadamard=index == "fp4"),
+        main_kv=PoolLayout(main, main_row_bytes(cfg.head_dim, cfg.rope_dim, main), MAIN_FP8_LAYOUT if main == "fp8" else ROW_MAJOR),
+        index_kv=PoolLayout(index, index_row_bytes_of(cfg.index_head_dim, index), index_layout, hadamard=index == "fp4"),
     )

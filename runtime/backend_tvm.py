@@ -20,9 +20,9 @@ from tvm import relax
 
 from dsv4c import targets
 from dsv4c.errors import UsageError
-from dsv4c.frontend.safetensors_io import SafetensorsFile
+from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.ir.kernels import request_groups
-from dsv4c.runtime.artifact import MANIFEST, ArtifactError
+from dsv4c.artifact.manifest import MANIFEST, ArtifactError
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 
@@ -55,21 +55,12 @@ class TvmBackend:
                                 "reads); recompile with weights")
         # ffi Arrays made once: a Python list would be converted on every call.
         self.params = tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
-        self.pool_tensors = tvm_ffi.convert([self._pool_tensor(self._pool_array(p)) for p in vm["pool"]])
+        self.pool_tensors = tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p["name"]]) for p in vm["pool"]])
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
         # The last streams of the last step and of the last draft, left on the device for the next draft.
         self.step_streams = self.draft_streams = None
-
-    def _pool_array(self, desc: dict) -> np.ndarray:
-        kind, _, rest = desc["name"].partition(".")
-        if kind == "main":
-            return self.pool.planes[rest]
-        if kind == "index":
-            return self.pool.index_plane
-        layer, stream, part = rest.split(".")
-        return self.pool.state[(int(layer), stream)][("kv", "score").index(part)]
 
     # ------------------------------------------------------------------ memory
     def _upload(self, a: np.ndarray) -> tvm.runtime.Tensor:

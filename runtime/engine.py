@@ -21,9 +21,10 @@ from typing import Callable
 import numpy as np
 
 from dsv4c.errors import UsageError
-from dsv4c.frontend.config import config_from_dict
-from dsv4c.runtime.artifact import ArtifactError, read_manifest
-from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolGeometry
+from dsv4c.artifact.manifest import MANIFEST, ArtifactError, read_manifest
+from dsv4c.artifact.model_config import ModelConfig
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
+from dsv4c.runtime.kv_pool import KVPool
 from dsv4c.runtime.sampling import Sampler, SamplingParams
 from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose
 from dsv4c.runtime.weights import check_weights_mode
@@ -99,8 +100,9 @@ class Engine:
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
         self.manifest = manifest
-        self.config = config_from_dict(manifest["model"], manifest["model_name"])
-        geometry = PoolGeometry.from_manifest(self.config, manifest)
+        # The model and the pool as the compiler recorded them (read, not re-derived).
+        self.config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], f"{self.path / MANIFEST}")
+        geometry = PoolGeometry.from_summary(manifest["pool_geometry"], self.config, f"{self.path / MANIFEST}")
         envelopes = max_requests * -(-max_context // ENVELOPE_TOKENS)
         self.pool = KVPool(geometry, envelopes * geometry.rows_per_envelope
                            + max_requests * geometry.window_rows_per_request)

@@ -1,36 +1,22 @@
-"""The KV pool: one row space per device (SPEC §4).
+"""The KV pool's allocator: one row space per device (SPEC §4; the geometry, the tensors and
+the row formats are ``artifact.pool`` and ``artifact.pool_rows``, shared with the compiler).
 
-* **Envelopes** hold compressed history: one envelope covers 256 tokens of one request and
-  holds, layer by layer, that layer's compressed rows (256/ratio each). They are allocated
-  from row 0 upward.
-* **Slots** hold a live request's sliding windows (``W`` rows per layer, a ring indexed by
-  ``pos % W``; the backbone's layers, then the MTP layer's); they are allocated from the top
-  of the row space downward. The boundary
-  between the two regions is a pair of counters.
-* **Planes**: a row number means the same row in every plane (FP8 NoPE + scales, BF16 rope;
-  or one BF16 / FP32 plane). CSA index rows live in a separate index pool addressed by the
-  same envelope numbers. Compressor rings are fp32, one set per slot.
-
-:class:`PoolGeometry` computes every number once; :class:`KVPool` allocates the arrays once
-and hands out rows; :class:`PagedStore` lets the reference kernels run on the pool. The
-compiled step turns a request's slot and block table into rows itself
-(``codegen.step_kernels``).
+:class:`KVPool` allocates the tensors once and hands out rows: envelopes from row 0 upward,
+slots from the top downward; the boundary between the two regions is a pair of counters.
+:class:`PagedStore` lets the reference kernels run on the pool. The compiled step turns a
+request's slot and block table into rows itself (``codegen.step_kernels``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
+from dsv4c.artifact.pool_rows import IndexRowCodec, MainRowCodec
 from dsv4c.errors import DsvError, UsageError
-from dsv4c.frontend import lowbit
-from dsv4c.frontend.config import CSA, ModelConfig
-from dsv4c.runtime.pool_layout import FP4_PRESHUFFLED, PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset
 
-ENVELOPE_TOKENS = 256
-F32 = np.float32
 
 
 def aligned_empty(shape, dtype, allocate=np.empty) -> np.ndarray:
@@ -50,252 +36,6 @@ def aligned_zeros(shape, dtype) -> np.ndarray:
 
 class PoolExhausted(DsvError):
     """The pool has no room for the request; nothing was changed."""
-
-
-# --------------------------------------------------------------------------- geometry
-
-
-@dataclass(frozen=True)
-class CompressedLayerRows:
-    layer: int
-    kind: str
-    ratio: int
-    rows_per_envelope: int  # 256 / ratio
-    offset: int  # first row of this layer inside an envelope
-    index_offset: int | None  # first row inside an index envelope (CSA layers)
-
-
-@dataclass(frozen=True)
-class StateShape:
-    layer: int
-    stream: str  # main / index
-    rows: int  # ratio (HCA) or 2 * ratio (CSA, overlapping windows)
-    width: int  # head_dim (HCA) or 2 * head_dim (CSA)
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    head_dim: int
-    rope_dim: int
-    index_head_dim: int
-    window: int
-    window_rows_per_request: int  # ModelConfig.window_rows_per_request: the backbone's layers, then MTP's
-    compressed: tuple[CompressedLayerRows, ...]
-    states: tuple[StateShape, ...]
-    rows_per_envelope: int
-    index_rows_per_envelope: int
-    main_storage: str
-    index_storage: str
-    main_row_bytes: int
-    index_row_bytes: int
-    fp8_format: str  # e4m3fn / e4m3fnuz: the main NoPE codes and the FP8 index rows (QuantPlan.fp8_format)
-    index_layout: str  # the index plane's byte layout (QuantPlan.index_kv.layout)
-
-    @classmethod
-    def build(cls, cfg: ModelConfig, plan) -> "PoolGeometry":
-        """From the model and its quantization plan (``passes.quant_plan.QuantPlan``)."""
-        compressed, states, offset, index_offset = [], [], 0, 0
-        for layer in cfg.layers:
-            if not layer.is_compressed:
-                continue
-            r = layer.compress_ratio
-            if ENVELOPE_TOKENS % r:
-                raise UsageError(
-                    f"layer {layer.index}: compress ratio {r} does not divide the {ENVELOPE_TOKENS}-token envelope"
-                )
-            rows = ENVELOPE_TOKENS // r
-            compressed.append(CompressedLayerRows(layer.index, layer.attention, r, rows, offset,
-                                                  index_offset if layer.has_indexer else None))
-            offset += rows
-            c = 2 if layer.attention == CSA else 1
-            states.append(StateShape(layer.index, "main", c * r, c * cfg.head_dim))
-            if layer.has_indexer:
-                if plan.index_kv.layout == FP4_PRESHUFFLED and rows % PRESHUFFLE_TILE_ROWS:
-                    # A tile is one layer's rows of one envelope: AITER's block, and whole tiles in every plane.
-                    raise UsageError(f"layer {layer.index}: gfx950's FP4 index tiles hold {PRESHUFFLE_TILE_ROWS} "
-                                     f"rows of one envelope, and compress ratio {r} gives {rows}; "
-                                     "use --kv-cache-dtype fp32")
-                index_offset += rows
-                states.append(StateShape(layer.index, "index", c * r, c * cfg.index_head_dim))
-        return cls(
-            head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, index_head_dim=cfg.index_head_dim,
-            window=cfg.sliding_window, window_rows_per_request=cfg.window_rows_per_request, compressed=tuple(compressed),
-            states=tuple(states), rows_per_envelope=offset, index_rows_per_envelope=index_offset,
-            main_storage=plan.main_kv.storage, index_storage=plan.index_kv.storage,
-            main_row_bytes=plan.main_kv.row_bytes, index_row_bytes=plan.index_kv.row_bytes,
-            fp8_format=plan.fp8_format, index_layout=plan.index_kv.layout,
-        )
-
-    @classmethod
-    def from_manifest(cls, cfg: ModelConfig, manifest: dict) -> "PoolGeometry":
-        """The geometry an artifact was compiled for, from the quant plan its manifest records
-        (the runtime reads it there rather than re-planning)."""
-        plan = manifest["quant_plan"]
-        view = SimpleNamespace(**{k: SimpleNamespace(**v) if k in ("main_kv", "index_kv") else v
-                                  for k, v in plan.items()})
-        return cls.build(cfg, view)
-
-    # ----- derived numbers (one place each)
-    @property
-    def state_bytes_per_request(self) -> int:
-        return sum(2 * s.rows * s.width * 4 for s in self.states)  # kv_state + score_state, fp32
-
-    @property
-    def envelope_bytes(self) -> int:
-        return self.rows_per_envelope * self.main_row_bytes + self.index_rows_per_envelope * self.index_row_bytes
-
-    def plane_bytes_per_row(self) -> dict[str, int]:
-        if self.main_storage == "fp8":
-            rope = 2 * self.rope_dim
-            return {"nope": self.main_row_bytes - rope, "rope": rope}
-        return {"kv": self.main_row_bytes}
-
-    def bytes_per_token(self) -> dict[str, float]:
-        per_token = self.rows_per_envelope / ENVELOPE_TOKENS
-        out = {plane: per_token * b for plane, b in self.plane_bytes_per_row().items()}
-        out["index"] = self.index_rows_per_envelope / ENVELOPE_TOKENS * self.index_row_bytes
-        return out
-
-    @property
-    def request_fixed_bytes(self) -> int:
-        return self.window_rows_per_request * self.main_row_bytes + self.state_bytes_per_request
-
-    def rows_of(self, layer: int) -> CompressedLayerRows:
-        for c in self.compressed:
-            if c.layer == layer:
-                return c
-        raise KeyError(f"layer {layer} has no compressed rows")
-
-    def budget(self, memory_bytes: int, contexts=(4096, 32768, 131072, 1048576)) -> dict:
-        """How many tokens (one request) and requests (at given context lengths) fit."""
-        env = self.envelope_bytes
-        one = (memory_bytes - self.request_fixed_bytes) // env if env else 0
-        requests = {}
-        for ctx in contexts:
-            per = self.request_fixed_bytes + -(-ctx // ENVELOPE_TOKENS) * env
-            requests[str(ctx)] = max(0, memory_bytes // per)
-        return {"max_tokens": int(max(0, one) * ENVELOPE_TOKENS), "max_requests_at_context": requests}
-
-    def summary(self) -> dict:
-        return {
-            "envelope_tokens": ENVELOPE_TOKENS,
-            "rows_per_envelope": self.rows_per_envelope,
-            "index_rows_per_envelope": self.index_rows_per_envelope,
-            "main_storage": self.main_storage,
-            "index_storage": self.index_storage,
-            "main_row_bytes": self.main_row_bytes,
-            "index_row_bytes": self.index_row_bytes,
-            "pool_fp8_format": self.fp8_format,
-            "index_layout": self.index_layout,
-            "bytes_per_token": round(sum(self.bytes_per_token().values()), 3),
-            "bytes_per_token_by_plane": {k: round(v, 3) for k, v in self.bytes_per_token().items()},
-            "window_rows_per_request": self.window_rows_per_request,
-            "window_bytes_per_request": self.window_rows_per_request * self.main_row_bytes,
-            "state_bytes_per_request": self.state_bytes_per_request,
-            "layers": [{"layer": c.layer, "kind": c.kind, "ratio": c.ratio, "rows": c.rows_per_envelope,
-                        "offset": c.offset, "index_offset": c.index_offset} for c in self.compressed],
-        }
-
-
-# --------------------------------------------------------------------------- row codecs
-
-
-def _pow2_blocks(x: np.ndarray, block: int, amax_floor: float, qmax: float) -> np.ndarray:
-    amax = np.abs(x.reshape(x.shape[0], -1, block)).max(axis=2)
-    return lowbit.pow2_ceil_scale(np.maximum(amax, amax_floor), qmax)
-
-
-class _MainCodec:
-    """Encodes fp32 KV rows into the main planes and back (FP8 NoPE codes in the plan's fp8 format)."""
-
-    def __init__(self, g: PoolGeometry):
-        self.g = g
-        self.nope = g.head_dim - g.rope_dim
-        self.n_scales = -(-self.nope // 64)
-
-    def allocate(self, rows: int) -> dict[str, np.ndarray]:
-        g = self.g
-        if g.main_storage == "fp8":
-            return {"nope": aligned_zeros((rows, g.main_row_bytes - 2 * g.rope_dim), np.uint8),
-                    "rope": aligned_zeros((rows, g.rope_dim), np.uint16)}
-        dtype = {"bf16": np.uint16, "fp32": F32}[g.main_storage]
-        return {"kv": aligned_zeros((rows, g.head_dim), dtype)}
-
-    def write(self, planes, rows: np.ndarray, values: np.ndarray) -> None:
-        s = self.g.main_storage
-        if s == "fp32":
-            planes["kv"][rows] = values
-        elif s == "bf16":
-            planes["kv"][rows] = lowbit.bf16_bits_from_f32(values)
-        else:
-            nope = values[:, :self.nope]
-            scale = _pow2_blocks(nope, 64, lowbit.FP8_AMAX_FLOOR, lowbit.E4M3_MAX)
-            codes = lowbit.encode_e4m3fn(np.clip(nope / np.repeat(scale, 64, axis=1), -448, 448))
-            codes, scale = lowbit.fp8_in_format(codes, scale, self.g.fp8_format)
-            planes["nope"][rows, :self.nope] = codes
-            planes["nope"][rows, self.nope:self.nope + self.n_scales] = lowbit.encode_e8m0(scale)
-            planes["rope"][rows] = lowbit.bf16_bits_from_f32(values[:, self.nope:])
-
-    def read(self, planes, rows: np.ndarray) -> np.ndarray:
-        s = self.g.main_storage
-        if s == "fp32":
-            return planes["kv"][rows]
-        if s == "bf16":
-            return lowbit.f32_from_bf16_bits(planes["kv"][rows])
-        raw = planes["nope"][rows]
-        scale = lowbit.decode_e8m0(raw[:, self.nope:self.nope + self.n_scales])
-        nope = lowbit.decode_fp8(raw[:, :self.nope], self.g.fp8_format) * np.repeat(scale, 64, axis=1)
-        return np.concatenate([nope, lowbit.f32_from_bf16_bits(planes["rope"][rows])], axis=1).astype(F32)
-
-
-class _IndexCodec:
-    """Encodes fp32 index rows into the index plane and back: FP8 rows row-major, FP4 rows in
-    the plan's layout (row-major, or gfx950's tiles of 64 rows, see quant_plan.FP4_PRESHUFFLED;
-    PoolGeometry.build makes every envelope whole tiles)."""
-
-    def __init__(self, g: PoolGeometry):
-        self.g = g
-
-    def allocate(self, rows: int) -> np.ndarray:
-        if self.g.index_storage == "fp32":
-            return aligned_zeros((rows, self.g.index_head_dim), F32)
-        return aligned_zeros((rows, self.g.index_row_bytes), np.uint8)
-
-    def _fp4_offsets(self, plane, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), row bytes] offsets into the flat plane of each row's bytes, in row-major
-        order (packed codes, then the scales)."""
-        d, layout, r = self.g.index_head_dim, self.g.index_layout, len(plane)
-        rows = rows.astype(np.int64)[:, None]
-        return np.concatenate([fp4_code_offset(layout, rows, np.arange(d // 2), r, d),
-                               fp4_scale_offset(layout, rows, np.arange(d // 32), r, d)], axis=1)
-
-    def write(self, plane, rows: np.ndarray, values: np.ndarray) -> None:
-        s, d = self.g.index_storage, self.g.index_head_dim
-        if s == "fp32":
-            plane[rows] = values
-        elif s == "fp4":
-            scale = _pow2_blocks(values, 32, lowbit.FP4_AMAX_FLOOR, lowbit.E2M1_MAX)
-            codes = lowbit.encode_e2m1(np.clip(values / np.repeat(scale, 32, axis=1), -6, 6))
-            row_bytes = np.concatenate([lowbit.pack_fp4(codes).view(np.uint8), lowbit.encode_e8m0(scale)], axis=1)
-            plane.reshape(-1)[self._fp4_offsets(plane, rows)] = row_bytes
-        else:  # fp8 with one fp32 scale per row
-            scale = (np.maximum(np.abs(values).max(axis=1), lowbit.FP8_AMAX_FLOOR) / lowbit.E4M3_MAX).astype(F32)
-            codes, scale = lowbit.fp8_in_format(lowbit.encode_e4m3fn(values / scale[:, None]), scale,
-                                                self.g.fp8_format)
-            plane[rows, :d] = codes
-            plane[rows, d:] = scale.view(np.uint8).reshape(-1, 4)
-
-    def read(self, plane, rows: np.ndarray) -> np.ndarray:
-        s, d = self.g.index_storage, self.g.index_head_dim
-        if s == "fp32":
-            return plane[rows]
-        if s == "fp4":
-            raw = plane.reshape(-1)[self._fp4_offsets(plane, rows)]
-            scale = lowbit.decode_e8m0(raw[:, d // 2:])
-            return (lowbit.decode_e2m1(lowbit.unpack_fp4(raw[:, :d // 2])) * np.repeat(scale, 32, axis=1)).astype(F32)
-        raw = plane[rows]
-        scale = np.ascontiguousarray(raw[:, d:]).view(F32)[:, 0]
-        return (lowbit.decode_fp8(raw[:, :d], self.g.fp8_format) * scale[:, None]).astype(F32)
 
 
 # --------------------------------------------------------------------------- allocator
@@ -318,25 +58,21 @@ class KVPool:
         self.geometry, self.total_rows = g, total_rows
         self.max_envelopes = total_rows // g.rows_per_envelope if g.rows_per_envelope else 0
         self.max_slots = total_rows // g.window_rows_per_request
-        self._main, self._index = _MainCodec(g), _IndexCodec(g)
-        self.planes = self._main.allocate(total_rows)
-        self.index_plane = self._index.allocate(max(self.max_envelopes * g.index_rows_per_envelope, 1))
-        self.state = {(s.layer, s.stream): (aligned_zeros((self.max_slots, s.rows, s.width), F32),
-                                            aligned_zeros((self.max_slots, s.rows, s.width), F32)) for s in g.states}
+        self._main, self._index = MainRowCodec(g), IndexRowCodec(g)
+        count = {"main": total_rows, "index": max(self.max_envelopes * g.index_rows_per_envelope, 1),
+                 "slots": self.max_slots}
+        layout = g.tensors()
+        # By PoolTensor.name, in the compiled step's order; the views below are the same arrays.
+        self.tensors = {t.name: aligned_zeros((count[t.rows], *t.shape), t.dtype) for t in layout}
+        self.planes = {t.part: self.tensors[t.name] for t in layout if t.rows == "main"}
+        self.index_plane = next(self.tensors[t.name] for t in layout if t.rows == "index")
+        rings = [t for t in layout if t.state is not None]
+        self.state = {(s.layer, s.stream): tuple(self.tensors[t.name] for t in rings if t.state == s) for s in g.states}
         self.requests: dict[int, RequestRows] = {}
         self._env_high = 0  # envelopes [0, _env_high) may be in use; rows grow up
         self._slot_high = 0  # slots [0, _slot_high) may be in use; rows grow down from the top
         self._env_free: list[int] = []
         self._slot_free: list[int] = []
-
-    @classmethod
-    def for_memory(cls, geometry: PoolGeometry, memory_bytes: int) -> "KVPool":
-        g = geometry
-        per_row = g.main_row_bytes
-        if g.rows_per_envelope:  # index rows and slot state, amortised per main row
-            per_row += g.index_row_bytes * g.index_rows_per_envelope / g.rows_per_envelope
-        per_row += g.state_bytes_per_request / g.window_rows_per_request
-        return cls(g, int(memory_bytes // per_row))
 
     # ----- boundary
     def envelope_rows(self, block: int) -> tuple[int, int]:
@@ -444,7 +180,7 @@ class KVPool:
     def position_state(self, seq: int, positions) -> list[tuple[np.ndarray, tuple]]:
         """Every (array, index) of state that feeding ``positions`` of request ``seq`` writes:
         their window rows in each layer, their compressor ring rows (position p owns row
-        p mod ring rows, see ``llvm_kernels.ring_update``), and the compressed and index entries
+        p mod ring rows, see the compressor kernels' ``ring_update``), and the compressed and index entries
         of the windows they close. Speculative decoding saves these before a verify step and
         puts back those of the tokens it rejects, so the pool is what it would be had they
         never been fed; that holds while no two of the positions share a row (the engine keeps

@@ -24,8 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from dsv4c.errors import UsageError
-from dsv4c.frontend.safetensors_io import STORAGE_DTYPES, SafetensorsFile
-from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile
+from dsv4c.artifact.manifest import ArtifactError
 from dsv4c.runtime.kv_pool import aligned_empty
 from dsv4c.threads import default_workers
 
@@ -98,7 +98,7 @@ def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = Fa
     """Every weight of the artifact by name (read-only arrays), memory-mapped from its shards,
     or with ``read`` read from them into 64-byte aligned memory.
 
-    ``manifest`` is :func:`~dsv4c.runtime.artifact.read_manifest`'s, which has checked that
+    ``manifest`` is :func:`~dsv4c.artifact.manifest.read_manifest`'s, which has checked that
     every file is there with its size. Here each shard's header is parsed and checked
     (:class:`~dsv4c.errors.CheckpointError` naming the file), and the index against the
     shards: every tensor in exactly the file the index names. Mapped, no tensor data is read."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
-from dsv4c.frontend.config import ModelConfig, with_weights
+from dsv4c.artifact.model_config import ModelConfig
+from dsv4c.frontend.config import with_weights
 from dsv4c.frontend.trace import trace
 from dsv4c.ir.interpreter import Interpreter
-from dsv4c.runtime.dense_cache import DenseCache
+from dense_cache import DenseCache
 
 
 def fp32_checkpoint(cfg: ModelConfig, out_dir, seed: int = 0) -> ModelConfig:

@@ -9,13 +9,13 @@ import textwrap
 
 import pytest
 
-from dsv4c.runtime.artifact import staging
+from dsv4c.artifact.manifest import staging
 
 # A compile that stages its output and then hangs until killed, like one stopped by SIGKILL
 # or the OOM killer: no cleanup runs.
 HANGING_COMPILE = textwrap.dedent("""
     import sys, time
-    from dsv4c.runtime.artifact import staging
+    from dsv4c.artifact.manifest import staging
     with staging(sys.argv[1]) as tmp:
         (tmp / "weights.safetensors").write_bytes(b"half written")
         print(tmp, flush=True)

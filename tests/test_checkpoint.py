@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from dsv4c.errors import CheckpointError, UsageError
-from dsv4c.frontend import checkpoint, lowbit
+from dsv4c.artifact import lowbit
+from dsv4c.frontend import checkpoint
 from dsv4c.frontend.checkpoint import (
     BF16, DENSE, EXPERT, FP32, INDEX, Checkpoint, inventory, iter_random_weights, load_weights, official_name,
     random_weights, write_checkpoint,
 )
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
-from dsv4c.frontend.safetensors_io import SafetensorsFile, SafetensorsWriter, write_safetensors
+from dsv4c.artifact.safetensors_io import SafetensorsFile, SafetensorsWriter, write_safetensors
 
 TINY = with_weights(preset("tiny"), dense="fp32", experts="fp32")
 # FP8 / FP4 storage with partial 128x128 edge blocks (160 and 96 are not multiples of 128).

@@ -7,7 +7,8 @@ import pytest
 
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
-from dsv4c.frontend.config import CSA, HCA, SLIDING, config_from_dict, preset
+from dsv4c.artifact.model_config import CSA, HCA, SLIDING
+from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for

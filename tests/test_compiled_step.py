@@ -17,7 +17,7 @@ from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.runtime.engine import Engine
-from dsv4c.runtime.kv_pool import PoolGeometry
+from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
 

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4c.errors import ConfigError, UnsupportedModelError
-from dsv4c.frontend.config import (
-    CSA, HASH_MOE, HCA, PRESETS, ROUTED_MOE, SLIDING, LayerSpec, ModelConfig, config_from_dict, load_config, preset,
-    with_weights,
-)
+from dsv4c.errors import ArtifactError, ConfigError, UnsupportedModelError
+from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, ROUTED_MOE, SLIDING, LayerSpec, ModelConfig
+from dsv4c.frontend.config import PRESETS, config_from_dict, load_config, preset, with_weights
 
 from parity_configs import PARITY_CONFIGS
 
@@ -64,7 +62,7 @@ def unnamed(cfg: ModelConfig) -> ModelConfig:
 
 
 def kinds(cfg: ModelConfig) -> dict[str, int]:
-    return {k: len(cfg.layers_of(k)) for k in (SLIDING, CSA, HCA)}
+    return {k: sum(layer.attention == k for layer in cfg.layers) for k in (SLIDING, CSA, HCA)}
 
 
 def assert_refused(raw, field: str, error=ConfigError) -> str:
@@ -201,6 +199,8 @@ def test_research_configs_round_trip(name):
             continue
         expressible += 1
         assert config_from_dict(json.loads(json.dumps(written))) == cfg, spelling
+        if spelling == "hf":  # what an artifact holds, read back by the runtime without the validator
+            assert ModelConfig.from_json_dict(json.loads(json.dumps(written)), cfg.name) == cfg
     assert expressible >= 1
     assert config_from_dict(json.loads(json.dumps(cfg.to_json_dict()))) == cfg  # the default spelling
 
@@ -211,6 +211,21 @@ def test_presets_round_trip(name):
     spellings = ("official", "hf") if name != "tiny" else ("hf",)
     for spelling in spellings:
         assert config_from_dict(cfg.to_json_dict(spelling), name=name) == cfg
+    assert ModelConfig.from_json_dict(json.loads(json.dumps(cfg.to_json_dict("hf"))), name) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(PARITY_CONFIGS))
+def test_artifact_model_description_round_trips(name):
+    cfg = config_from_dict(PARITY_CONFIGS[name], name)
+    assert ModelConfig.from_json_dict(json.loads(json.dumps(cfg.to_json_dict("hf"))), name) == cfg
+
+
+def test_a_mangled_model_description_is_a_one_line_artifact_error():
+    d = preset("tiny").to_json_dict("hf")
+    del d["layer_types"]
+    with pytest.raises(ArtifactError, match="x/manifest.json: .*'layer_types'.*recompile") as e:
+        ModelConfig.from_json_dict(d, "tiny", "x/manifest.json")
+    assert "\n" not in str(e.value)
 
 
 def test_inexpressible_spellings_are_refused():

@@ -27,9 +27,10 @@ from dsv4c.codegen.compile import compile_model
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.runtime.artifact import FORMAT_VERSION, read_manifest
+from dsv4c.artifact.manifest import FORMAT_VERSION, read_manifest
 from dsv4c.runtime.engine import Engine
-from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PoolExhausted, PoolGeometry
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
+from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.weights import open_weights
 

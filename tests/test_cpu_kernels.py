@@ -14,7 +14,7 @@ from tvm.script import tirx as T
 
 from dsv4c.codegen import llvm_kernels as K
 from dsv4c.codegen import step_kernels as S
-from dsv4c.frontend import lowbit
+from dsv4c.artifact import lowbit
 from dsv4c.targets import target_info
 
 QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp4_g32", "bf16")

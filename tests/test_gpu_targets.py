@@ -15,7 +15,7 @@ from dsv4c.codegen import gpu
 from dsv4c.codegen.compile import compile_model
 from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
 from dsv4c.frontend.config import preset
-from dsv4c.runtime.artifact import ArtifactError, read_manifest
+from dsv4c.artifact.manifest import ArtifactError, read_manifest
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.weights import open_weights
 
@@ -99,7 +99,7 @@ def test_pool_geometry_per_target(artifact):
     assert geometry["index_row_bytes"] == want
     assert geometry["main_storage"] == "fp8"
     flash = {"gfx950": 68, "gfx942": 132, "sm90": 132}[target]
-    from dsv4c.runtime.kv_pool import PoolGeometry
+    from dsv4c.artifact.pool import PoolGeometry
     assert PoolGeometry.build(preset("flash"), plan_for(preset("flash"), target)).index_row_bytes == flash
 
 

@@ -7,7 +7,8 @@ import pytest
 from dsv4c.errors import IRError
 from dsv4c.frontend.config import preset
 from dsv4c.frontend.trace import trace
-from dsv4c.ir.core import Builder, Function, Node, Program, TensorType, Value
+from dsv4c.ir.core import Builder, Function, Node, Program, Value
+from dsv4c.ir.types import TensorType
 from dsv4c.ir.ops import f32, i32
 from dsv4c.ir.verify import verify
 

@@ -13,8 +13,9 @@ from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.trace import trace
 from dsv4c.ir.interpreter import Interpreter
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.runtime.dense_cache import DenseCache
-from dsv4c.runtime.kv_pool import ENVELOPE_TOKENS, KVPool, PagedStore, PoolExhausted, PoolGeometry
+from dense_cache import DenseCache
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
+from dsv4c.runtime.kv_pool import KVPool, PagedStore, PoolExhausted
 
 from parity_configs import PARITY_CONFIGS
 from reference_harness import fp32_checkpoint

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4c.frontend.lowbit import (
+from dsv4c.artifact.lowbit import (
     decode_e2m1,
     decode_e4m3fn,
     decode_e4m3fnuz,

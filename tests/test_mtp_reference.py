@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
-from dsv4c.frontend.config import ROUTED_MOE, SLIDING, LayerSpec
+from dsv4c.artifact.model_config import ROUTED_MOE, SLIDING, LayerSpec
 from dsv4c.runtime.engine import Engine
 
 TOL = 1e-4

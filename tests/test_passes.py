@@ -10,7 +10,7 @@ import pytest
 
 from dsv4c.cli import main as cli
 from dsv4c.errors import UsageError
-from dsv4c.frontend import lowbit
+from dsv4c.artifact import lowbit
 from dsv4c.frontend.checkpoint import load_weights
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.trace import trace
@@ -23,7 +23,7 @@ from dsv4c.passes.merge_projections import materialize_weights, merge_projection
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.targets import COMPILED_TARGETS
-from dsv4c.runtime.dense_cache import DenseCache
+from dense_cache import DenseCache
 
 from parity_configs import PARITY_CONFIGS
 from reference_harness import fp32_checkpoint

@@ -17,14 +17,15 @@ from dsv4c.cli import main as cli
 from dsv4c.codegen import llvm_kernels as K
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.targets import target_info
-from dsv4c.frontend import lowbit
+from dsv4c.artifact import lowbit
 from dsv4c.errors import UsageError
 from dsv4c.frontend.config import config_from_dict, preset, resolve_model
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.runtime.kv_pool import KVPool, PoolGeometry, aligned_zeros
-from dsv4c.runtime.pool_layout import PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset
+from dsv4c.artifact.pool import PoolGeometry
+from dsv4c.runtime.kv_pool import KVPool, aligned_zeros
+from dsv4c.artifact.pool_rows import PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset
 
 from parity_configs import PARITY_CONFIGS
 

@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4c.frontend import lowbit
+from dsv4c.artifact import lowbit
 from dsv4c.errors import UnsupportedModelError
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.trace import trace

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsv4c.errors import CheckpointError
-from dsv4c.frontend import safetensors_io
-from dsv4c.frontend.lowbit import bf16_bits_from_f32, f32_from_bf16_bits
-from dsv4c.frontend.safetensors_io import SafetensorsFile, write_safetensors
+from dsv4c.artifact import safetensors_io
+from dsv4c.artifact.lowbit import bf16_bits_from_f32, f32_from_bf16_bits
+from dsv4c.artifact.safetensors_io import SafetensorsFile, write_safetensors
 
 RNG = np.random.default_rng(0)
 

@@ -22,16 +22,18 @@ from dsv4c.codegen import convert
 from dsv4c.codegen.compile import compile_model
 from dsv4c.codegen.convert import convert_weights
 from dsv4c.codegen.llvm_kernels import column_tile
-from dsv4c.codegen.lowering import column_tiles, dense_kernel_quant, fp4_words, weight_layouts
+from dsv4c.artifact.quant import dense_format, fp4_words
+from dsv4c.codegen.lowering import column_tiles, weight_layouts
 from dsv4c.errors import CheckpointError, UsageError
-from dsv4c.frontend import checkpoint, lowbit
+from dsv4c.artifact import lowbit
+from dsv4c.frontend import checkpoint
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, load_weights, write_checkpoint
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
-from dsv4c.frontend.safetensors_io import SafetensorsFile
+from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.merge_projections import base_weight_names, materialize_weights, weight_sources
 from dsv4c.passes.pipeline import run_pipeline
-from dsv4c.runtime.artifact import ArtifactError, read_manifest
+from dsv4c.artifact.manifest import ArtifactError, read_manifest
 from dsv4c.runtime import weights as weight_loader
 from dsv4c.runtime.weights import open_weights
 
@@ -64,11 +66,11 @@ def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
                  "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4], "grouped_linear": node.inputs[1:2],
                  "experts": node.inputs[3:6]}.get(node.op, [])
         matmul.update(v.name for v in reads)
-        if node.op not in ("moe_route", "experts") and dense_kernel_quant(q) == "fp8_b128":
+        if node.op not in ("moe_route", "experts") and dense_format(q).name == "fp8_b128":
             fp8.update(v.name for v in reads)
         if node.op == "experts" and ("fp4_g32" if q == "fp4_g32" else "fp32") == "fp4_g32":
             fp4.update(v.name for v in reads)
-        if node.op in ("linear", "linear_split", "lm_head") and dense_kernel_quant(q) == "bf16":
+        if node.op in ("linear", "linear_split", "lm_head") and dense_format(q).name == "bf16":
             bf16.update(v.name for v in reads)
     groups = {n.inputs[1].name: n.attrs["groups"] for n in nodes if n.op == "grouped_linear"}
 

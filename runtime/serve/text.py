@@ -11,7 +11,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from dsv4c.runtime.artifact import ArtifactError
+from dsv4c.artifact.manifest import ArtifactError
 from dsv4c.runtime.serve.protocol import bad_request
 
 TOKENIZER_CONFIG = "tokenizer_config.json"

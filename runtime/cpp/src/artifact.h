@@ -1,5 +1,5 @@
 // Reading an artifact directory: paths as Python prints them, manifest.json and its checks
-// (Python: dsv4c/runtime/artifact.py, same messages).
+// (Python: dsv4c/artifact/manifest.py, same messages).
 #ifndef DSV4C_SRC_ARTIFACT_H_
 #define DSV4C_SRC_ARTIFACT_H_
 

@@ -13,7 +13,7 @@ namespace dsv4c {
 
 /// Every tensor of the file in its storage dtype (as Python's read_raw: BF16 and FP8 as raw
 /// unsigned bits), each in its own aligned buffer. Throws CheckpointError with the messages of
-/// dsv4c/frontend/safetensors_io.py.
+/// dsv4c/artifact/safetensors_io.py.
 std::map<std::string, Tensor> read_safetensors(const std::string& path);
 
 /// Every weight of an artifact (Python: dsv4c.runtime.weights.open_weights), memory-mapped from

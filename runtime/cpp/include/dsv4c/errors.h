@@ -2,7 +2,7 @@
 //
 // Every error a user can cause (a missing or tampered artifact, bad arguments, a full KV pool)
 // is thrown as a subclass of dsv4c::Error whose what() is one line, the same text the Python
-// runtime puts in the matching DsvError subclass (dsv4c/errors.py, runtime/artifact.py,
+// runtime puts in the matching DsvError subclass (dsv4c/errors.py, artifact/manifest.py,
 // runtime/kv_pool.py). A host prints it the way `dsv4c` does: "dsv4c: error: <what()>".
 // Anything else that escapes the runtime (std::bad_alloc, a tvm::ffi::Error raised inside a
 // kernel) is a bug or an environment problem, not a user error.

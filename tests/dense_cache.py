@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv4c.frontend.config import CSA, ModelConfig
+from dsv4c.artifact.model_config import CSA, ModelConfig
 
 F32 = np.float32
 

@@ -38,15 +38,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dsv4c.errors import DsvError
+from dsv4c.errors import ArtifactError
 
 FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_INDEX = "weights.safetensors.index.json"
-
-
-class ArtifactError(DsvError):
-    """An artifact is missing, tampered with, from another format version, or for another host."""
 
 
 def sha256_of(path: Path) -> str:

@@ -1,0 +1,219 @@
+"""Quantization formats and the per-target quantization plan (SPEC §3, §5).
+
+A :class:`WeightFormat` is one way the artifact stores a weight matrix ``[rows, cols]``, the
+way a vLLM quantization method owns its format: its artifact tensors (:meth:`stored`), how
+rows read from a checkpoint become their bytes (:meth:`lay_out`, which takes the checkpoint's
+own codes where it holds this format and quantizes anything else), and a numpy codec back to
+float32 (:meth:`dequantize`). The formats, by name (the IR's ``quant`` attribute and the
+kernels' key):
+
+* ``fp8_b128`` / ``fp8fnuz_b128``: e4m3 codes (U8) with float32 scales of 128x128 blocks,
+  stored per row as the scale of each 128-column block (``.scale``); fnuz (gfx942) keeps the
+  e4m3fn bits and doubles the scale;
+* ``fp4_g32``: e2m1 codes, eight to an int32 word (input 8i + j on bits 4j..4j+3: the
+  checkpoint's packed pairs, four bytes little-endian), with one E8M0 scale per 32 (``.scale``);
+* ``bf16``: BF16 bits (U16); ``fp32``, ``i32``, ``i64``: plain values.
+
+The TIR decode of each format sits in one place in the kernels (``codegen.kernels.formats``),
+keyed by the format's name. :class:`QuantPlan` says which format every weight kind and pool
+plane takes on a target (``passes.quant_plan.plan_for`` chooses); the manifest records it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dsv4c.artifact import lowbit
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES
+from dsv4c.errors import UsageError
+
+FP8_BLOCK = 128
+FP4_GROUP = 32
+
+
+def _joined(parts) -> np.ndarray:
+    """Row blocks stacked; a single block as it is (one copy fewer of every byte)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    scaled: bool = False  # codes + a ``.scale`` tensor; the kernels sum each scale group raw
+    group: int = 0  # inputs per scale along a row (scaled formats)
+
+    def stored(self, cols: int) -> dict[str, tuple[str, int]]:
+        """Artifact tensor suffix ("" for the codes / values, ".scale") -> (safetensors dtype,
+        stored columns per weight row)."""
+        raise NotImplementedError
+
+    def row_bytes(self, cols: int) -> dict[str, int]:
+        """Bytes one weight row takes in each artifact tensor (by suffix)."""
+        return {suffix: n * STORAGE_DTYPES[dtype].itemsize for suffix, (dtype, n) in self.stored(cols).items()}
+
+    def lay_out(self, name: str, parts) -> dict[str, np.ndarray]:
+        """The artifact arrays (by suffix, row-major ``[n, stored cols]``) of consecutive rows, given
+        as the checkpoint holds them: one ``frontend.checkpoint.Rows`` per tensor they come from."""
+        raise NotImplementedError
+
+    def dequantize(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """float32 ``[n, cols]`` of row-major artifact arrays (by suffix): the values the kernels
+        multiply by."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Fp8Blocks(WeightFormat):
+    fp8_format: str = "e4m3fn"
+
+    def stored(self, cols):
+        return {"": ("U8", cols), ".scale": ("F32", -(-cols // FP8_BLOCK))}
+
+    def lay_out(self, name, parts):
+        codes, scales = [], []
+        for p in parts:
+            if p.storage == "FP8":
+                c, s = p.values, p.scales
+            else:  # quantized with E8M0 scales: the rows start on a 128-row boundary (row_step)
+                c, grid = lowbit.quantize_fp8_blocks(p.decode(), FP8_BLOCK, "e8m0")
+                s = np.repeat(lowbit.decode_e8m0(grid), FP8_BLOCK, axis=0)[:c.shape[0]]
+            codes.append(c)
+            scales.append(s)
+        codes, scales = _joined(codes), _joined(scales).astype(np.float32, copy=False)
+        codes, scales = lowbit.fp8_in_format(codes, scales, self.fp8_format)
+        return {"": codes, ".scale": scales}
+
+    def dequantize(self, arrays):
+        codes = arrays[""]
+        scale = np.repeat(arrays[".scale"], FP8_BLOCK, axis=1)[:, :codes.shape[1]]
+        return (lowbit.decode_fp8(codes, self.fp8_format) * scale).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Fp4Groups(WeightFormat):
+    def stored(self, cols):
+        return {"": ("I32", cols // 8), ".scale": ("U8", cols // FP4_GROUP)}
+
+    def lay_out(self, name, parts):
+        packed, scales = [], []
+        for p in parts:
+            if p.storage == "FP4":
+                packed.append(p.values)
+                scales.append(p.scales)
+            else:
+                codes, s = lowbit.quantize_fp4_groups(p.decode(), FP4_GROUP)
+                packed.append(codes.view(np.uint8))
+                scales.append(s)
+        return {"": fp4_words(_joined(packed)), ".scale": _joined(scales)}
+
+    def dequantize(self, arrays):
+        packed = np.ascontiguousarray(arrays[""]).view(np.uint8)
+        return lowbit.dequantize_fp4_groups(packed, arrays[".scale"], FP4_GROUP).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Bf16Bits(WeightFormat):
+    def stored(self, cols):
+        return {"": ("BF16", cols)}
+
+    def lay_out(self, name, parts):
+        bits = []
+        for p in parts:
+            if p.storage == "BF16":
+                bits.append(p.values)
+                continue
+            value = p.decode()
+            if not np.array_equal(lowbit.bf16_roundtrip(value), value):
+                raise UsageError(f"weight {name} is declared BF16 but holds values BF16 cannot represent; "
+                                 "fix the checkpoint's config (torch_dtype / quantization_config)")
+            bits.append(lowbit.bf16_bits_from_f32(value))
+        return {"": _joined(bits)}
+
+    def dequantize(self, arrays):
+        return lowbit.f32_from_bf16_bits(arrays[""])
+
+
+@dataclass(frozen=True)
+class PlainValues(WeightFormat):
+    dtype: str = "F32"  # F32 / I32 / I64
+
+    def stored(self, cols):
+        return {"": (self.dtype, cols)}
+
+    def lay_out(self, name, parts):
+        values = _joined([p.decode() for p in parts])
+        return {"": values.astype(STORAGE_DTYPES[self.dtype], copy=False)}
+
+    def dequantize(self, arrays):
+        return arrays[""].astype(np.float32)
+
+
+FP8_B128 = Fp8Blocks("fp8_b128", True, FP8_BLOCK)
+FP8FNUZ_B128 = Fp8Blocks("fp8fnuz_b128", True, FP8_BLOCK, "e4m3fnuz")
+FP4_G32 = Fp4Groups("fp4_g32", True, FP4_GROUP)
+BF16 = Bf16Bits("bf16")
+FP32 = PlainValues("fp32")
+I32 = PlainValues("i32", dtype="I32")
+I64 = PlainValues("i64", dtype="I64")
+WEIGHT_FORMATS = {f.name: f for f in (FP8_B128, FP8FNUZ_B128, FP4_G32, BF16, FP32, I32, I64)}
+
+
+def fp4_words(packed: np.ndarray) -> np.ndarray:
+    """Packed e2m1 pairs ``[n, cols / 2]`` (U8, input 2i in the low nibble) as int32 words of
+    eight codes ``[n, cols / 8]``: four bytes read little-endian, so input 8i + j lies on bits
+    4j..4j+3, which the CPU kernels decode in registers."""
+    return np.ascontiguousarray(packed, dtype=np.uint8).view("<i4")
+
+
+def dense_format(quant: str, fp8_format: str = "e4m3fn") -> WeightFormat:
+    """The format a compiled target multiplies a dense weight of IR ``quant`` in: FP8 blocks stay
+    FP8 (fnuz on gfx942), BF16 stays BF16; the rest fp32."""
+    if quant == BF16.name:
+        return BF16
+    if quant != FP8_B128.name:
+        return FP32
+    return FP8FNUZ_B128 if fp8_format == "e4m3fnuz" else FP8_B128
+
+
+def expert_format(quant: str) -> WeightFormat:
+    """The format of routed experts of IR ``quant``: FP4 stays FP4, the rest fp32."""
+    return FP4_G32 if quant == FP4_G32.name else FP32
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How one checkpoint storage kind is quantized on a target."""
+    storage: str  # fp8 / fp4 / bf16 / fp32 / int
+    block: tuple[int, int] | None  # quantization block (rows, cols); None when unquantized
+    scale: str | None  # e8m0 / fp32 / None
+    compute: str  # dtype the kernel multiplies in
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    storage: str  # fp8 / bf16 / fp32 (main); fp4 / fp8 / fp32 (index)
+    row_bytes: int
+    layout: str  # a tag of the byte layout, separate from the quant mode (gfx950 vs gfx1250 FP4)
+    hadamard: bool = False  # index rows are Hadamard-rotated before quantization
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    target: str
+    numerics: str
+    fp8_format: str  # e4m3fn / e4m3fnuz: dense FP8 weights, the main pool's NoPE codes, FP8 index rows
+    weights: dict[str, WeightQuant]  # by checkpoint storage kind (see frontend.checkpoint)
+    main_kv: PoolLayout
+    index_kv: PoolLayout
+
+    @property
+    def expert_format(self) -> str:
+        return self.weights["expert"].storage
+
+    def to_json(self) -> dict:
+        return asdict(self)
