@@ -97,7 +97,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_compile(args) -> int:
-    from dsv4c.codegen.compile import compile_model
+    from dsv4c.compile import compile_model
     from dsv4c.passes.pipeline import PipelineOptions
 
     passes = PipelineOptions(disable=set(args.disable_pass or ()), print_ir_after_all=args.print_ir_after_all,

@@ -20,8 +20,8 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from dsv4c.errors import CheckpointError
 from dsv4c.artifact.lowbit import f32_from_bf16_bits
+from dsv4c.errors import CheckpointError
 
 # numpy storage dtype of each safetensors dtype; formats numpy lacks are kept as raw bits.
 STORAGE_DTYPES: dict[str, np.dtype] = {

@@ -39,7 +39,7 @@ def pro_shaped() -> dict:
 
 
 def prepare(workdir: Path) -> None:
-    from dsv4c.codegen.compile import compile_model
+    from dsv4c.compile import compile_model
     from dsv4c.frontend.config import config_from_dict
     from reference_harness import fp32_checkpoint
 

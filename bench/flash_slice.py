@@ -105,7 +105,7 @@ def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
         write_checkpoint(with_weights(cfg, dense="fp32", experts="fp32"), _Dequantized(cfg, workdir / "fp8"),
                          workdir / "fp32")
     else:
-        from dsv4c.codegen.compile import compile_model
+        from dsv4c.compile import compile_model
 
         start = time.perf_counter()
         compile_model(str(workdir / "fp8"), "llvm", workdir / "artifact", progress=False, cpu=cpu)

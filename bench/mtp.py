@@ -46,7 +46,7 @@ def prepare(workdir: Path, stage: str) -> None:
         cfg = config_from_dict(MTP_SLICE, "flash-slice-mtp")
         write_checkpoint(cfg, iter_random_weights(cfg, 0), workdir / "fp8")
     else:
-        from dsv4c.codegen.compile import compile_model
+        from dsv4c.compile import compile_model
 
         compile_model(str(workdir / "fp8"), "llvm", workdir / "artifact", progress=False)
 

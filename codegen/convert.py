@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv4c.artifact.manifest import WEIGHTS_INDEX
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsWriter
 from dsv4c.codegen.lowering import WeightLayout
 from dsv4c.frontend.checkpoint import RowSource
-from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsWriter
-from dsv4c.artifact.manifest import WEIGHTS_INDEX
 from dsv4c.threads import BoundedPool
 
 SHARD_BYTES = 4 << 30  # at most this much per weight file (a larger single tensor gets a file of its own)

@@ -23,10 +23,10 @@ from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
-from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.artifact import lowbit
 from dsv4c.artifact.model_config import CSA, HASH_MOE, LayerSpec, ModelConfig
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile, SafetensorsWriter
+from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.threads import BoundedPool
 
 # Storage kinds of SPEC §3.

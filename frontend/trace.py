@@ -12,8 +12,8 @@ to request ``seq_ids[t]`` at absolute position ``positions[t]``.
 
 from __future__ import annotations
 
-from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, SLIDING, LayerSpec, ModelConfig
+from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.ir.core import Builder, Function, Program, Value
 from dsv4c.ir.ops import f32, i32
 

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dsv4c.errors import UsageError
 from dsv4c.artifact import lowbit
+from dsv4c.errors import UsageError
 
 F32 = np.float32
 

@@ -19,10 +19,10 @@ import tvm_ffi
 from tvm import relax
 
 from dsv4c import targets
-from dsv4c.errors import UsageError
-from dsv4c.artifact.safetensors_io import SafetensorsFile
-from dsv4c.ir.kernels import request_groups
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError
+from dsv4c.artifact.safetensors_io import SafetensorsFile
+from dsv4c.errors import UsageError
+from dsv4c.ir.kernels import request_groups
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 

@@ -20,10 +20,10 @@ from typing import Callable
 
 import numpy as np
 
-from dsv4c.errors import UsageError
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError, read_manifest
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
+from dsv4c.errors import UsageError
 from dsv4c.runtime.kv_pool import KVPool
 from dsv4c.runtime.sampling import Sampler, SamplingParams
 from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose

@@ -23,15 +23,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dsv4c.errors import UsageError
-from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile
 from dsv4c.artifact.manifest import ArtifactError
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile
+from dsv4c.errors import UsageError
 from dsv4c.runtime.kv_pool import aligned_empty
 from dsv4c.threads import default_workers
 
 # How a backend holds the weights: "map" the files, "read" them into memory, or "auto": read on
 # the CPU when the weight files take at most READ_SHARE of the memory available, map otherwise.
-# Decode steps of the flash-slice bench on Zen 4 ran 1.06x faster read (bench/RESULTS.md).
+# Read weights sit in huge pages, which decode streams faster than mapped page-cache pages
+# (bench/RESULTS.md).
 WEIGHTS_MODES = ("auto", "read", "map")
 READ_SHARE = 0.5
 READ_CHUNK_BYTES = 64 << 20  # a read job: the threads share a large tensor (see _read_file)
@@ -67,9 +68,7 @@ def _available_memory() -> int:
 def _read_file(st: SafetensorsFile, bar) -> dict[str, np.ndarray]:
     """Every tensor of ``st``, read-only, read into 64-byte aligned memory of its own in jobs of
     at most READ_CHUNK_BYTES on default_workers() threads: preadv releases the GIL, and the
-    page faults and copies into fresh memory scale with the threads (5.8-6.1 GB/s with 2
-    threads on a 2-core VM where one read 2.9-3.3, page cache to huge pages; bench/RESULTS.md,
-    session 11)."""
+    page faults and copies into fresh memory scale with the threads (bench/RESULTS.md)."""
     arrays, jobs = {}, []  # a job: (name, first row, end row, the bytes they go to)
     for name in st.names():
         arrays[name] = aligned_empty(st.shape(name), STORAGE_DTYPES[st.dtype(name)])

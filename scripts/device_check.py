@@ -34,7 +34,7 @@ PARITY_BOUND = 1e-3  # fp32 kernels on both sides; only summation order differs
 
 def _compile(model: Path, target: str, out: Path) -> float:
     """An artifact with an FP8 pool (the GPU default; explicit so llvm matches it)."""
-    from dsv4c.codegen.compile import compile_model
+    from dsv4c.compile import compile_model
 
     start = time.perf_counter()
     compile_model(str(model), target, out, progress=False, log=lambda *_: None, kv_cache_dtype="fp8")

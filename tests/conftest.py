@@ -3,7 +3,7 @@
 import pytest
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen.compile import compile_model
+from dsv4c.compile import compile_model
 from dsv4c.frontend.config import config_from_dict
 
 from parity_configs import PARITY_CONFIGS

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen.compile import compile_model
+from dsv4c.compile import compile_model
 from dsv4c.errors import DsvError, UsageError
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.passes.quant_plan import plan_for

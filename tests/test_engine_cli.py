@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen import compile as compile_mod
-from dsv4c.codegen.compile import compile_model
+from dsv4c.compile import compile_model
 from dsv4c.errors import UsageError
 from dsv4c.artifact.manifest import ArtifactError
 from dsv4c.runtime.engine import Engine

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dsv4c.codegen import gpu
-from dsv4c.codegen.compile import compile_model
+from dsv4c.compile import compile_model
 from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
 from dsv4c.frontend.config import preset
 from dsv4c.artifact.manifest import ArtifactError, read_manifest

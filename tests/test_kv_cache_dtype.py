@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen.compile import compile_model
+from dsv4c.compile import compile_model
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.errors import UsageError
 from dsv4c.frontend.config import config_from_dict, preset

@@ -7,7 +7,7 @@ chi-square goodness-of-fit test of speculative samples (two chained drafts per s
 import numpy as np
 import pytest
 
-from dsv4c.codegen.compile import compile_model
+from dsv4c.compile import compile_model
 from dsv4c.frontend.config import config_from_dict
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import Sampler, SamplingParams

@@ -1,5 +1,14 @@
-"""``dsv4c compile``: trace, run the pass pipeline, build kernels while the weights stream into
-the artifact, write the manifest."""
+"""``dsv4c compile``, the driver of the whole pipeline, phase by phase:
+
+1. frontend: resolve the model (preset or directory) and trace it into the IR;
+2. passes: the pass pipeline, then the target's quantization plan;
+3. artifact: the pool geometry that plan implies;
+4. frontend: open the checkpoint and check every tensor it must supply (before anything is written);
+5. codegen: build the compiled step in a thread while the weights convert into the artifact's layout;
+6. artifact: write the manifest last, into a staging directory renamed into place at the end.
+
+It sits above the layers it drives; ``codegen/`` only lowers and builds.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +22,19 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from dsv4c import __version__
+from dsv4c.artifact.manifest import WEIGHTS_INDEX, staging, write_manifest
+from dsv4c.artifact.model_config import ModelConfig
+from dsv4c.artifact.pool import PoolGeometry
+from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, write_checkpoint
-from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
+from dsv4c.ir.core import Program
 from dsv4c.ir.serialize import program_to_json
 from dsv4c.passes.merge_projections import base_weight_names, weight_sources
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
-from dsv4c.artifact.safetensors_io import write_safetensors
-from dsv4c.ir.core import Program
-from dsv4c.artifact.manifest import WEIGHTS_INDEX, staging, write_manifest
-from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.targets import target_info
 
 CONSTANTS = "constants.safetensors"  # the compiled step's constants (see step_constants)
