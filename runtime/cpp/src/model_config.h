@@ -1,6 +1,7 @@
 // What the runtime needs of the model description in manifest.json: sizes and the KV pool
-// geometry (Python: frontend/config.py, PoolGeometry.from_manifest). Rope tables and the rest
-// are the compiled step's own (constants in the artifact).
+// geometry (Python: ModelConfig.from_json_dict in artifact/model_config.py,
+// PoolGeometry.from_summary in artifact/pool.py). Rope tables and the rest are the compiled
+// step's own (constants in the artifact).
 #ifndef DSV4C_SRC_MODEL_CONFIG_H_
 #define DSV4C_SRC_MODEL_CONFIG_H_
 
