@@ -150,11 +150,6 @@ class ModelConfig:
     def compress_ratios(self, kind: str) -> tuple[int, ...]:
         return tuple(sorted({l.compress_ratio for l in self.layers + self.mtp_layers if l.attention == kind}))
 
-    def rope_for(self, layer: LayerSpec) -> Rope:
-        # Sliding-only layers use the plain rope; compressed layers, their compressors
-        # and the indexer use the YaRN-extended compress rope (SPEC §2).
-        return self.compress_rope if layer.is_compressed else self.main_rope
-
     # ----- serialisation -----
     def to_json_dict(self, spelling: str | None = None) -> dict[str, Any]:
         """A ``config.json`` that this loader and ``transformers`` both read.
