@@ -30,8 +30,9 @@ class NormLowering(OpLowering):
         return len(node.inputs) == self.weighted_arity
 
     def norm_weight(self, em, node):
-        width = node.inputs[0].type.shape[-1]
-        return em.param(node.inputs[1].name if self.weighted(node) else f"const.ones.{width}")
+        """The norm's weight, or the ones vector of its width."""
+        width = self.ones_width(node)
+        return em.param(node.inputs[1].name if width is None else f"const.ones.{width}")
 
     def ones_width(self, node):
         return None if self.weighted(node) else node.inputs[0].type.shape[-1]
