@@ -1,157 +1,31 @@
-"""Which kernels each IR node calls on the CPU target, and how weights are laid out for them.
+"""Which kernels each IR node calls on the compiled targets, and how weights are laid out for them.
 
-:func:`node_kernels` is the single place that names kernels: the builder instantiates and
-compiles each distinct one once (kernels of the same shape are shared by all layers), the
-manifest records, per node, the symbol of each role, and the runtime calls them by role.
+Each op's lowering (``codegen.ops``) names its kernels: :func:`node_kernels` asks it per node,
+the builder instantiates and compiles each distinct kernel once (kernels of the same shape are
+shared by all layers), the manifest records, per node, the symbol of each role, and the
+runtime calls them by role.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from dsv4c.artifact.quant import BF16, FP8_BLOCK, FP32, I32, I64, Fp8Blocks, WeightFormat, dense_format, expert_format
-from dsv4c.errors import UsageError
+from dsv4c.artifact.quant import FP8_BLOCK, FP32, I32, I64, Fp8Blocks, WeightFormat
+from dsv4c.codegen.ops.base import KernelSpec
 from dsv4c.frontend.checkpoint import Rows
 from dsv4c.ir.core import Node, Program
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    factory: str  # function name in dsv4c.codegen.llvm_kernels or movement_kernels
-    params: tuple
-
-    @property
-    def symbol(self) -> str:
-        raw = "_".join([self.factory] + [str(p) for p in self.params])
-        return re.sub(r"[^A-Za-z0-9_]", "p", raw)
-
-
-def _k(factory: str, *params) -> KernelSpec:
-    return KernelSpec(factory, tuple(params))
-
-
-UNSUPPORTED = {"fp8_roundtrip", "fp4_roundtrip", "hadamard"}
-
-
 def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
     """The kernels of one node under a quantization plan (weight formats, pool row formats), by
-    role; ``relax_step`` calls them. Bookkeeping kernels (``step_kernels``) turn the step's
-    per-request tables into pool rows on the device."""
-    a, op = node.attrs, node.op
-    main_kv, index_kv = plan.main_kv.storage, plan.index_kv.storage
-    # The pool rows' byte format, the same for the store kernels that write them and the kernels
-    # that read them: storage, and for low-bit rows the FP8 encoding and the index layout.
-    index_format = (index_kv,) if index_kv == "fp32" else (index_kv, plan.fp8_format, plan.index_kv.layout)
-    main_format = (main_kv,) if main_kv == "fp32" else (main_kv, cfg.rope_dim, plan.fp8_format)
+    role: those its op's lowering names (``ops.registry``; it refuses ops it cannot compile)."""
+    # Here rather than at the top: the lowerings import TVM, which the layouts do not need.
+    from dsv4c.codegen.ops.registry import lowering_of
 
-    def _dense_quant(quant: str) -> str:
-        return dense_format(quant, plan.fp8_format).name
-
-    def _store(stream: str, width: int) -> KernelSpec:
-        """Writes pool rows in the plan's format."""
-        if stream == "index":
-            return _k("store_rows", width, *index_format)
-        if main_kv == "fp32":
-            return _k("store_rows", width, "fp32")
-        return _k("store_main_fp8", width - cfg.rope_dim, cfg.rope_dim, plan.fp8_format)
-
-    ins = [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
-    window, window_rows = cfg.sliding_window, cfg.window_rows_per_request
-    if op in UNSUPPORTED:
-        raise UsageError(f"the llvm target does not compile op {op!r} yet (qat numerics / fused passes); "
-                         "use --target reference or --numerics exact")
-    if op == "embed":
-        return {"main": _k("embed", *ins[1])}
-    if op == "hc_expand":
-        return {"main": _k("hc_expand", a["hc_mult"], ins[0][1])}
-    if op in ("mhc_pre", "hc_head", "mhc_seam", "mhc_post_head"):
-        h = ins[0] if op in ("mhc_pre", "hc_head") else ins[1]
-        iters = a.get("sinkhorn_iters", 0)
-        return {"main": _k("mhc", h[1], h[2], iters, a["hc_eps"], a["norm_eps"], op in ("mhc_seam", "mhc_post_head"),
-                           op in ("hc_head", "mhc_post_head"))}
-    if op == "mhc_post":
-        return {"main": _k("mhc_post", ins[1][1], ins[1][2])}
-    if op == "rmsnorm":
-        return {"main": _k("rmsnorm", ins[0][-1], a["eps"], len(ins) == 2)}
-    if op in ("linear", "linear_split"):
-        return _matmul("", *ins[1], _dense_quant(a["quant"]))
-    if op == "lm_head":
-        # Every step takes the logits of a few rows (one per request), prefill steps too: the
-        # GEMV streams the head once per GEMV_ROWS rows, where the GEMM would decode it into
-        # panels for a block of 8 rows, 7 of them padding (see relax_step.op_lm_head).
-        return {"gemv": _k("linear", *ins[1], _dense_quant(a["quant"]), True, 0)}
-    if op == "reshape":
-        return {}
-    if op == "add":
-        return {"main": _k("add", int(np.prod(ins[0][1:])))}
-    if op == "rope":
-        shape = ins[0]
-        heads = shape[1] if len(shape) == 3 else 1
-        return {"main": _k("rope", heads, shape[-1], a["rope_dim"], a["inverse"])}
-    if op == "rmsnorm_rope":
-        shape = ins[0]
-        heads = shape[1] if len(shape) == 3 else 1
-        return {"main": _k("rmsnorm_rope", heads, shape[-1], a["rope_dim"], a["eps"], len(ins) == 3)}
-    if op == "kv_write":
-        return {"rows": _k("window_rows", window, window_rows), "store": _store("main", ins[0][1])}
-    if op == "compress":
-        width, d, r = ins[0][1], a["head_dim"], a["ratio"]
-        return {"reset": _k("ring_reset", width, 2 * r if a["overlap"] else r),
-                "windows": _k("compress_windows", r, a["overlap"]),
-                "pool": _k("compress_pool", width, d, r, a["overlap"]),
-                "norm": _k("rmsnorm", d, a["eps"], True), "rope": _k("rope", 1, d, a["rope_dim"], False),
-                "store": _store(a["stream"], d), "ring": _k("ring_update", width, r, a["overlap"])}
-    if op == "index_score":
-        return {"rows": _k("entry_rows", a["ratio"]), "main": _k("index_score", ins[0][1], ins[0][2], *index_format)}
-    if op == "index_topk":
-        return {"main": _k("topk_rows", a["k"])}
-    if op == "sparse_attn":
-        compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
-        from dsv4c.codegen.llvm_kernels import ATTN_PREFILL_HEAD_BLOCK
-
-        # Prefill takes wider blocks of heads on the CPU (GPU builds run one head per thread
-        # either way, the same code under two symbols).
-        return {"rows": _k("attention_rows", window, window_rows, a["ratio"], compressed),
-                "main": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], *main_format),
-                "prefill": _k("sparse_attn", ins[0][1], ins[0][2], a["scale"], main_kv, *(main_format[1:] or (0, None)),
-                              ATTN_PREFILL_HEAD_BLOCK)}
-    if op == "grouped_linear":
-        # The groups are independent projections of the heads: one kernel runs them all.
-        g, rows_in = a["groups"], ins[1]
-        return _matmul("", rows_in[0] // g, rows_in[1], _dense_quant(a["quant"]), g if g > 1 else 0)
-    if op == "moe_route":
-        e, d = ins[1]
-        out = {**_matmul("gate_", e, d, "fp32"), "scores": _k("route_scores", e),
-               "weights": _k("route_weights", e, a["k"], a["scale"])}
-        if a["mode"] == "hash":
-            out["select"] = _k("hash_ids", ins[2][0], a["k"])
-        else:
-            out.update(bias=_k("add_bias", e), select=_k("topk_rows", a["k"]))
-        return out
-    if op == "experts":
-        # Routed (token, slot) pairs grouped by expert on the device, then each expert's matmuls
-        # over its group, then every token's experts added in ascending id order.
-        e, inter, d = ins[3]
-        q = expert_format(a["quant"]).name
-        k = ins[2][1]
-        return {"group": _k("moe_group", k, e), "up": _k("expert_linear", inter, d, q, e),
-                "act": _k("swiglu", inter, a["limit"]), "down": _k("expert_linear", d, inter, q, e),
-                "combine": _k("moe_combine", d, k)}
-    if op == "shared_expert":
-        inter, d = ins[1]
-        q = _dense_quant(a["quant"])
-        return {**_matmul("up_", inter, d, q), "act": _k("swiglu", inter, a["limit"]), **_matmul("down_", d, inter, q)}
-    raise UsageError(f"no llvm lowering for op {op!r}")
-
-
-def _matmul(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0) -> dict[str, KernelSpec]:
-    """A weight's two matmul kernels: GEMV for decode-sized steps, GEMM (8-row blocks) for prefill."""
-    return {f"{prefix}gemv": _k("linear", out_dim, in_dim, quant, True, groups),
-            f"{prefix}gemm": _k("linear", out_dim, in_dim, quant, False, groups)}
+    return lowering_of(node.op).kernels(node, cfg, plan)
 
 
 # Shape-generic kernels every step calls (see step_kernels), by symbol.
@@ -261,24 +135,17 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
         return {name: WeightLayout(name, tuple(v.type.shape), I64 if v.type.dtype.startswith("i") else FP32)
                 for fn in program.functions.values() for name, v in fn.weights.items()}
     from dsv4c.codegen.llvm_kernels import column_tile
+    from dsv4c.codegen.ops.registry import lowering_of
 
-    # A weight the compiled step multiplies keeps its low-bit format; everything else is fp32.
+    # A weight the compiled step multiplies keeps its low-bit format (its op's rule) and, when
+    # it stacks independent projections, is tiled per group; everything else is fp32.
     matmul: dict[str, WeightFormat] = {}
+    groups: dict[str, int] = {}
     for node in compiled_nodes(program):
-        q = node.attrs.get("quant") or ""
-        reads = {"linear": node.inputs[1:2], "linear_split": node.inputs[1:2], "lm_head": node.inputs[1:2],
-                 "moe_route": node.inputs[1:2], "shared_expert": node.inputs[1:4], "grouped_linear": node.inputs[1:2],
-                 "experts": node.inputs[3:6]}.get(node.op, [])
-        if node.op == "experts":
-            fmt = expert_format(q)
-        elif node.op == "moe_route":
-            fmt = FP32
-        else:
-            fmt = dense_format(q, fp8_format)
-            if fmt is BF16 and node.op not in ("linear", "linear_split", "lm_head"):
-                fmt = FP32  # the shared expert and the grouped projection read BF16 checkpoints as fp32
-        matmul.update((v.name, fmt) for v in reads)
-    groups = {n.inputs[1].name: n.attrs["groups"] for n in compiled_nodes(program) if n.op == "grouped_linear"}
+        lowering = lowering_of(node.op)
+        for v in lowering.matmul_weights(node):
+            matmul[v.name] = lowering.weight_format(node, fp8_format)
+            groups[v.name] = lowering.weight_groups(node)
 
     out: dict[str, WeightLayout] = {}
     for fn in program.functions.values():

@@ -1,0 +1,89 @@
+"""What op lowerings are made of: :class:`KernelSpec` names one kernel instance, and
+:class:`OpLowering` is one op's lowering (its kernels by role, its Relax emission, its matmul
+weights)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dsv4c.artifact.quant import BF16, FP32, WeightFormat, dense_format
+
+I32, F32 = "int32", "float32"  # Relax dtypes of row indices and of activations
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    factory: str  # function name in dsv4c.codegen.llvm_kernels or dsv4c.codegen.step_kernels
+    params: tuple
+
+    @property
+    def symbol(self) -> str:
+        raw = "_".join([self.factory] + [str(p) for p in self.params])
+        return re.sub(r"[^A-Za-z0-9_]", "p", raw)
+
+
+def kernel(factory: str, *params) -> KernelSpec:
+    return KernelSpec(factory, tuple(params))
+
+
+def input_shapes(node) -> list:
+    """The shape of each input of a node (None for one without a tensor type)."""
+    return [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
+
+
+def dense_quant(node, plan) -> str:
+    """The format a node's dense weights are multiplied in under ``plan``."""
+    return dense_format(node.attrs["quant"], plan.fp8_format).name
+
+
+def matmul_kernels(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0) -> dict[str, KernelSpec]:
+    """A weight's two matmul kernels: GEMV for decode-sized steps, GEMM (8-row blocks) for prefill."""
+    return {f"{prefix}gemv": kernel("linear", out_dim, in_dim, quant, True, groups),
+            f"{prefix}gemm": kernel("linear", out_dim, in_dim, quant, False, groups)}
+
+
+def weight_quant(matmul: KernelSpec) -> str:
+    """The weight format a matmul kernel (``linear`` or ``expert_linear``) reads."""
+    return matmul.params[2]
+
+
+class OpLowering:
+    """How the compiled targets run one IR op. ``kernels`` names the kernels a node calls, by
+    role: the builder compiles each distinct one once, the manifest records each role's symbol,
+    and ``emit`` calls them by role from an entry function (``relax_step._Emitter``)."""
+
+    weights = slice(0)  # the node inputs its matmul kernels read
+    weight_role = ""  # the role of the kernel that reads them: its format is theirs (weight_quant)
+    gives_logits = False  # its output is what the entry function returns as logits
+
+    def kernels(self, node, cfg, plan) -> dict[str, KernelSpec]:
+        raise NotImplementedError
+
+    def emit(self, em, node, roles: dict[str, KernelSpec], args: list) -> list:
+        """The Relax values of the node's outputs, given those of its inputs (``args``)."""
+        raise NotImplementedError
+
+    def matmul_weights(self, node) -> list:
+        return node.inputs[self.weights]
+
+    def weight_format(self, node, fp8_format: str) -> WeightFormat:
+        """The format the artifact stores this node's matmul weights in."""
+        return dense_format(node.attrs["quant"], fp8_format)
+
+    def weight_groups(self, node) -> int:
+        """Independent projections stacked in each matmul weight (each stored in its own tiles)."""
+        return 1
+
+    def ones_width(self, node) -> int | None:
+        """The width of the ones vector the node reads as the weight it lacks (an unweighted norm)."""
+        return None
+
+
+class Bf16StoredAsFp32(OpLowering):
+    """An op whose BF16 dense weights the artifact stores as fp32 (the shared expert and the
+    grouped projection); FP8 blocks stay FP8."""
+
+    def weight_format(self, node, fp8_format):
+        fmt = super().weight_format(node, fp8_format)
+        return FP32 if fmt is BF16 else fmt

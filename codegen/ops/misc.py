@@ -1,0 +1,37 @@
+"""The ops with one plain kernel or none: ``embed``, ``add``, ``reshape``."""
+
+from __future__ import annotations
+
+from math import prod
+
+from dsv4c.codegen.ops.base import F32, OpLowering, input_shapes, kernel
+
+
+class Embed(OpLowering):
+    def kernels(self, node, cfg, plan):
+        return {"main": kernel("embed", *input_shapes(node)[1])}
+
+    def emit(self, em, node, roles, args):
+        table = node.inputs[1]
+        return [em.call(roles["main"], [em.inputs["tokens"], em.param(table.name)], ([em.t, table.type.shape[1]], F32))]
+
+
+class Add(OpLowering):
+    def kernels(self, node, cfg, plan):
+        return {"main": kernel("add", prod(input_shapes(node)[0][1:]))}
+
+    def emit(self, em, node, roles, args):
+        shape = em.shape(args[0])
+        flat = [shape[0], prod(shape[1:])]
+        out = em.call(roles["main"], [em.view(args[0], flat), em.view(args[1], flat)], (flat, F32))
+        return [em.view(out, shape)]
+
+
+class Reshape(OpLowering):
+    """A view: no kernel."""
+
+    def kernels(self, node, cfg, plan):
+        return {}
+
+    def emit(self, em, node, roles, args):
+        return [em.view(args[0], em.dims(node.attrs["shape"]))]
