@@ -111,7 +111,7 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
         return {"main": _k("topk_rows", a["k"])}
     if op == "sparse_attn":
         compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
-        from dsv4c.codegen.llvm_kernels import ATTN_PREFILL_HEAD_BLOCK
+        from dsv4c.codegen.kernels.attention import ATTN_PREFILL_HEAD_BLOCK
 
         # Prefill takes wider blocks of heads on the CPU (GPU builds run one head per thread
         # either way, the same code under two symbols).
@@ -160,9 +160,10 @@ GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
 
 def kernel_factory(name: str):
     """The factory of a kernel named in a :class:`KernelSpec`."""
-    from dsv4c.codegen import llvm_kernels, step_kernels
+    from dsv4c.codegen import step_kernels
+    from dsv4c.codegen.kernels import KERNELS
 
-    return getattr(llvm_kernels, name, None) or getattr(step_kernels, name)
+    return KERNELS.get(name) or getattr(step_kernels, name)
 
 
 def compiled_nodes(program: Program) -> list:
@@ -260,7 +261,7 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
     if target == "reference":
         return {name: WeightLayout(name, tuple(v.type.shape), I64 if v.type.dtype.startswith("i") else FP32)
                 for fn in program.functions.values() for name, v in fn.weights.items()}
-    from dsv4c.codegen.llvm_kernels import column_tile
+    from dsv4c.codegen.kernels.formats import column_tile
 
     # A weight the compiled step multiplies keeps its low-bit format; everything else is fp32.
     matmul: dict[str, WeightFormat] = {}

@@ -25,7 +25,8 @@ import tvm
 from tvm import relax, tirx
 
 from dsv4c.artifact.pool import PoolTensor
-from dsv4c.codegen.llvm_kernels import FP8_DECODERS, GEMM_ROWS
+from dsv4c.codegen.kernels.formats import FP8_DECODERS
+from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.codegen.lowering import KernelSpec, compiled_nodes, node_kernels
 from dsv4c.errors import UnsupportedModelError
 from dsv4c.ir.core import Program
@@ -445,7 +446,7 @@ def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple
     """(name, shape, dtype) of each tensor in the params tuple: every stored weight the step
     reads (a matmul weight as its kernel reads it, ``llvm_kernels.weight_storage``: its codes or
     values, then ``<name>.scale``), then the constants (``constant_names``)."""
-    from dsv4c.codegen.llvm_kernels import weight_storage
+    from dsv4c.codegen.kernels.formats import weight_storage
 
     out: dict[str, tuple[tuple, str]] = {}
     for node, roles in zip(compiled_nodes(program), per_node):
