@@ -11,8 +11,7 @@ from tvm.script import tirx as T
 
 from dsv4c.codegen.kernels.codecs import F32, raw_e4m3_slot
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_target, cpu_vector
-from dsv4c.codegen.kernels.formats import (FP8_DECODERS, RAW_POWER, boosted, column_tile, group_scale, weight_raw,
-                                           weight_storage, weight_value)
+from dsv4c.codegen.kernels.formats import TirFp8Blocks, boosted, column_tile, tir_format
 
 GEMM_ROWS = 8  # the prefill function pads a matmul's rows to blocks of 8 (see relax_step.matmul)
 GEMV_ROWS = 4  # rows the decode loop accumulates together, each weight decoded once for all of them
@@ -33,16 +32,15 @@ SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
 # 1.1-1.3x faster than with 1024 (AVX-512 and x86-64-v3 code, weights in huge pages or not,
 # interleaved A/B, bench/RESULTS.md session 14); its FP8 and FP4 rates did not change with it.
 # Zen 5 (znver5) keeps the defaults: each was the best or within noise of it there (session 15).
-PREFETCH_BYTES = {"fp8_b128": 2048, "fp8fnuz_b128": 2048, "bf16": 1024, "fp4_g32": 2048}
 PREFETCH_BYTES_BY_CPU = {"znver4": {"bf16": 0}}
 ACC_VECTORS = 8  # vector registers of the direct loop's accumulators: half of AVX2's
 
 
 def prefetch_bytes(quant: str) -> int:
     """How far ahead the decode loop prefetches a ``quant`` weight tile on the CPU the kernels are
-    built for (PREFETCH_BYTES, PREFETCH_BYTES_BY_CPU); 0: not at all."""
+    built for (the format's, or PREFETCH_BYTES_BY_CPU's); 0: not at all."""
     by_cpu = PREFETCH_BYTES_BY_CPU.get(str(cpu_target().attrs.get("mcpu", "")), {})
-    return by_cpu.get(quant, PREFETCH_BYTES.get(quant, 0))
+    return by_cpu.get(quant, tir_format(quant).prefetch_bytes)
 
 
 def register_tile(tile: int, scaled: bool) -> tuple[int, int]:
@@ -84,19 +82,20 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     sums go to y; scaled, each group's sum is added to the output's total, which it keeps beside
     the sums over the k block's groups (from y, zero in the first block) and then writes to y.
 
-    GPU builds (not ``cpu``) run the direct loop on weight values (``weight_value``): their
+    GPU builds (not ``cpu``) run the direct loop on weight values (``TirFormat.value``): their
     float32 arithmetic may flush the raw codes' subnormals."""
+    fmt = tir_format(quant)
     tile = column_tile(out_dim)
-    decoded = quant != "fp32"
-    scaled = cpu and quant in RAW_POWER
+    scaled = cpu and fmt.scaled
+    packed = fmt.inputs_per_word > 1  # FP4: a word of eight codes
     # Groups: FP8 blocks of 128, FP4 scale groups of 32. The CPU's direct loop unrolls k by up
     # to 4 inside a group, FP4 by a word's 8 codes with half the accumulators (with 8, LLVM keeps
     # the words of all chunks live at once and spills them). GPU builds take one input at a
     # time: unrolled, LLVM's AMDGPU backend spent ~27 s on each FP4 expert kernel of Flash (2 s
     # rolled), for a thread whose tile of accumulators does not fit in registers anyway.
-    group = math.gcd(in_dim, {"fp4_g32": 32}.get(quant, 128 if scaled else 4))
-    unroll = math.gcd(group, 8 if quant == "fp4_g32" else 4) if cpu else 1
-    acc_vectors = ACC_VECTORS // 2 if quant == "fp4_g32" else ACC_VECTORS
+    group = math.gcd(in_dim, fmt.group if scaled or packed else 4)
+    unroll = math.gcd(group, fmt.inputs_per_word if packed else 4) if cpu else 1
+    acc_vectors = ACC_VECTORS // 2 if packed else ACC_VECTORS
     # The panel: kc inputs (whole groups when scaled) x pw columns, at most PANEL_FLOATS floats.
     # Scaled formats take narrow panels of many inputs: the micro-kernel writes its totals to y
     # once per k block, and 16 x 256 ran 1.1-1.4x faster than 32 x 128 for FP8 and FP4 on Zen 4
@@ -111,8 +110,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
     # the GEMV streamed 1.04x and in cache 1.06x faster on Zen 4, interleaved A/B (the decode
     # shares the vector pipes with the FMAs, which the table does not remove).
-    fp4_table = cpu and columns is T.vectorized and lanes == 16 and tile % 16 == 0
-    decode = functools.partial(weight_raw, fp4_table=fp4_table) if cpu else weight_value
+    avx512_vectors = cpu and columns is T.vectorized and lanes == 16 and tile % 16 == 0
+    decode = functools.partial(fmt.raw, avx512_vectors=avx512_vectors) if cpu else fmt.value
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
     x_index = (lambda r, g, i: (g, r, i)) if group_major_x else at  # noqa: E731
 
@@ -135,8 +134,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # second-to-last index) holds one input of FP8 / BF16, a word of eight of FP4.
     ahead_bytes = prefetch_bytes(quant) if cpu else 0
     prefetched = ahead_bytes > 0
-    inputs_per_row = 8 if quant == "fp4_g32" else 1
-    row_bytes = tile * {"bf16": 2, "fp4_g32": 4}.get(quant, 1)
+    inputs_per_row = fmt.inputs_per_word
+    row_bytes = tile * fmt.word_bytes
     step_lines = max(1, unroll // inputs_per_row * row_bytes // 64)
     ahead = max(1, ahead_bytes // row_bytes)
 
@@ -160,7 +159,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # bits do not change. In-cache GEMV, one row, three shapes: 40-45 -> 50-60 GB/s on Zen 4,
     # x86-64-v3 code 32-34 -> 40-44 (scratch A/B, bench/RESULTS.md session 9).
     def slotted(R):
-        return cpu and quant in FP8_DECODERS and chunk(R) >= 4 * lanes
+        return cpu and isinstance(fmt, TirFp8Blocks) and chunk(R) >= 4 * lanes
 
     def quarter(R):  # columns per slot vector
         return chunk(R) // 4
@@ -179,7 +178,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 acc[r, T.Ramp(cc * chunk(R) + q * quarter(R), 1, quarter(R))],
                 T.Shuffle([part[r, T.Ramp(j * quarter(R), 1, quarter(R))] for j in range(4)],
                           [n % 4 * quarter(R) + n // 4 for n in range(q * quarter(R), (q + 1) * quarter(R))]),
-                group_scale(quant, parts, (w,), a, kg * group, T.Ramp(cc * chunk(R) + q * quarter(R), 1, quarter(R))))
+                fmt.group_scale(parts, (w,), a, kg * group, T.Ramp(cc * chunk(R) + q * quarter(R), 1, quarter(R))))
 
     @T.macro
     def direct(X, parts, Y, w, g, a, first, R):
@@ -218,7 +217,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                                     for c in columns(vector(R)):
                                         part[r, v * vector(R) + c] = part[r, v * vector(R) + c] + \
                                             x_at(X, xs, g, first, r, kg, ko * unroll + u) * \
-                                            decode(quant, parts, (w,), a, kg * group + ko * unroll + u,
+                                            decode(parts, (w,), a, kg * group + ko * unroll + u,
                                                    cc * chunk(R) + v * vector(R) + c)
                 if slotted(R):
                     slot_total(parts, acc, part, w, a, kg, cc, R, 0)
@@ -228,8 +227,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 else:
                     for r in T.unroll(R):
                         for c in columns(chunk(R)):
-                            acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], group_scale(
-                                quant, parts, (w,), a, kg * group, cc * chunk(R) + c) if scaled else 1)
+                            acc[r, cc * chunk(R) + c] = total(acc[r, cc * chunk(R) + c], part[r, c], fmt.group_scale(
+                                parts, (w,), a, kg * group, cc * chunk(R) + c) if scaled else 1)
         for r in T.unroll(R):
             for c in columns(tile):
                 Y[at(first + r, g, a * tile + c)] = acc[r, c]
@@ -247,7 +246,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 direct(X, parts, Y, w, g, a, first + b * GEMV_ROWS, 1)
 
     def weight(panel, parts, w, a, k, ki, pb, pc):  # input k (ki in the k block), panel pb's column pc
-        return panel[ki, pc] if decoded else weight_raw(quant, parts, (w,), a, k, pb * pw + pc)
+        return panel[ki, pc] if fmt.decoded else fmt.raw(parts, (w,), a, k, pb * pw + pc)
 
     @T.macro
     def micro(X, panel, parts, Y, w, g, a, row, pb, cs, kb, R):
@@ -277,7 +276,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             if scaled:
                 # The group's scales, once for all rows.
                 for c in T.vectorized(cols):
-                    scales[c] = group_scale(quant, parts, (w,), a, kb * kc + kg * group, pb * pw + cs * cols + c)
+                    scales[c] = fmt.group_scale(parts, (w,), a, kb * kc + kg * group, pb * pw + cs * cols + c)
                 for r in T.unroll(R):
                     for c in T.vectorized(cols):
                         totals[r, c] = total(totals[r, c], acc[r, c], scales[c])
@@ -292,13 +291,13 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
 
     @T.macro
     def panel_chunk(X, parts, Y, w, g, a, first, count):
-        panel = T.alloc_buffer((kc, pw) if decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
+        panel = T.alloc_buffer((kc, pw) if fmt.decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
         for kb in range(in_dim // kc):
             for pb in range(tile // pw):
-                if decoded:
+                if fmt.decoded:
                     for ki in range(kc):
                         for c in T.vectorized(pw):
-                            panel[ki, c] = panel_value(decode(quant, parts, (w,), a, kb * kc + ki, pb * pw + c))
+                            panel[ki, c] = panel_value(decode(parts, (w,), a, kb * kc + ki, pb * pw + c))
                 # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
                 # block's x (rows x k block) stays in L1 across the panel's column strips.
                 for b in range(count // rb):
@@ -345,13 +344,14 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
     else:
         n = te.var("B")
         rows = (n, GEMM_ROWS)
+    fmt = tir_format(quant)
     lead = (groups,) if groups else ()
     x = te.placeholder((rows + lead if gemv else lead + rows) + (in_dim,), F32, name="x")
     tile = column_tile(out_dim)
     args = [te.placeholder(lead + shape, dtype, name=name)
-            for (shape, dtype), name in zip(weight_storage(out_dim, in_dim, quant), ("w", "s"))]
-    tiled = lambda *i: weight_value(quant, args, i[:-3], *i[-3:])  # noqa: E731
-    if quant != "fp32" and not gemv:
+            for (shape, dtype), name in zip(fmt.parts(out_dim, in_dim), ("w", "s"))]
+    tiled = lambda *i: fmt.value(args, i[:-3], *i[-3:])  # noqa: E731
+    if fmt.decoded and not gemv:
         # Prefill decodes each weight tile once into a scratch tile that every row block reuses.
         decoded = te.compute(lead + (out_dim // tile, in_dim, tile), tiled, name="w_decoded")
         tiled = lambda *i: decoded[i]  # noqa: E731
@@ -372,7 +372,7 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
     rows = (lambda n: n) if gemv else (lambda n: n * GEMM_ROWS)  # noqa: E731
     x_shape = (lambda n: outer(n) + lead) if gemv else (lambda n: lead + outer(n))  # noqa: E731
     x_flat = (lambda n: (rows(n), g)) if gemv else (lambda n: (g, rows(n)))  # noqa: E731
-    storage = weight_storage(out_dim, in_dim, quant)
+    storage = tir_format(quant).parts(out_dim, in_dim)
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 
     if len(storage) == 2:
@@ -419,7 +419,7 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lan
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
     cpu = not max_lanes
     direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu)
-    storage = [((n_experts,) + shape, dtype) for shape, dtype in weight_storage(out_dim, in_dim, quant)]
+    storage = [((n_experts,) + shape, dtype) for shape, dtype in tir_format(quant).parts(out_dim, in_dim)]
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 
     @T.macro
