@@ -14,9 +14,8 @@ from dsv4c.codegen.kernels.pool_rows import check_main_fp8, main_fp8_value
 
 # Heads that share each KV row read on the CPU (MQA: every head reads the same rows): a task's
 # heads. Decode steps take 8, so that one query's heads make tasks for every core; prefill takes
-# 64, whose panel copies (the rows gathered from L3 for each block of heads) cost less: 1.14x
-# faster than 8 over 256 queries of Flash's shape, AVX-512 and x86-64-v3 code alike, 32 1.12x
-# (Zen 4, interleaved A/B, bench/RESULTS.md session 13).
+# 64, whose panel copies (the rows gathered from L3 for each block of heads) cost less: faster
+# than 8 or 32 (bench/RESULTS.md).
 ATTN_HEAD_BLOCK = 8
 ATTN_PREFILL_HEAD_BLOCK = 64
 ATTN_ROW_BLOCK = 8  # KV rows decoded together into an L1 panel, one online-softmax update each
@@ -52,7 +51,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     # half of the registers between the heads, at most 8. AVX-512: 2 x 8 of 32. AVX2: 2 x 4 of 16,
     # so a head's scores take the block's rows 4 at a time and its weighted sums strips of 4
     # vectors. One head with 8 (9 vector loads per 8 FMAs where two heads with 4 load 6) ran
-    # 1.03-1.18x slower over 256 queries (x86-64-v3 code on Zen 4, bench/RESULTS.md session 12).
+    # slower (bench/RESULTS.md).
     hp = math.gcd(hb, heads_at_once or 2)  # GPU builds: one (hb = 1)
     per_head = 8 if max_lanes else max(1, min(8, cpu_vector()[1] // 2 // hp))
     strip = math.gcd(dim, per_head * lanes)  # the weighted sums' strip of the head dim

@@ -31,8 +31,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     block = min(INDEX_ENTRY_BLOCK, max_lanes) if max_lanes else INDEX_ENTRY_BLOCK
     # Heads whose dot products run together, their accumulators in half of the vector registers
     # (AVX-512: 8 heads x 2 vectors, AVX2: 2 x 4). One head's 2 or 4 chains of dependent FMAs
-    # kept the pipes half idle: 1.4x (AVX2) and 1.65x (AVX-512) slower over 512 queries, Flash's
-    # 64 x 128 index heads on Zen 4 (bench/RESULTS.md session 13). GPU builds: one head.
+    # kept the pipes half idle (bench/RESULTS.md). GPU builds: one head.
     lanes, registers = cpu_vector()
     hi = 1 if max_lanes else math.gcd(heads, max(1, registers // 2 // max(1, block // lanes)))
 

@@ -17,21 +17,18 @@ GEMM_ROWS = 8  # the prefill function pads a matmul's rows to blocks of 8 (see r
 GEMV_ROWS = 4  # rows the decode loop accumulates together, each weight decoded once for all of them
 # The GEMM takes its rows in chunks whose x k block (rows x k block of fp32) fits in this many
 # bytes, so that the block stays in L2 while each of the tile's panels runs over it. All rows at
-# once, 2048 rows' FP8 k block (2 MiB) spilled to L3: chunks of 256 KiB ran 1.26-1.40x faster at
-# 2048 rows, 1.0-1.22x at 1024 and 1.0-1.13x at 512 (FP8 Flash shapes; FP4 experts of 768 rows
-# 1.12x; Zen 4, AVX-512 and x86-64-v3 code, interleaved A/B, bench/RESULTS.md session 13);
-# 128 KiB and 512 KiB did no better.
+# once, a long prefill's k block (2048 rows of FP8: 2 MiB) spilled to L3; chunks of 256 KiB ran
+# fastest of 128, 256 and 512 KiB (bench/RESULTS.md).
 X_CHUNK_BYTES = 256 * 1024
 PANEL_FLOATS = 4096  # a decoded weight panel (columns x k block): 16 KiB, L1-resident
 SCALED_PANEL_COLUMNS = 16  # a scaled format's panel: 16 columns by 256 inputs (see _matmul_loops)
 SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
-# How far ahead (bytes) the decode loop prefetches the weight tile it streams, by format: the
-# best of 512-4096 on Zen 3 (FP8, BF16) and of 0-32768 on Zen 4 (FP4; see _matmul_loops).
-# CPUs measured otherwise override it (an LLVM CPU name: what the kernels are built for). Zen 4
-# streams BF16 at the rate of a plain streaming sum over the same bytes without the prefetch,
-# 1.1-1.3x faster than with 1024 (AVX-512 and x86-64-v3 code, weights in huge pages or not,
-# interleaved A/B, bench/RESULTS.md session 14); its FP8 and FP4 rates did not change with it.
-# Zen 5 (znver5) keeps the defaults: each was the best or within noise of it there (session 15).
+# How far ahead (bytes) the decode loop prefetches the weight tile it streams, where a CPU (an
+# LLVM CPU name: what the kernels are built for) was measured to differ from its format's
+# distance (``TirFormat.prefetch_bytes``). Zen 4 streams BF16 at the rate of a plain streaming
+# sum over the same bytes without the prefetch, faster than with it; its FP8 and FP4 rates did
+# not change with it. Zen 5 (znver5) keeps the formats' distances: each was the best or within
+# noise of it there (bench/RESULTS.md).
 PREFETCH_BYTES_BY_CPU = {"znver4": {"bf16": 0}}
 ACC_VECTORS = 8  # vector registers of the direct loop's accumulators: half of AVX2's
 
@@ -108,8 +105,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     half = rb // 2
     lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
-    # the GEMV streamed 1.04x and in cache 1.06x faster on Zen 4, interleaved A/B (the decode
-    # shares the vector pipes with the FMAs, which the table does not remove).
+    # a little faster, streamed and in cache (bench/RESULTS.md; the decode shares the vector
+    # pipes with the FMAs, which the table does not remove).
     avx512_vectors = cpu and columns is T.vectorized and lanes == 16 and tile % 16 == 0
     decode = functools.partial(fmt.raw, avx512_vectors=avx512_vectors) if cpu else fmt.value
     at = (lambda r, g, i: (r, g, i)) if grouped_rows else (lambda r, g, i: (r, i))  # noqa: E731
@@ -126,12 +123,10 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
 
     # Software prefetch of the streamed FP8 / BF16 / FP4 tile, prefetch_bytes ahead: each unrolled
     # step of the direct loop's first chunk touches the cache lines the reads will need that far
-    # on. On Zen 3 (~35 GB/s read bandwidth), interleaved A/B on 8192 x 4096 weights: FP8 ~24 ->
-    # ~30 GB/s, BF16 ~24 -> ~26.5. fp32 streams near the bandwidth without it (and lost ~10% with
-    # it: four lines a row). FP4 experts (6 of 16, 128 KiB per expert's tile) on Zen 4, where the
-    # table decodes fast enough for memory to matter: 20-23 -> 26.7-29.0 GB/s, near their
-    # in-cache rate; 2048-4096 bytes were best. A stored row of the tile (``parts[0]``'s
-    # second-to-last index) holds one input of FP8 / BF16, a word of eight of FP4.
+    # on. It brought the FP8 and BF16 GEMVs (Zen 3) and the FP4 experts (Zen 4, where the table
+    # decodes fast enough for memory to matter) nearer the read bandwidth; fp32 streams near it
+    # without and lost with it, four lines a row (bench/RESULTS.md). A stored row of the tile
+    # (``parts[0]``'s second-to-last index) holds one input of FP8 / BF16, a word of eight of FP4.
     ahead_bytes = prefetch_bytes(quant) if cpu else 0
     prefetched = ahead_bytes > 0
     inputs_per_row = fmt.inputs_per_word
@@ -156,8 +151,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # columns are read as C / 4 int32 words, and accumulator vector j (of C / 4) sums byte j of
     # every word, columns j, j + 4, ... (raw_e4m3_slot). Each group's sums are shuffled back to
     # column order before they are scaled; each column is still summed in input order, so the
-    # bits do not change. In-cache GEMV, one row, three shapes: 40-45 -> 50-60 GB/s on Zen 4,
-    # x86-64-v3 code 32-34 -> 40-44 (scratch A/B, bench/RESULTS.md session 9).
+    # bits do not change. The in-cache GEMV ran faster so at both code levels (bench/RESULTS.md).
     def slotted(R):
         return cpu and isinstance(fmt, TirFp8Blocks) and chunk(R) >= 4 * lanes
 
@@ -329,9 +323,8 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
     ``groups`` > 0: G independent projections, weights [G, O / tile, I, tile], y [..., G, O]; the
     GEMV's x is [N, G, I], the GEMM's group-major, [G, B, 8, I] (step_kernels.pad_rows writes it
     so). Its rows are then 4 * I bytes apart, not G times that: Flash's wo_a (8 groups of 4096
-    inputs) had rows 128 KiB apart, which maps every row of a k block to the same few L2 sets;
-    group-major, it ran 1.14-1.22x faster over 512 rows (Zen 4, AVX-512 and x86-64-v3 code,
-    interleaved A/B, bench/RESULTS.md session 13).
+    inputs) had rows 128 KiB apart, which maps every row of a k block to the same few L2 sets
+    (group-major runs faster, bench/RESULTS.md).
 
     The CPU kernel (``schedule``) runs ``_matmul_loops`` in parallel over (group, column tile):
     the direct loop for GEMV, the panel loop for GEMM. ``schedule=False`` gives the compute
