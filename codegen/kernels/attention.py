@@ -176,7 +176,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         def f(q: T.handle, nope_plane: T.handle, rope_plane: T.handle, step: T.handle, sink: T.handle,
               rows: T.handle, out: T.handle):
             n = T.int32()
-            r = T.int64()  # 64-bit offsets (see "Pool rows")
+            r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
             s = T.int32()
             m = T.int32()
             Q = T.match_buffer(q, (n, heads, dim), F32)
@@ -193,7 +193,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     @T.prim_func
     def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
-        r = T.int64()  # 64-bit offsets (see "Pool rows")
+        r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
         s = T.int32()
         m = T.int32()
         Q = T.match_buffer(q, (n, heads, dim), F32)

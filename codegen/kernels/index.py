@@ -61,7 +61,7 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
-        r = T.int64()  # 64-bit offsets (see "Pool rows")
+        r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
         e = T.int32()
         Q = T.match_buffer(q, (n, heads, dim), F32)
         W = T.match_buffer(w, (n, heads), F32)
