@@ -160,7 +160,7 @@ def decode_weight_bytes(artifact: Path) -> dict[str, float]:
 
 def prefill_matmul_flops(artifact: Path) -> float:
     """FLOPs per prefill token of the step's matmuls: 2 per weight a token multiplies, over the
-    matmul weights (stored as column tiles, ``llvm_kernels.weight_storage``: 3 or more dims,
+    matmul weights (stored as column tiles, ``kernels.formats.TirFormat.parts``: 3 or more dims,
     scales apart; FP4 holds two weights per byte) of the dense layers and the routed
     experts' top-k share. The head (prefill takes logits of one row), attention and the
     mHC / norm kernels are not counted: a lower bound of the work."""

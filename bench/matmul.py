@@ -47,10 +47,10 @@ def _best(fn, repeat: int) -> float:
 
 
 def _weights(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()) -> list[np.ndarray]:
-    from dsv4c.codegen.llvm_kernels import weight_storage
+    from dsv4c.codegen.kernels.formats import tir_format
 
     parts = []
-    for shape, dtype in weight_storage(out_dim, in_dim, quant):
+    for shape, dtype in tir_format(quant).parts(out_dim, in_dim):
         shape = lead + shape
         if dtype == "float32" and quant in ("fp8_b128", "fp8fnuz_b128"):  # block scales
             parts.append(rng.uniform(1e-3, 2e-3, shape).astype(np.float32))
@@ -72,7 +72,7 @@ def _compile(func):
     import tvm
 
     from dsv4c.codegen.build import serial_when_single
-    from dsv4c.codegen.llvm_kernels import CPU_PASS_CONFIG
+    from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
     from dsv4c.targets import target_info
 
     with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
@@ -91,7 +91,7 @@ def main() -> None:
     import torch
     import tvm
 
-    from dsv4c.codegen.llvm_kernels import GEMM_ROWS, expert_linear, linear
+    from dsv4c.codegen.kernels.matmul import GEMM_ROWS, expert_linear, linear
 
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)

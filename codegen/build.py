@@ -11,7 +11,7 @@ import tvm
 from tvm import relax, tirx
 
 from dsv4c.codegen.gpu import toolchain
-from dsv4c.codegen.llvm_kernels import CPU_PASS_CONFIG
+from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
@@ -65,7 +65,7 @@ def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_toke
 
         items = tqdm(items, desc="generating kernels", unit="kernel", leave=False)
     if info.kind == "cpu":
-        with target:  # the CPU kernels read its vector width (llvm_kernels.cpu_vector)
+        with target:  # the CPU kernels read its vector width (kernels.cpu.cpu_vector)
             kernels = {symbol: serial_when_single(kernel_factory(spec.factory)(*spec.params)) for symbol, spec in items}
     else:
         from dsv4c.codegen.gpu import gpu_kernel

@@ -1,6 +1,6 @@
 """GPU targets: the same kernels as the CPU target, bound to GPU threads, built ahead of time.
 
-Every kernel of ``llvm_kernels`` is either a compute definition (matmuls, experts: built with
+Every kernel of ``codegen.kernels`` is either a compute definition (matmuls, experts: built with
 TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
 independent rows (tokens, windows, pool rows). For the latter, that loop is mapped onto
 blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
@@ -60,11 +60,11 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
 
 def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
     """GPU version of a CPU kernel: dlight for compute definitions, thread binding for TIR."""
-    from dsv4c.codegen import llvm_kernels
+    from dsv4c.codegen import kernels
     from dsv4c.codegen.lowering import kernel_factory
 
     factory = kernel_factory(spec.factory)
-    if spec.factory in llvm_kernels.COMPUTE_DEFINITIONS:
+    if spec.factory in kernels.COMPUTE_DEFINITIONS:
         from tvm.s_tir import dlight as dl
 
         func = factory(*spec.params, schedule=False)
@@ -73,8 +73,8 @@ def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                           dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
         return mod["main"]
-    if spec.factory in llvm_kernels.VECTOR_KERNELS:
-        func = factory(*spec.params, max_lanes=llvm_kernels.GPU_MAX_LANES)
+    if spec.factory in kernels.VECTOR_KERNELS:
+        func = factory(*spec.params, max_lanes=kernels.GPU_MAX_LANES)
     else:
         func = factory(*spec.params)
     body = func.body

@@ -34,9 +34,10 @@ GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
 
 def kernel_factory(name: str):
     """The factory of a kernel named in a :class:`KernelSpec`."""
-    from dsv4c.codegen import llvm_kernels, step_kernels
+    from dsv4c.codegen import step_kernels
+    from dsv4c.codegen.kernels import KERNELS
 
-    return getattr(llvm_kernels, name, None) or getattr(step_kernels, name)
+    return KERNELS.get(name) or getattr(step_kernels, name)
 
 
 def compiled_nodes(program: Program) -> list:
@@ -134,7 +135,7 @@ def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") ->
     if target == "reference":
         return {name: WeightLayout(name, tuple(v.type.shape), I64 if v.type.dtype.startswith("i") else FP32)
                 for fn in program.functions.values() for name, v in fn.weights.items()}
-    from dsv4c.codegen.llvm_kernels import column_tile
+    from dsv4c.codegen.kernels.formats import column_tile
     from dsv4c.codegen.ops.registry import lowering_of
 
     # A weight the compiled step multiplies keeps its low-bit format (its op's rule) and, when

@@ -27,7 +27,7 @@ from tvm import relax, tirx
 
 from dsv4c.artifact.pool import PoolTensor
 from dsv4c.artifact.quant import WEIGHT_FORMATS
-from dsv4c.codegen.llvm_kernels import GEMM_ROWS
+from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.codegen.lowering import compiled_nodes, node_kernels
 from dsv4c.codegen.ops.base import F32, I32, KernelSpec, weight_quant
 from dsv4c.codegen.ops.registry import lowering_of
@@ -207,9 +207,9 @@ class _Emitter:
 
 def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of each tensor in the params tuple: every stored weight the step
-    reads (a matmul weight as its kernel reads it, ``llvm_kernels.weight_storage``: its codes or
+    reads (a matmul weight as its kernel reads it, ``kernels.formats.TirFormat.parts``: its codes or
     values, then ``<name>.scale``), then the constants (``constant_names``)."""
-    from dsv4c.codegen.llvm_kernels import weight_storage
+    from dsv4c.codegen.kernels.formats import tir_format
 
     out: dict[str, tuple[tuple, str]] = {}
     for node, roles in zip(compiled_nodes(program), per_node):
@@ -222,7 +222,7 @@ def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple
             if any(v is m for m in matmul):
                 groups = lowering.weight_groups(node)
                 lead = (groups,) if groups > 1 else shape[:-2]
-                parts = weight_storage(shape[-2] // groups, shape[-1], weight_quant(roles[lowering.weight_role]))
+                parts = tir_format(weight_quant(roles[lowering.weight_role])).parts(shape[-2] // groups, shape[-1])
                 for suffix, (part_shape, dtype) in zip(("", ".scale"), parts):
                     out[v.name + suffix] = (lead + part_shape, dtype)
             else:

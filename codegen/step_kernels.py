@@ -8,7 +8,7 @@ compressor windows close and where their entries go, the rows index scoring and 
 attention read, and how routed tokens group by expert. No host round trip happens inside a
 step, so they run wherever the step runs (the CPU, or one GPU thread per row).
 
-Conventions shared with ``llvm_kernels``:
+Conventions shared with the kernels of ``codegen.kernels``:
 * a "source" row of a compressor is ``>= 0`` for a row of this step, ``-row - 1`` for ring row
   ``row``;
 * an attention row ``>= pool_rows`` is row ``row - pool_rows`` of this step's fresh KV;
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from dsv4c.codegen.llvm_kernels import ON_STACK
+from dsv4c.codegen.kernels.cpu import ON_STACK
 from dsv4c.artifact.pool import ENVELOPE_TOKENS
 
 REQ_SLOT, REQ_FIRST_TOKEN, REQ_COUNT, REQ_FIRST_POS = range(4)
@@ -71,7 +71,7 @@ def compress_windows(ratio: int, overlap: bool):
     unused tail of the ``nw`` slots, an upper bound of R + T // ratio).
 
     A request's ring holds its last ``2 ratio`` (overlap) or ``ratio`` positions, position p
-    at row p mod that (``llvm_kernels.ring_update``): a position before the request's first
+    at row p mod that (``kernels.compressor.ring_update``): a position before the request's first
     position in this step is read there. Window -1 (before position 0) reads rows that
     ``ring_reset`` emptied (scores -inf: zero weight)."""
     slots = 2 * ratio if overlap else ratio
@@ -314,7 +314,7 @@ def gather_rows():
 def pad_rows():
     """x [n, g, d] as out [g, m, d], each group's n rows first and zeros below: the GEMM kernels
     run on whole blocks of rows, and a grouped GEMM's on its groups one after another (see
-    llvm_kernels.linear)."""
+    kernels.matmul.linear)."""
     @T.prim_func
     def f(x: T.handle, out: T.handle):
         n = T.int32()

@@ -168,7 +168,7 @@ def physical_cores() -> int:
 def check_subnormals(artifact: Path) -> None:
     """Refuse a process whose float32 arithmetic flushes subnormals to zero (MXCSR DAZ / FTZ, as
     a library built with -ffast-math may set when it loads): the CPU kernels decode FP8 / FP4
-    codes through float32 subnormals (``codegen.llvm_kernels.RAW_POWER``) and would silently
+    codes through float32 subnormals (``codegen.kernels.formats``) and would silently
     drop the small weights. Threads inherit the flags of the thread that starts them.
     C++ twin: step.cc, check_subnormals."""
     tiny = np.array([2.0 ** -140], np.float32)

@@ -1,4 +1,4 @@
-"""The CPU matmul kernels (``llvm_kernels.linear`` GEMV / GEMM, ``expert_linear``) against numpy
+"""The CPU matmul kernels (``kernels.matmul.linear`` GEMV / GEMM, ``expert_linear``) against numpy
 on edge shapes, in every weight format: rows that fill no register block, outputs that are not
 a multiple of 64 (smaller column tiles), inputs that are not a multiple of the k block, groups,
 experts with 0, 1, a few and many rows. Decode (GEMV), prefill (GEMM) and the expert kernel give
@@ -12,7 +12,9 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from dsv4c.codegen import llvm_kernels as K
+from dsv4c.codegen import kernels
+from dsv4c.codegen.kernels import attention, codecs, formats, matmul
+from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG, cpu_vector
 from dsv4c.codegen import step_kernels as S
 from dsv4c.artifact import lowbit
 from dsv4c.targets import target_info
@@ -26,12 +28,12 @@ def _kernel(factory: str, *params, cpu: str | None = None):
     reads the vector width and registers of."""
     target = target_info("llvm").for_cpu(cpu).tvm_target()
     with target:
-        func = getattr(K, factory)(*params)
+        func = kernels.KERNELS[factory](*params)
     return _kernel_of(func, target)
 
 
 def _kernel_of(func, target=None):
-    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
+    with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
         return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}),
                            target=target or target_info("llvm").tvm_target())["k"]
 
@@ -43,9 +45,9 @@ def _call(kernel, *arrays):
 
 
 def _stored(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()):
-    """Random stored weight parts (``weight_storage``) and the float64 matrix [*lead, O, I] they hold."""
+    """Random stored weight parts (``TirFormat.parts``) and the float64 matrix [*lead, O, I] they hold."""
     parts = []
-    for shape, dtype in K.weight_storage(out_dim, in_dim, quant):
+    for shape, dtype in formats.tir_format(quant).parts(out_dim, in_dim):
         shape = lead + shape
         if dtype == "float32":
             parts.append((rng.uniform(0.5, 2, shape) if parts else rng.standard_normal(shape)).astype(np.float32))
@@ -88,12 +90,12 @@ def _gemm(out_dim, in_dim, quant, x, parts, groups=0, cpu=None):
     """GEMM over x [n, (G,) I] zero-padded to blocks of GEMM_ROWS, groups one after another, as
     the prefill function calls it (its pad_rows)."""
     n, lead = x.shape[0], x.shape[1:-1]
-    blocks = -(-n // K.GEMM_ROWS)
-    padded = np.zeros(lead + (blocks * K.GEMM_ROWS, in_dim), np.float32)
+    blocks = -(-n // matmul.GEMM_ROWS)
+    padded = np.zeros(lead + (blocks * matmul.GEMM_ROWS, in_dim), np.float32)
     padded[..., :n, :] = np.moveaxis(x, 0, -2)
-    y = np.zeros((blocks, K.GEMM_ROWS) + lead + (out_dim,), np.float32)
+    y = np.zeros((blocks, matmul.GEMM_ROWS) + lead + (out_dim,), np.float32)
     kernel = _kernel("linear", out_dim, in_dim, quant, False, groups, cpu=cpu)
-    return _call(kernel, padded.reshape(lead + (blocks, K.GEMM_ROWS, in_dim)), *parts, y).reshape(
+    return _call(kernel, padded.reshape(lead + (blocks, matmul.GEMM_ROWS, in_dim)), *parts, y).reshape(
         (-1,) + lead + (out_dim,))[:n]
 
 
@@ -141,7 +143,7 @@ def test_gemm_over_several_chunks_of_rows(quant, cpu):
     one. The chunked GEMM gives the GEMV's bits."""
     rng = np.random.default_rng(11)
     out_dim, in_dim, n = 64, 256, 1100
-    assert n > K.X_CHUNK_BYTES // (4 * 64)
+    assert n > matmul.X_CHUNK_BYTES // (4 * 64)
     parts, w = _stored(rng, out_dim, in_dim, quant)
     x = rng.standard_normal((n, in_dim)).astype(np.float32)
     prefill = _gemm(out_dim, in_dim, quant, x, parts, cpu=cpu)
@@ -153,7 +155,7 @@ def test_gemm_over_several_chunks_of_rows(quant, cpu):
 def test_small_inputs_keep_full_precision(quant):
     """Tiny activations times small weights: each output within 1e-5 of the sum of its terms'
     magnitudes, so no product or partial sum loses bits in float32's subnormal range (the
-    low-bit kernels sum raw codes, whose float32 values are tiny, see ``llvm_kernels.X_BOOST``)."""
+    low-bit kernels sum raw codes, whose float32 values are tiny, see ``kernels.formats.X_BOOST``)."""
     rng = np.random.default_rng(3)
     out_dim, in_dim = 64, 256
     parts, w = _stored(rng, out_dim, in_dim, quant)
@@ -202,18 +204,18 @@ def test_register_tile_fits_the_vector_registers():
     beside them (6 + 6 of 32 registers)."""
     for mcpu, lanes, tile in (("haswell", 8, (6, 16)), ("znver3", 8, (6, 16)), ("skylake-avx512", 16, (12, 32))):
         with tvm.target.Target({"kind": "llvm", "mcpu": mcpu}):
-            assert K.cpu_vector()[0] == lanes
-            assert K.register_tile(64, False) == tile
-            assert K.register_tile(8, False) == (tile[0], 8)
-            assert K.register_tile(K.SCALED_PANEL_COLUMNS, True) == (6, 16)
+            assert cpu_vector()[0] == lanes
+            assert matmul.register_tile(64, False) == tile
+            assert matmul.register_tile(8, False) == (tile[0], 8)
+            assert matmul.register_tile(matmul.SCALED_PANEL_COLUMNS, True) == (6, 16)
 
 
 def _cross_built_asm(mcpu: str, factory: str, *params) -> str:
     """The assembly of a kernel built for ``mcpu``, which this machine may lack."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
     with target:
-        func = getattr(K, factory)(*params)
-    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
+        func = kernels.KERNELS[factory](*params)
+    with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
         lib = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)
     return lib.mod.inspect_source("asm") if hasattr(lib, "mod") else lib.inspect_source("asm")
 
@@ -254,12 +256,12 @@ def test_decoders_match_lowbit_on_every_code():
         C = T.match_buffer(codes, (256,), "uint8")
         OUT = T.match_buffer(out, (256, 6), "float32")
         for i in T.serial(256):
-            OUT[i, 0] = K.decode_e4m3fn(C[i])
-            OUT[i, 1] = K.decode_e4m3fnuz(C[i])
-            OUT[i, 2] = K.decode_fp4_word(T.Cast("int32", C[i]), 0)
-            OUT[i, 3] = K.decode_fp4_word(T.Cast("int32", C[i]), 1)
-            OUT[i, 4] = K.decode_fp4_word(T.shift_left(T.Cast("int32", C[i]), 24), 6)
-            OUT[i, 5] = K.decode_fp4_word(T.shift_left(T.Cast("int32", C[i]), 24), 7)
+            OUT[i, 0] = codecs.decode_e4m3fn(C[i])
+            OUT[i, 1] = codecs.decode_e4m3fnuz(C[i])
+            OUT[i, 2] = codecs.decode_fp4_word(T.Cast("int32", C[i]), 0)
+            OUT[i, 3] = codecs.decode_fp4_word(T.Cast("int32", C[i]), 1)
+            OUT[i, 4] = codecs.decode_fp4_word(T.shift_left(T.Cast("int32", C[i]), 24), 6)
+            OUT[i, 5] = codecs.decode_fp4_word(T.shift_left(T.Cast("int32", C[i]), 24), 7)
 
     kernel = tvm.compile(tvm.IRModule({"k": decode.with_attr("global_symbol", "k")}),
                          target=target_info("llvm").tvm_target())["k"]
@@ -304,7 +306,7 @@ def test_vector_exp_is_within_two_ulp_of_exp():
     def f(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
         for i in range(n // 8):
             for j in T.vectorized(8):
-                y[i * 8 + j] = K.vector_exp(x[i * 8 + j])
+                y[i * 8 + j] = codecs.vector_exp(x[i * 8 + j])
 
     x = np.concatenate([np.linspace(-87.3, 88.3, n - 4), [-1e4, -100.0, 0.0, 100.0]]).astype(np.float32)
     y = _call(_kernel_of(f), x, np.zeros(n, np.float32))
@@ -342,7 +344,7 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
     rows[0, 8:16] = -1  # a block without rows
     rows[1, ::3] = -1
     rows[2, 17:] = -1
-    blocks = [(K.ATTN_HEAD_BLOCK, 1), (K.ATTN_HEAD_BLOCK, 2), (K.ATTN_HEAD_BLOCK, 8), (K.ATTN_PREFILL_HEAD_BLOCK, 0)]
+    blocks = [(attention.ATTN_HEAD_BLOCK, 1), (attention.ATTN_HEAD_BLOCK, 2), (attention.ATTN_HEAD_BLOCK, 8), (attention.ATTN_PREFILL_HEAD_BLOCK, 0)]
     got = [_call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, block, 0, h, cpu=cpu), q, pool, step, sink,
                  rows, np.zeros((n, heads, dim), np.float32)) for block, h in blocks]
     assert all(np.array_equal(got[0], other) for other in got[1:])
@@ -374,12 +376,12 @@ def test_index_score_matches_numpy_on_every_cpu_level(heads):
     assert np.array_equal(got[0], got[1])
     dots = np.einsum("thd,ted->the", q.astype(np.float64), pool[np.maximum(rows, 0)].astype(np.float64))
     want = np.einsum("th,the->te", w.astype(np.float64), np.maximum(dots, 0)) * (heads * dim) ** -0.5
-    want[rows < 0] = K.NEG_INF
+    want[rows < 0] = codecs.NEG_INF
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k, columns, max_lanes", [(6, 16, 0), (8, 3, 0), (512, 100, 0), (512, 512, 0), (512, 1500, 0),
-                                                   (6, 16, K.GPU_MAX_LANES), (512, 1500, K.GPU_MAX_LANES)])
+                                                   (6, 16, kernels.GPU_MAX_LANES), (512, 1500, kernels.GPU_MAX_LANES)])
 def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
     """The k largest of each row, best first, lower columns first among equal values (-0 equal
     to +0); NEG_INF, -inf and NaN never picked, -1 where fewer than k columns can be: fewer
@@ -388,7 +390,7 @@ def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, columns)).astype(np.float32)
     x[:, ::5] = np.round(x[:, ::5])  # ties
-    x[0, :columns // 2] = K.NEG_INF
+    x[0, :columns // 2] = codecs.NEG_INF
     x[1, 1::3] = -np.inf
     x[2, ::7] = np.nan
     x[3, ::4], x[3, 1::4] = 0.0, -0.0
@@ -396,7 +398,7 @@ def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
     x[5, 2::3] = np.inf
     got = _call(_kernel("topk_rows", k, max_lanes), x, np.zeros((8, k), np.int32))
     for row, ids in zip(x, got):
-        pickable = np.flatnonzero(row > np.float32(K.NEG_INF))  # NaN compares false
+        pickable = np.flatnonzero(row > np.float32(codecs.NEG_INF))  # NaN compares false
         best = pickable[np.argsort(-row[pickable].astype(np.float64) + 0.0, kind="stable")][:k]
         np.testing.assert_array_equal(ids, np.concatenate([best, np.full(k - len(best), -1)]))
 
@@ -436,8 +438,8 @@ def test_kernels_allocate_nothing_from_the_workspace_pool(factory, params):
     annotation to TVMBackendAllocWorkspace / FreeWorkspace calls, which cost rmsnorm_rope 7x its
     arithmetic when they ran per head. These kernels' loops (per head, per token, per row) make none."""
     module, _, name = factory.rpartition(".")
-    func = getattr(S if module else K, name)(*params)
-    with tvm.transform.PassContext(config=K.CPU_PASS_CONFIG):
+    func = (getattr(S, name) if module else kernels.KERNELS[name])(*params)
+    with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
         lib = tvm.tirx.build(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}),
                              target=target_info("llvm").tvm_target())
     assert "TVMBackendAllocWorkspace" not in lib.inspect_source("asm")

@@ -14,7 +14,8 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen import llvm_kernels as K
+from dsv4c.codegen import kernels
+from dsv4c.codegen.kernels import codecs
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.targets import target_info
 from dsv4c.artifact import lowbit
@@ -25,7 +26,7 @@ from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.runtime.kv_pool import KVPool, aligned_zeros
-from dsv4c.artifact.pool_rows import PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset
+from dsv4c.artifact.pool_rows import PRESHUFFLE_TILE_ROWS, fp4_code_offset, fp4_scale_offset, index_plane_row
 
 from parity_configs import PARITY_CONFIGS
 
@@ -34,7 +35,7 @@ F32 = np.float32
 
 @functools.lru_cache(maxsize=None)
 def _kernel(factory: str, *params):
-    func = getattr(K, factory)(*params)
+    func = kernels.KERNELS[factory](*params)
     return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target_info("llvm").tvm_target())["k"]
 
 
@@ -62,14 +63,14 @@ def _encoders(x: T.handle, out: T.handle):
     X = T.match_buffer(x, (n,), "float32")
     OUT = T.match_buffer(out, (n, 7), "int32")
     for i in T.parallel(n):
-        amax = T.reinterpret("float32", K.abs_bits(X[i]))
-        OUT[i, 0] = K.encode_e4m3fn(X[i])
-        OUT[i, 1] = K.encode_e2m1(X[i])
-        OUT[i, 2] = T.reinterpret("int32", K.pow2_ceil_scale(amax, lowbit.FP8_AMAX_FLOOR, lowbit.E4M3_MAX))
-        OUT[i, 3] = T.reinterpret("int32", K.pow2_ceil_scale(amax, lowbit.FP4_AMAX_FLOOR, lowbit.E2M1_MAX))
-        OUT[i, 4] = K.encode_e8m0(X[i])
-        OUT[i, 5] = T.Cast("int32", K.bf16_bits(X[i]))
-        OUT[i, 6] = K.encode_fp8(X[i], "e4m3fnuz")
+        amax = T.reinterpret("float32", codecs.abs_bits(X[i]))
+        OUT[i, 0] = codecs.encode_e4m3fn(X[i])
+        OUT[i, 1] = codecs.encode_e2m1(X[i])
+        OUT[i, 2] = T.reinterpret("int32", codecs.pow2_ceil_scale(amax, lowbit.FP8_AMAX_FLOOR, lowbit.E4M3_MAX))
+        OUT[i, 3] = T.reinterpret("int32", codecs.pow2_ceil_scale(amax, lowbit.FP4_AMAX_FLOOR, lowbit.E2M1_MAX))
+        OUT[i, 4] = codecs.encode_e8m0(X[i])
+        OUT[i, 5] = T.Cast("int32", codecs.bf16_bits(X[i]))
+        OUT[i, 6] = codecs.encode_fp8(X[i], "e4m3fnuz")
 
 
 def _grid_and_midpoints(values: np.ndarray) -> np.ndarray:
@@ -296,7 +297,7 @@ def test_kernels_reach_pool_rows_past_2_gib(target):
     dim, rng = g.index_head_dim, np.random.default_rng(6)
 
     # Index rows: store, compare the bytes, score.
-    width, dtype = K.index_plane_row(dim, g.index_storage)
+    width, dtype = index_plane_row(dim, g.index_storage)
     big = _plane_past_2_gib(width, dtype, PRESHUFFLE_TILE_ROWS)
     shift = len(big) - len(small.index_plane)  # whole tiles: row r of the small plane is row r + shift
     rows = np.append(_written_rows(rng, len(small.index_plane) - 1, 15), len(small.index_plane) - 1).astype(np.int32)

@@ -21,7 +21,7 @@ from dsv4c.cli import main as cli
 from dsv4c.codegen import convert
 from dsv4c.compile import compile_model
 from dsv4c.codegen.convert import convert_weights
-from dsv4c.codegen.llvm_kernels import column_tile
+from dsv4c.codegen.kernels.formats import column_tile
 from dsv4c.artifact.quant import dense_format, fp4_words
 from dsv4c.codegen.lowering import column_tiles, weight_layouts
 from dsv4c.errors import CheckpointError, UsageError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tvm import relax, tirx
 
-from dsv4c.codegen.llvm_kernels import ATTN_PREFILL_HEAD_BLOCK
+from dsv4c.codegen.kernels.attention import ATTN_PREFILL_HEAD_BLOCK
 from dsv4c.codegen.ops.base import F32, I32, OpLowering, input_shapes, kernel
 from dsv4c.codegen.ops.norm import rope_call, rope_table
 

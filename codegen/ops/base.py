@@ -14,7 +14,7 @@ I32, F32 = "int32", "float32"  # Relax dtypes of row indices and of activations
 
 @dataclass(frozen=True)
 class KernelSpec:
-    factory: str  # function name in dsv4c.codegen.llvm_kernels or dsv4c.codegen.step_kernels
+    factory: str  # a kernel factory: dsv4c.codegen.kernels.KERNELS or dsv4c.codegen.step_kernels
     params: tuple
 
     @property
