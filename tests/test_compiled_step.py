@@ -12,7 +12,8 @@ from tvm import relax
 
 from dsv4c.codegen import gpu
 from dsv4c.codegen.build import lower_step
-from dsv4c.frontend.config import preset
+from dsv4c.frontend.checkpoint import iter_random_weights, write_checkpoint
+from dsv4c.frontend.config import preset, with_weights
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline
 from dsv4c.passes.quant_plan import plan_for
@@ -20,6 +21,8 @@ from dsv4c.runtime.engine import Engine
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
+
+from conftest import compile_pair
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,19 @@ def test_decode_and_prefill_agree_with_the_host_reference_rows(tiny):
     some = backend.step(tokens, np.arange(20, dtype=np.int32), np.zeros(20, np.int32), np.array([4, 19], np.int32))
     assert backend.read_back == 2 * engine.config.vocab_size
     assert np.array_equal(some, every[[4, 19]])
+
+
+def test_a_bf16_checkpoint_runs_like_its_reference(tmp_path):
+    """BF16 dense weights reach every matmul as the BF16 its kernel reads (the grouped output
+    projection and the shared expert included), and the step computes what the reference does."""
+    cfg = with_weights(preset("tiny"), dense="bf16", experts="bf16")
+    write_checkpoint(cfg, iter_random_weights(cfg, 0), tmp_path / "model")
+    ref, cpu = compile_pair(tmp_path, tmp_path / "model")
+    prompt, params = list(range(1, 24)), SamplingParams(max_new_tokens=6)
+    want = Engine(ref).generate(prompt, params, record_logits=True)
+    got = Engine(cpu).generate(prompt, params, record_logits=True)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
 
 
 def _lowered(target):

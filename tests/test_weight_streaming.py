@@ -56,8 +56,10 @@ CONFIGS = {"tiny": preset("tiny"), "tiny-fp32": with_weights(preset("tiny"), den
 
 def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
     """``codegen.lowering.weight_layout`` as of commit 708e335, verbatim: every weight in memory
-    as fp32, FP8 / FP4 re-quantized from the values; one change since: the MTP function's
-    weights are laid out like the step's (it is compiled too), so all functions' nodes count."""
+    as fp32, FP8 / FP4 re-quantized from the values; two changes since: the MTP function's
+    weights are laid out like the step's (it is compiled too), so all functions' nodes count; and
+    BF16 dense weights stay BF16 for every matmul that reads them as BF16 (the grouped output
+    projection and the shared expert were stored as fp32, which their BF16 kernels misread)."""
     matmul, fp8, fp4, bf16 = set(), set(), set(), set()
     nodes = [node for fn in program.functions.values() for node in fn.nodes]
     for node in nodes:
@@ -70,7 +72,7 @@ def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
             fp8.update(v.name for v in reads)
         if node.op == "experts" and ("fp4_g32" if q == "fp4_g32" else "fp32") == "fp4_g32":
             fp4.update(v.name for v in reads)
-        if node.op in ("linear", "linear_split", "lm_head") and dense_format(q).name == "bf16":
+        if node.op not in ("moe_route", "experts") and dense_format(q).name == "bf16":
             bf16.update(v.name for v in reads)
     groups = {n.inputs[1].name: n.attrs["groups"] for n in nodes if n.op == "grouped_linear"}
 
@@ -102,7 +104,7 @@ def _in_memory_layout(program, weights, fp8_format="e4m3fn"):
                                       .reshape(*value.shape[:-1], -1)))
             out[name + ".scale"] = ("U8", tiles(scales.reshape(*value.shape[:-1], -1)))
         elif name in bf16:
-            out[name] = ("BF16", tiles(lowbit.bf16_bits_from_f32(value)))
+            out[name] = ("BF16", tiles(grouped(name, lowbit.bf16_bits_from_f32(value))))
         elif name in matmul:
             out[name] = ("F32", tiles(grouped(name, np.asarray(value, np.float32))))
         else:

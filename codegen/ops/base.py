@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dsv4c.artifact.quant import BF16, FP32, WeightFormat, dense_format
+from dsv4c.artifact.quant import WeightFormat, dense_format
 
 I32, F32 = "int32", "float32"  # Relax dtypes of row indices and of activations
 
@@ -68,7 +68,8 @@ class OpLowering:
         return node.inputs[self.weights]
 
     def weight_format(self, node, fp8_format: str) -> WeightFormat:
-        """The format the artifact stores this node's matmul weights in."""
+        """The format the artifact stores this node's matmul weights in: the one its kernels read
+        (``dense_quant`` names the same format)."""
         return dense_format(node.attrs["quant"], fp8_format)
 
     def weight_groups(self, node) -> int:
@@ -78,12 +79,3 @@ class OpLowering:
     def ones_width(self, node) -> int | None:
         """The width of the ones vector the node reads as the weight it lacks (an unweighted norm)."""
         return None
-
-
-class Bf16StoredAsFp32(OpLowering):
-    """An op whose BF16 dense weights the artifact stores as fp32 (the shared expert and the
-    grouped projection); FP8 blocks stay FP8."""
-
-    def weight_format(self, node, fp8_format):
-        fmt = super().weight_format(node, fp8_format)
-        return FP32 if fmt is BF16 else fmt

@@ -7,7 +7,7 @@ from math import prod
 
 from tvm import relax, tirx
 
-from dsv4c.codegen.ops.base import F32, Bf16StoredAsFp32, OpLowering, dense_quant, input_shapes, kernel, matmul_kernels
+from dsv4c.codegen.ops.base import F32, OpLowering, dense_quant, input_shapes, kernel, matmul_kernels
 
 
 class Linear(OpLowering):
@@ -59,7 +59,7 @@ class LmHead(Linear):
         return [em.matmul(roles, "", x, em.weight(w.name, roles["gemv"]), w.type.shape[0], gemv=True)]
 
 
-class GroupedLinear(Bf16StoredAsFp32):
+class GroupedLinear(OpLowering):
     """The heads' groups projected each by its own block of rows of one weight: the groups are
     independent projections, so one kernel runs them all."""
 

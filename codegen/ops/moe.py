@@ -4,7 +4,7 @@ experts) and ``shared_expert``."""
 from __future__ import annotations
 
 from dsv4c.artifact.quant import FP32, expert_format
-from dsv4c.codegen.ops.base import (F32, I32, Bf16StoredAsFp32, OpLowering, dense_quant, input_shapes, kernel,
+from dsv4c.codegen.ops.base import (F32, I32, OpLowering, dense_quant, input_shapes, kernel,
                                     matmul_kernels)
 
 
@@ -77,7 +77,7 @@ class Experts(OpLowering):
         return expert_format(node.attrs["quant"])
 
 
-class SharedExpert(Bf16StoredAsFp32):
+class SharedExpert(OpLowering):
     weights, weight_role = slice(1, 4), "up_gemv"
 
     def kernels(self, node, cfg, plan):
