@@ -118,6 +118,28 @@ def test_missing_and_tampered_artifacts_are_refused(tiny, tmp_path, capsys):
         Engine(copy)
 
 
+@pytest.mark.parametrize("section, key, value, fragment", [
+    ("pool_geometry", "state_bytes_per_request", 1, "pool_geometry disagrees with the model description"),
+    ("pool_geometry", "layers", None, "pool_geometry lacks 'layers'"),
+    ("model", "layer_types", None, "model description lacks or mangles field 'layer_types'"),
+])
+def test_the_runtime_reads_model_and_pool_from_the_manifest(tiny, tmp_path, capsys, section, key, value, fragment):
+    """The engine takes the model and the pool geometry the compiler recorded (as the C++ host
+    does), cross-checked, and refuses a manifest whose record is damaged in one line."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny / "cpu", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    if value is None:
+        del manifest[section][key]
+    else:
+        manifest[section][key] = value
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert cli(["generate", str(copy), "--token-ids", "1", "--max-new-tokens", "1"]) == 2
+    assert fragment in _one_line_error(capsys)
+
+
 def test_interrupted_compile_leaves_nothing(tiny, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt

@@ -115,6 +115,15 @@ def test_no_import_cycles():
             assert cycle is None, " -> ".join(cycle)
 
 
+def test_every_package_is_installed():
+    """A non-editable install ships only the packages pyproject.toml lists."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name if path.name == "__init__.py" else name.rpartition(".")[0] for name, path in SOURCES.items()}
+    assert packages <= listed, sorted(packages - listed)
+
+
 def test_no_source_file_is_over_800_lines():
     long = {str(p.relative_to(ROOT)): n for p in SOURCES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
