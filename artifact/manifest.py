@@ -17,11 +17,12 @@
 Written into a temporary sibling directory and renamed at the end, so an interrupted
 compile leaves no artifact. A killed compile cannot remove its temporary directory; the next
 compile to the same output removes it (a live compile holds a lock on its own). Loading
-checks the format version, that every file is there with its recorded size
-(:func:`read_manifest`; the weight loader then checks each shard's header) and that this host
-can run the target; hashing every byte is :func:`verify_artifact`, run on request (``dsv4c
-verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError` with a one-line
-message naming the file.
+checks the format version, that every file is there with its recorded size, and the sha256 of
+every file but the weight shards (:func:`read_manifest`: the library, the program, constants
+and tokenizer files, milliseconds; the weight loader then checks each shard's header), and
+that this host can run the target; hashing every byte is :func:`verify_artifact`, run on
+request (``dsv4c verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError`
+with a one-line message naming the file.
 """
 
 from __future__ import annotations
@@ -156,9 +157,9 @@ def _listed_files(manifest: dict[str, Any], path: Path) -> dict[str, dict[str, A
 
 
 def read_manifest(directory: str | os.PathLike, verify: bool = False) -> dict[str, Any]:
-    """The manifest of an artifact, checked: format version, and every listed file present with
-    its recorded size (cheap: no file is read). ``verify`` also hashes every byte (see
-    :func:`verify_artifact`)."""
+    """The manifest of an artifact, checked: format version, every listed file present with its
+    recorded size, and the sha256 of every file but the weight shards (small: the shards are
+    not read). ``verify`` hashes every byte instead (see :func:`verify_artifact`)."""
     d = Path(directory)
     path = d / MANIFEST
     if not d.is_dir():
@@ -172,7 +173,8 @@ def read_manifest(directory: str | os.PathLike, verify: bool = False) -> dict[st
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         got = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise ArtifactError(f"{d}: artifact format version {got!r}, this runtime reads {FORMAT_VERSION}; recompile")
-    for name, entry in _listed_files(manifest, path).items():
+    files = _listed_files(manifest, path)
+    for name, entry in files.items():
         f = d / name
         if not f.is_file():
             raise ArtifactError(f"{d}: file {name} listed in the manifest is missing")
@@ -182,7 +184,21 @@ def read_manifest(directory: str | os.PathLike, verify: bool = False) -> dict[st
                                 "modified); compile again or copy the artifact again")
     if verify:
         verify_artifact(d, manifest)
+    else:
+        # Everything but the weight shards is small (the library, the program, constants,
+        # tokenizer files): hashed at every load, in milliseconds, so a damaged library is named
+        # here rather than failing inside TVM. The shards keep the size and header checks.
+        weights = set((manifest.get("weights") or {}).get("files") or ())
+        _check_hashes(d, {name: entry for name, entry in files.items() if name not in weights})
     return manifest
+
+
+def _check_hashes(d: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Each file's sha256 against the manifest's, several files at a time, in name order."""
+    names = sorted(files)
+    for name, digest in zip(names, _hash_all([d / n for n in names])):
+        if digest != files[name]["sha256"]:
+            raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
 
 
 def verify_artifact(directory: str | os.PathLike, manifest: dict[str, Any] | None = None) -> int:
@@ -191,8 +207,5 @@ def verify_artifact(directory: str | os.PathLike, manifest: dict[str, Any] | Non
     d = Path(directory)
     manifest = read_manifest(d) if manifest is None else manifest
     files = _listed_files(manifest, d / MANIFEST)
-    names = sorted(files)
-    for name, digest in zip(names, _hash_all([d / n for n in names])):
-        if digest != files[name]["sha256"]:
-            raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
-    return sum(files[n]["bytes"] for n in names)
+    _check_hashes(d, files)
+    return sum(entry["bytes"] for entry in files.values())

@@ -126,6 +126,9 @@ def _edit_kernels(edit):
 # Each breakage, and whether the run asks for the full sha256 check (--verify).
 BREAKAGES = {
     "tampered-weights": lambda art: flip_byte(art / "weights.safetensors"),
+    # Small files are hashed at every load: a damaged library is named, not run.
+    "tampered-library": lambda art: flip_byte(art / "model.so", offset=-4096),
+    "tampered-program": lambda art: flip_byte(art / "program.json", offset=-2),
     "truncated-weights": lambda art: truncate(art / "weights.safetensors"),
     "corrupt-weights-header": lambda art: corrupt_header(art / "weights.safetensors"),
     "missing-file": lambda art: (art / "program.json").unlink(),

@@ -129,12 +129,14 @@ json::Object checked_manifest(const std::string& d, const std::string& path) {
   return *manifest;
 }
 
-// Hashes every listed file, in name order; the bytes checked.
-int64_t verify_files(const std::string& d, const json::Object& manifest, const std::string& path) {
+// Hashes the listed files `keep` selects, in name order; the bytes checked.
+template <typename Keep>
+int64_t check_hashes(const std::string& d, const json::Object& manifest, const std::string& path, Keep keep) {
   std::vector<ListedFile> files = listed_files(manifest, path);
   std::sort(files.begin(), files.end(), [](const ListedFile& a, const ListedFile& b) { return a.name < b.name; });
   int64_t checked = 0;
   for (const ListedFile& f : files) {
+    if (!keep(f.name)) continue;
     if (sha256_of_file(join_path(d, f.name)) != f.sha256) {
       throw ArtifactError(d + ": " + f.name + " does not match its sha256 in the manifest (modified or corrupt)");
     }
@@ -143,12 +145,37 @@ int64_t verify_files(const std::string& d, const json::Object& manifest, const s
   return checked;
 }
 
+int64_t verify_files(const std::string& d, const json::Object& manifest, const std::string& path) {
+  return check_hashes(d, manifest, path, [](const std::string&) { return true; });
+}
+
+// The weight shards the manifest lists (manifest["weights"]["files"]; none without weights).
+std::vector<std::string> weight_files(const json::Object& manifest) {
+  std::optional<json::Value> weights_v = manifest.Get(tvm::ffi::String("weights"));
+  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
+  std::optional<json::Value> files_v = weights ? weights->Get(tvm::ffi::String("files")) : std::nullopt;
+  std::optional<json::Array> files = files_v ? json::as_array(*files_v) : std::nullopt;
+  std::vector<std::string> out;
+  for (const json::Value& f : files ? *files : json::Array()) {
+    if (std::optional<std::string> name = json::as_string(f)) out.push_back(*name);
+  }
+  return out;
+}
+
 }  // namespace
 
 json::Fields read_manifest(const std::string& directory, bool verify) {
   const std::string d = python_path(directory), path = join_path(d, "manifest.json");
   json::Object manifest = checked_manifest(d, path);
-  if (verify) verify_files(d, manifest, path);
+  if (verify) {
+    verify_files(d, manifest, path);
+  } else {
+    // Every file but the weight shards is small: hashed at every load (Python: read_manifest).
+    std::vector<std::string> shards = weight_files(manifest);
+    check_hashes(d, manifest, path, [&](const std::string& name) {
+      return std::find(shards.begin(), shards.end(), name) == shards.end();
+    });
+  }
   return json::Fields(manifest, path);
 }
 

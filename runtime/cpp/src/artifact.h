@@ -16,9 +16,10 @@ std::string python_path(const std::string& path);
 /// str(Path(dir) / name).
 std::string join_path(const std::string& dir, const std::string& name);
 
-/// The manifest of artifact `directory`, checked: a directory, a readable manifest, format version
-/// 2, every listed file present with the size the manifest records (cheap: no file is read).
-/// `verify` also hashes every file (verify_artifact). Throws ArtifactError.
+/// The manifest of artifact `directory`, checked: a directory, a readable manifest, its format
+/// version, every listed file present with the size the manifest records, and the sha256 of every
+/// file but the weight shards (small; the shards are not read). `verify` hashes every file instead
+/// (verify_artifact). Throws ArtifactError.
 json::Fields read_manifest(const std::string& directory, bool verify = false);
 
 }  // namespace dsv4c
