@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,10 +10,15 @@ import numpy as np
 from dsv4c.errors import UsageError
 
 
+# Temperatures below this sample greedily: dividing logits by a tiny (or subnormal) temperature
+# overflows to inf, and the softmax of those is NaN (vLLM draws the same line).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -20,14 +26,14 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 0:
             raise UsageError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UsageError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class Sampler:

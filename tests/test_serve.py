@@ -269,6 +269,13 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, m
     assert len(good.choices[0].token_ids) == 2
 
 
+def test_a_subnormal_temperature_is_greedy_and_the_server_goes_on(client):
+    """1e-310 once overflowed the softmax to NaN and stopped the engine thread for everyone."""
+    tiny = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=1e-310, seed=7)
+    greedy = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+    assert tiny.choices[0].token_ids == greedy.choices[0].token_ids and len(greedy.choices[0].token_ids) == 4
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["model"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
