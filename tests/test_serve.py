@@ -269,6 +269,14 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, m
     assert len(good.choices[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(server, scheme):
+    response = httpx.post(f"{server.url}/v1/completions", json=GOOD, headers={"Authorization": f"{scheme} {KEY}"})
+    assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 2
+    wrong = httpx.post(f"{server.url}/v1/completions", json=GOOD, headers={"Authorization": f"Basic {KEY}"})
+    assert wrong.status_code == 401
+
+
 def test_a_subnormal_temperature_is_greedy_and_the_server_goes_on(client):
     """1e-310 once overflowed the softmax to NaN and stopped the engine thread for everyone."""
     tiny = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=1e-310, seed=7)

@@ -209,8 +209,10 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         return JSONResponse(APIError(500, f"internal error: {e!r}", "server_error").body(), status_code=500)
 
     async def check_api_key(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+        # The scheme is case-insensitive (RFC 9110 §11.1): "bearer KEY" is as good as "Bearer KEY".
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if api_key is not None and not (scheme.lower() == "bearer"
+                                        and hmac.compare_digest(given.encode(), api_key.encode())):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                            "authentication_error", "invalid_api_key")
 
