@@ -224,7 +224,8 @@ def _cmd_serve(args) -> int:
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
-                 num_draft_tokens=args.num_draft_tokens, weights=args.weights)
+                 num_draft_tokens=args.num_draft_tokens, weights=args.weights,
+                 served_model_name=args.served_model_name)
 
 
 def _cmd_verify(args) -> int:
@@ -316,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that wait for a place beyond --max-requests; more get 503 (default 64)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--served-model-name",
+                   help="the name clients give as 'model' (and /v1/models lists); another name gets 404 "
+                        "(default: the artifact's model name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default 30)")

@@ -109,7 +109,7 @@ def serving(artifact: Path, *args: str):
 @pytest.fixture(scope="module")
 def server(artifacts):
     with serving(artifacts / "cpu", "--api-key", KEY, "--max-requests", "8", "--max-waiting", "8",
-                 "--max-context", str(CONTEXT)) as served:
+                 "--max-context", str(CONTEXT), "--served-model-name", "tiny") as served:
         yield served
 
 
@@ -193,11 +193,15 @@ def test_sampling_is_reproducible_per_seed(client):
 def test_a_speculative_server_answers_what_the_plain_one_does(artifacts, client):
     with serving(artifacts / "cpu", "--speculative", "mtp", "--num-draft-tokens", "2") as spec:
         fast = openai.OpenAI(base_url=f"{spec.url}/v1", api_key="none", max_retries=0)
+        # Without --served-model-name the server answers to the artifact's model name (its directory's).
+        assert [m.id for m in fast.models.list().data] == ["model"]
+        with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+            fast.completions.create(model="tiny", prompt=[5], max_tokens=1)
         for prompt in ([5, 6, 7, 8], [3, 4], [9] * 20):
             plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
-            answer = fast.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            answer = fast.completions.create(model="model", prompt=prompt, max_tokens=16, temperature=0)
             assert answer.choices[0].token_ids == plain.choices[0].token_ids
-            stream = fast.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+            stream = fast.completions.create(model="model", prompt=prompt, max_tokens=16, temperature=0, stream=True)
             assert [t for c in stream for t in c.choices[0].token_ids] == plain.choices[0].token_ids
 
 
@@ -246,6 +250,9 @@ GOOD = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
     ("POST", "/v1/completions", {**GOOD, "stop": [""]}, None, 400, "'stop'"),
     ("POST", "/v1/completions", {**GOOD, "ignore_eos": "yes"}, None, 400, "'ignore_eos' must be true or false"),
     ("POST", "/v1/completions", {"max_tokens": 2}, None, 400, "'prompt' is required"),
+    ("POST", "/v1/completions", {**GOOD, "model": "gpt-4o"}, None, 404, "'gpt-4o' does not exist here"),
+    ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": []}, None, 404, "serves 'tiny'"),
+    ("POST", "/v1/completions", {**GOOD, "model": 4}, None, 400, "'model'"),
     ("POST", "/v1/chat/completions", {"model": "tiny"}, None, 400, "'messages'"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None,
      400, "only text parts"),
@@ -275,6 +282,9 @@ def test_the_bearer_scheme_is_case_insensitive(server, scheme):
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 2
     wrong = httpx.post(f"{server.url}/v1/completions", json=GOOD, headers={"Authorization": f"Basic {KEY}"})
     assert wrong.status_code == 401
+    unnamed = httpx.post(f"{server.url}/v1/completions", json={k: v for k, v in GOOD.items() if k != "model"},
+                         headers={"Authorization": f"{scheme} {KEY}"})
+    assert unnamed.status_code == 200  # a request that names no model gets the one served
 
 
 def test_a_subnormal_temperature_is_greedy_and_the_server_goes_on(client):
@@ -285,7 +295,7 @@ def test_a_subnormal_temperature_is_greedy_and_the_server_goes_on(client):
 
 
 def test_models_health_and_metrics(server, client):
-    assert [m.id for m in client.models.list().data] == ["model"]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("dsv4c_requests_running", "dsv4c_requests_waiting", "dsv4c_kv_pool_usage_ratio",
@@ -337,7 +347,7 @@ def test_a_full_queue_answers_503_and_the_waiting_are_served(server):
 
 def test_a_model_without_tokenizer_serves_token_ids_and_stops_on_sigterm(artifacts, client):
     expected = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
-    with serving(artifacts / "ref", "--shutdown-timeout", "60") as served:
+    with serving(artifacts / "ref", "--shutdown-timeout", "60", "--served-model-name", "tiny") as served:
         plain = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
         answer = plain.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=8, temperature=0)
         assert answer.choices[0].token_ids == expected.choices[0].token_ids and answer.choices[0].text == ""

@@ -60,13 +60,23 @@ def _sse(payload: dict) -> str:
 class Server:
     """What one ``dsv4c serve`` process serves: one engine, its chat template, its metrics."""
 
-    def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int):
+    def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int,
+                 served_model_name: str | None = None):
         self.engine, self.chat_template = engine, chat_template
-        self.model = engine.manifest["model_name"]
+        self.model = served_model_name or engine.manifest["model_name"]
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(engine, self.metrics, max_waiting)
         self.eos = tuple(engine.config.eos_token_ids)
+
+    def check_model(self, body: dict) -> dict:
+        """``body`` if it names this server's model or none (a name that is not a string is the
+        request parser's 400); another name is OpenAI's 404 ``model_not_found``."""
+        name = body.get("model")
+        if isinstance(name, str) and name != self.model:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves {self.model!r}",
+                           "invalid_request_error", "model_not_found")
+        return body
 
     # ------------------------------------------------------------------ prompts
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -235,12 +245,12 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request):
-        prompt, opts = completion_request(parse_json_object(await request.body()))
+        prompt, opts = completion_request(server.check_model(parse_json_object(await request.body())))
         return await server.generate(request, Completions, server.completion_prompt(prompt), opts)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        messages, opts = chat_request(parse_json_object(await request.body()))
+        messages, opts = chat_request(server.check_model(parse_json_object(await request.body())))
         return await server.generate(request, ChatCompletions, server.chat_prompt(messages), opts)
 
     app.include_router(v1)
@@ -258,16 +268,17 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests: int = 8,
           max_context: int = 4096, max_waiting: int = 64, api_key: str | None = None,
           shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1,
-          weights: str = "auto") -> int:
+          weights: str = "auto", served_model_name: str | None = None) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, cancel the rest and return 0. ``speculative="mtp"``: every
-    request decodes speculatively with the model's MTP layer (``Engine``)."""
+    request decodes speculatively with the model's MTP layer (``Engine``). ``served_model_name``:
+    the name requests must give as ``model`` (default: the artifact's model name)."""
     if max_requests < 1 or max_context < 1 or max_waiting < 0 or shutdown_timeout < 0:
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
                          "--shutdown-timeout >= 0")
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
                     num_draft_tokens=num_draft_tokens, weights=weights)
-    server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting)
+    server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name)
     sock = _listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
     # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed

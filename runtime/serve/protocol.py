@@ -101,7 +101,7 @@ def _check_options(body: dict, own: set[str]) -> None:
 
 
 def _generation_options(body: dict, max_tokens: int | None) -> GenerationOptions:
-    _field(body, "model", lambda v: isinstance(v, str), "a string")  # one model is served; any name reaches it
+    _field(body, "model", lambda v: isinstance(v, str), "a string")  # which one: Server.check_model
     temperature = _field(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0)
     top_p = _field(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
     seed = _field(body, "seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
