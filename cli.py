@@ -229,10 +229,9 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from dsv4c.artifact.manifest import read_manifest, verify_artifact
+    from dsv4c.artifact.manifest import verify_artifact
 
-    manifest = read_manifest(args.artifact)
-    checked = verify_artifact(args.artifact, manifest)
+    manifest, checked = verify_artifact(args.artifact)
     print(f"{args.artifact}: {len(manifest['files'])} files, {checked / 1e9:.2f} GB, match their sha256")
     return 0
 

@@ -182,14 +182,11 @@ def read_manifest(directory: str | os.PathLike, verify: bool = False) -> dict[st
         if size != entry["bytes"]:
             raise ArtifactError(f"{d}: {name} has {size} bytes, the manifest records {entry['bytes']} (truncated or "
                                 "modified); compile again or copy the artifact again")
-    if verify:
-        verify_artifact(d, manifest)
-    else:
-        # Everything but the weight shards is small (the library, the program, constants,
-        # tokenizer files): hashed at every load, in milliseconds, so a damaged library is named
-        # here rather than failing inside TVM. The shards keep the size and header checks.
-        weights = set((manifest.get("weights") or {}).get("files") or ())
-        _check_hashes(d, {name: entry for name, entry in files.items() if name not in weights})
+    # Everything but the weight shards is small (the library, the program, constants, tokenizer
+    # files): hashed at every load, in milliseconds, so a damaged library is named here rather
+    # than failing inside TVM. The shards keep the size and header checks unless ``verify``.
+    weights = () if verify else set((manifest.get("weights") or {}).get("files") or ())
+    _check_hashes(d, {name: entry for name, entry in files.items() if name not in weights})
     return manifest
 
 
@@ -201,11 +198,9 @@ def _check_hashes(d: Path, files: dict[str, dict[str, Any]]) -> None:
             raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
 
 
-def verify_artifact(directory: str | os.PathLike, manifest: dict[str, Any] | None = None) -> int:
-    """Hash every file of the artifact (several at a time) against the manifest; the bytes
-    checked. Raises :class:`ArtifactError` naming the first file that does not match."""
-    d = Path(directory)
-    manifest = read_manifest(d) if manifest is None else manifest
-    files = _listed_files(manifest, d / MANIFEST)
-    _check_hashes(d, files)
-    return sum(entry["bytes"] for entry in files.values())
+def verify_artifact(directory: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """Hash every file of the artifact (several at a time, each once) against the manifest: the
+    manifest and the bytes checked. Raises :class:`ArtifactError` naming the first file that
+    does not match."""
+    manifest = read_manifest(directory, verify=True)
+    return manifest, sum(entry["bytes"] for entry in manifest["files"].values())
