@@ -25,7 +25,7 @@ from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
 from dsv4c.errors import UsageError
 from dsv4c.runtime.kv_pool import KVPool
-from dsv4c.runtime.sampling import Sampler, SamplingParams
+from dsv4c.runtime.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose
 from dsv4c.runtime.weights import check_weights_mode
 from dsv4c.targets import target_info
@@ -43,8 +43,11 @@ class Request:
     generated: list[int] = field(default_factory=list)
     fed: int = 0  # tokens of prompt + generated already run through the model
     logits: list[np.ndarray] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of generated tokens, when asked for
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # the first has none
     done_sampling: bool = False
     finished: bool = False
+    failure: Exception | None = None  # what ended it early (the engine and other requests go on)
     draft: Draft = field(default_factory=Draft)
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -60,12 +63,26 @@ class Request:
     def sequence(self) -> list[int]:
         return self.prompt + self.generated
 
+    @property
+    def wants_every_row(self) -> bool:
+        """Whether the next step returns the logits of every position it feeds this request, not
+        only of the one that completes its sequence."""
+        return (self.record_logits or bool(self.draft.tokens)
+                or (self.params.prompt_logprobs is not None and self.fed < len(self.prompt)))
+
 
 @dataclass
 class Result:
     tokens: list[int]
     logits: np.ndarray | None  # [prompt_len + len(tokens), vocab] when recorded
     speculative: dict | None = None  # SpecStats.to_json() when the engine speculates
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when params.prompt_logprobs is set
+
+
+class RequestFailed(RuntimeError):
+    """A request ended by an error of its own (its ``on_token`` callback raised, ...): the engine
+    and its other requests went on."""
 
 
 def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_mode: str = "auto"):
@@ -160,9 +177,10 @@ class Engine:
             raise UsageError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"engine's max_context ({self.max_context})")
         rid = next(self._ids)
-        self.requests[rid] = Request(rid, [int(t) for t in prompt], params, on_token, record_logits)
-        if params.max_new_tokens == 0 and not record_logits:
-            self.requests[rid].done_sampling = self.requests[rid].finished = True
+        r = self.requests[rid] = Request(rid, [int(t) for t in prompt], params, on_token, record_logits)
+        r.done_sampling = params.max_new_tokens == 0
+        # With nothing to sample and no logits to return, there is nothing to run.
+        r.finished = r.done_sampling and not record_logits and params.prompt_logprobs is None
         return rid
 
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -192,15 +210,16 @@ class Engine:
         if not plan:
             return False
         tokens, positions, seqs, logit_rows, saved = [], [], [], [], {}
+        every_row = {r.rid: r.wants_every_row for r, _ in plan}
         for r, n in plan:
             self.pool.ensure(r.rid, r.fed + n)
             start = len(tokens)
             tokens += (r.sequence + r.draft.tokens)[r.fed:r.fed + n]
             positions += range(r.fed, r.fed + n)
             seqs += [r.rid] * n
-            # Only the logits the engine uses come back: every row when recorded or verifying
-            # drafts, else the last row of a request whose sequence this step completes.
-            if r.record_logits or r.draft.tokens:
+            # Only the logits the engine uses come back: every row when recorded, verifying drafts
+            # or scoring the prompt, else the last row of a request whose sequence this step completes.
+            if every_row[r.rid]:
                 logit_rows += range(start, start + n)
             elif r.fed + n == len(r.sequence):
                 logit_rows.append(start + n - 1)
@@ -211,20 +230,34 @@ class Engine:
                                    np.array(seqs, np.int32), np.array(logit_rows, np.int32))
         offset, fed_before = 0, {r.rid: r.fed for r, _ in plan}
         for r, n in plan:
-            got = n if (r.record_logits or r.draft.tokens) else int(r.fed + n == len(r.sequence))
+            got = n if every_row[r.rid] else int(r.fed + n == len(r.sequence))
             rows = logits[offset:offset + got]
             offset += got
-            if r.draft.tokens:
-                self._verify(r, rows, saved[r.rid])
-                continue
-            r.fed += n
-            if r.record_logits:
-                r.logits.extend(rows)
-            if r.fed == len(r.sequence):
-                self._advance(r, rows[-1])
+            try:
+                self._take_rows(r, n, rows, saved.get(r.rid))
+            except Exception as e:  # this request's own failure (a callback, ...): it alone ends
+                r.failure = e
+                if not r.finished:
+                    self._finish(r)
         if self.speculative:
             self._draft([(r, fed_before[r.rid], n) for r, n in plan])
         return True
+
+    def _take_rows(self, r: Request, n: int, rows: np.ndarray, saved: list | None) -> None:
+        """What the step computed for ``r``'s ``n`` fed positions: ``rows`` of logits."""
+        if r.draft.tokens:
+            self._verify(r, rows, saved)
+            return
+        if r.params.prompt_logprobs is not None and len(rows) == n:
+            # The row at position p scores the prompt's token at p + 1.
+            for p, row in zip(range(r.fed, r.fed + n), rows):
+                if p + 1 < len(r.prompt):
+                    r.prompt_logprobs.append(token_logprob(row, r.prompt[p + 1], r.params.prompt_logprobs))
+        r.fed += n
+        if r.record_logits:
+            r.logits.extend(rows)
+        if r.fed == len(r.sequence):
+            self._advance(r, rows[-1])
 
     def _verify(self, r: Request, rows: np.ndarray, saved: list) -> None:
         """Accept drafts, take the tokens, and put back the pool rows of every position the step
@@ -234,10 +267,10 @@ class Engine:
         r.spec.add(stats)
         self.spec_stats.add(stats)
         r.draft = Draft()
-        for token in out:
+        for token, row in zip(out, rows):  # out[i] was drawn from rows[i]
             if r.done_sampling:
                 break
-            self._take(r, token)
+            self._take(r, token, row)
         r.fed = len(r.sequence) - 1  # as after plain decoding: every token but the last is fed
         for position, state in saved:
             if position >= r.fed:
@@ -298,15 +331,17 @@ class Engine:
 
     def _advance(self, r: Request, last_logits: np.ndarray) -> None:
         if not r.done_sampling:
-            self._take(r, r.sampler(last_logits))
+            self._take(r, r.sampler(last_logits), last_logits)
             if r.done_sampling and not r.record_logits:
                 self._finish(r)
             return
         # Logits were requested for the last generated token too: it has now been fed.
         self._finish(r)
 
-    def _take(self, r: Request, token: int) -> None:
+    def _take(self, r: Request, token: int, logits: np.ndarray) -> None:
         r.generated.append(token)
+        if r.params.logprobs is not None:
+            r.logprobs.append(token_logprob(logits, token, r.params.logprobs))
         if r.on_token:
             r.on_token(r.rid, token)
         if len(r.generated) >= r.params.max_new_tokens or token in r.params.stop_token_ids:
@@ -326,10 +361,16 @@ class Engine:
         return self.requests[rid]
 
     def result(self, rid: int) -> Result:
+        """The request's output, once it is finished; raises :class:`RequestFailed` if it failed."""
         r = self._request(rid)
         del self.requests[rid]
+        if r.failure is not None:
+            raise RequestFailed(f"request {rid} failed: {r.failure!r}") from r.failure
+        p = r.params
         return Result(r.generated, np.stack(r.logits).astype(np.float32) if r.record_logits else None,
-                      r.spec.to_json() if self.speculative else None)
+                      r.spec.to_json() if self.speculative else None,
+                      r.logprobs if p.logprobs is not None else None,
+                      r.prompt_logprobs if p.prompt_logprobs is not None else None)
 
     def is_finished(self, rid: int) -> bool:
         """Whether the request is complete, so that ``result(rid)`` returns all of it."""

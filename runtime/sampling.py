@@ -13,6 +13,8 @@ from dsv4c.errors import UsageError
 # Temperatures below this sample greedily: dividing logits by a tiny (or subnormal) temperature
 # overflows to inf, and the softmax of those is NaN (vLLM draws the same line).
 GREEDY_TEMPERATURE = 1e-5
+# The most alternatives a request may ask for per position (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # None: no log-probabilities; k: each generated (prompt) token's log-probability and the k most
+    # likely tokens at its position, under the model's distribution (before temperature and top_p).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -30,10 +36,34 @@ class SamplingParams:
             raise UsageError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise UsageError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None), got {k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability at its position, and the ``top`` most likely tokens there
+    (id, log-probability), most likely first (the lower id first among equals)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry under log-softmax(``logits``), in float64."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    logp = z - np.log(np.exp(z).sum())
+    best = np.argpartition(-logp, top - 1)[:top] if top else np.empty(0, np.int64)
+    best = sorted(best.tolist(), key=lambda t: (-logp[t], t))
+    return TokenLogprob(int(token), float(logp[token]), tuple((t, float(logp[t])) for t in best))
 
 
 class Sampler:
