@@ -219,13 +219,16 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from dsv4c.runtime.serve.app import serve
+    from dsv4c.runtime.serve.app import RequestLimits, serve
 
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
                  num_draft_tokens=args.num_draft_tokens, weights=args.weights,
-                 served_model_name=args.served_model_name)
+                 served_model_name=args.served_model_name,
+                 limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
+                                                                         ("body_timeout", args.request_body_timeout)]
+                                         if value is not None}))
 
 
 def _cmd_verify(args) -> int:
@@ -322,6 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT / SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default 30)")
+    p.add_argument("--max-request-bytes", type=int,
+                   help="larger request bodies get 413 before they are read (default 8 MiB: a 1M-token text "
+                        "prompt)")
+    p.add_argument("--request-body-timeout", type=float,
+                   help="seconds a request body gets to arrive in full; slower ones get 408 (default 30)")
     _speculative_args(p)
     _weights_arg(p)
     p.set_defaults(run=_cmd_serve)

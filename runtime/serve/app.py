@@ -13,23 +13,61 @@ import socket
 import sys
 import time
 import uuid
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4c.errors import UsageError
-from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.engine import Engine, RequestFailed
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
-from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, bad_request,
-                                          chat_request, completion_request, parse_json_object, usage)
+from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, ScoredToken,
+                                          bad_request, chat_request, completion_request, detokenize_request,
+                                          parse_json_object, tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
 
 Endpoint = type[Completions] | type[ChatCompletions]
+T = TypeVar("T")
+# Bodies larger than this are parsed on a worker thread: parsing 1 MB of JSON (and checking its
+# token ids) takes tens of milliseconds, which would stall every stream on the event loop.
+PARSE_ON_LOOP_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request body may cost before it is parsed: ``max_bytes`` (8 MiB holds a 1M-token text
+    prompt, about 4 MB), and ``body_timeout`` seconds to arrive in full (stalled clients let go)."""
+
+    max_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0
+
+
+async def read_body(request: Request, limits: RequestLimits) -> bytes:
+    """The whole body, or a 413 as soon as it is known to be too large, or a 408 once it has taken
+    ``body_timeout`` seconds; both close the connection (its unread bytes would be the next request)."""
+    close = {"Connection": "close"}
+    too_large = APIError(413, f"the request body is larger than {limits.max_bytes} bytes, this server's "
+                              "--max-request-bytes", "invalid_request_error", "request_too_large", headers=close)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_bytes:
+        raise too_large
+    body = bytearray()
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limits.max_bytes:
+                    raise too_large
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
+                       "invalid_request_error", "request_timeout", headers=close) from None
+    return bytes(body)
 
 
 class EventStream(StreamingResponse):
@@ -57,16 +95,49 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def _choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed from the request's: the first choice takes the seed itself (so ``n=1``
+    samples what it always did), the others a 63-bit mix of both (splitmix64's constants)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 1
+
+
+@dataclass
+class Choice:
+    """One choice of a request: one prompt's generation in the engine, and how it becomes text."""
+
+    index: int
+    prompt: list[int]
+    gen: Generation
+    text: TextAssembler | None
+    echo: str | None  # the prompt's text when it comes first in the output (completions' echo)
+
+
+@dataclass
+class Piece:
+    """What a choice adds to its output at one update."""
+
+    text: str
+    token_ids: list[int]
+    scored: list[ScoredToken]  # the tokens with log-probabilities, when asked for (echoed prompt first)
+    finish: str | None
+
+
 class Server:
     """What one ``dsv4c serve`` process serves: one engine, its chat template, its metrics."""
 
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int,
-                 served_model_name: str | None = None):
-        self.engine, self.chat_template = engine, chat_template
+                 served_model_name: str | None = None, limits: RequestLimits = RequestLimits(),
+                 on_engine_failure=lambda: None):
+        self.engine, self.chat_template, self.limits = engine, chat_template, limits
         self.model = served_model_name or engine.manifest["model_name"]
         self.created = int(time.time())
         self.metrics = ServerMetrics()
-        self.loop = EngineLoop(engine, self.metrics, max_waiting)
+        self.loop = EngineLoop(engine, self.metrics, max_waiting, on_engine_failure)
         self.eos = tuple(engine.config.eos_token_ids)
 
     def check_model(self, body: dict) -> dict:
@@ -78,124 +149,231 @@ class Server:
                            "invalid_request_error", "model_not_found")
         return body
 
-    # ------------------------------------------------------------------ prompts
+    async def parse(self, request: Request, parse: Callable[[dict], T]) -> T:
+        """The request's body, read within the limits and checked by ``parse``; a large body is
+        parsed off the event loop, so that it does not stall the streams of others."""
+        raw = await read_body(request, self.limits)
+
+        def check() -> T:
+            return parse(self.check_model(parse_json_object(raw)))
+
+        return await asyncio.to_thread(check) if len(raw) > PARSE_ON_LOOP_BYTES else check()
+
+    # ------------------------------------------------------------------ prompts and text
+    def needs_tokenizer(self, what: str, param: str) -> None:
+        if self.engine.tokenizer is None:
+            raise bad_request(f"this model has no tokenizer.json, so {what}", param, "no_tokenizer")
+
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        if self.engine.tokenizer is None:
-            raise bad_request("this model has no tokenizer.json, so it takes no text: send 'prompt' as a list of "
-                              "token ids", "prompt", "no_tokenizer")
+        self.needs_tokenizer("it takes no text: send 'prompt' as a list of token ids", "prompt")
         return self.engine.encode(prompt)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if self.engine.tokenizer is None:
-            raise bad_request("this model has no tokenizer.json, so it cannot chat: use /v1/completions with "
-                              "token ids", "messages", "no_tokenizer")
+        self.needs_tokenizer("it cannot chat: use /v1/completions with token ids", "messages")
         if self.chat_template is None:
             raise bad_request("this model has no chat_template in tokenizer_config.json: use /v1/completions",
                               "messages", "no_chat_template")
         # The template writes the special tokens (BOS, role markers) itself, as in apply_chat_template.
         return self.engine.tokenizer.encode(self.chat_template.render(messages), add_special_tokens=False).ids
 
+    def token_text(self, token: int) -> str:
+        """A token as text in log-probabilities; ``token_id:N`` (vLLM's spelling) without a tokenizer."""
+        return self.engine.decode([token]) if self.engine.tokenizer is not None else f"token_id:{token}"
+
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: Request, endpoint: Endpoint, prompt: list[int],
-                       opts: GenerationOptions) -> Response:
-        text = TextAssembler(self.engine.decode, opts.stop) if self.engine.tokenizer is not None else None
-        if opts.stop and text is None:
-            raise bad_request("this model has no tokenizer.json, so it has no text to match 'stop' strings in",
-                              "stop", "no_tokenizer")
+    def _params(self, opts: GenerationOptions, prompt: list[int], seed: int) -> SamplingParams:
         max_tokens = opts.max_tokens if opts.max_tokens is not None else max(self.engine.max_context - len(prompt), 0)
         try:
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=opts.temperature, top_p=opts.top_p,
-                                    seed=opts.seed if opts.seed is not None else secrets.randbits(63),
-                                    stop_token_ids=() if opts.ignore_eos else self.eos)
+            return SamplingParams(max_new_tokens=max_tokens, temperature=opts.temperature, top_p=opts.top_p,
+                                  seed=seed, stop_token_ids=() if opts.ignore_eos else self.eos,
+                                  logprobs=opts.logprobs,
+                                  prompt_logprobs=opts.logprobs if opts.echo else None)
         except UsageError as e:
             raise bad_request(str(e)) from None
+
+    async def _open(self, prompts: list[list[int]], opts: GenerationOptions,
+                    echo_texts: list[str] | None) -> list[Choice]:
+        """One generation per prompt and choice, all accepted by the engine, or none and the error."""
+        if opts.stop and self.engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer.json, so it has no text to match 'stop' strings in",
+                              "stop", "no_tokenizer")
+        seed = opts.seed if opts.seed is not None else secrets.randbits(63)
+        choices: list[Choice] = []
         try:
-            gen = self.loop.open(prompt, params)
+            for i, prompt in enumerate(prompts):
+                for j in range(opts.n):
+                    index = i * opts.n + j
+                    params = self._params(opts, prompt, _choice_seed(seed, index))
+                    gen = self.loop.open(prompt, params)
+                    text = TextAssembler(self.engine.decode, opts.stop) if self.engine.tokenizer else None
+                    choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None))
+            for c in choices:
+                await c.gen.submitted
         except QueueFull as e:
             raise APIError(503, f"the server is full ({e}); retry later", "server_error", "queue_full",
                            headers={"Retry-After": "1"}) from None
         except EngineStopped as e:
             raise APIError(503, str(e), "server_error", "engine_stopped") from None
-        try:
-            await gen.submitted
         except UsageError as e:
-            self.loop.close(gen)
             raise bad_request(str(e)) from None
-        except BaseException:
-            self.loop.close(gen)
-            raise
+        finally:
+            if sys.exc_info()[0] is not None:
+                for c in choices:
+                    self.loop.close(c.gen)
+        return choices
+
+    async def generate(self, request: Request, endpoint: Endpoint, prompts: list[list[int]],
+                       opts: GenerationOptions, echo_texts: list[str] | None = None) -> Response:
+        """Run every prompt ``opts.n`` times and answer with all the choices (streamed or not);
+        ``echo_texts``: each prompt's text, put before its output."""
+        choices = await self._open(prompts, opts, echo_texts)
         head = {"id": f"{endpoint.id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model}
-        outputs = self._outputs(gen, text)
+        prompt_tokens = sum(map(len, prompts))
+
+        def close_all():
+            for c in choices:
+                self.loop.close(c.gen)
+
         if opts.stream:
-            return EventStream(self._events(endpoint, head, outputs, len(prompt), opts.include_usage),
-                               on_close=lambda: self.loop.close(gen))
-        answer = asyncio.ensure_future(self._complete(endpoint, head, outputs, len(prompt)))
+            return EventStream(self._events(endpoint, head, choices, prompt_tokens, opts), on_close=close_all)
+        answer = asyncio.ensure_future(self._complete(endpoint, head, choices, prompt_tokens, opts))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-            # A client that left gets no answer; the finally cancels its generation.
+            # A client that left gets no answer; the finally cancels its generations.
             return answer.result() if answer.done() else Response(status_code=499)
         finally:
             answer.cancel()
             gone.cancel()
-            self.loop.close(gen)
+            close_all()
 
-    async def _outputs(self, gen: Generation, text: TextAssembler | None):
-        """(new text, new token ids, finish reason or None) as the engine produces tokens."""
-        last = None
+    @staticmethod
+    def _failure(error: BaseException) -> APIError:
+        if isinstance(error, EngineStopped):
+            return APIError(503, str(error), "server_error", "server_shutting_down")
+        if isinstance(error, RequestFailed):
+            return APIError(500, str(error), "server_error", "request_failed")
+        return APIError(500, f"the engine stopped: {error!r}", "server_error", "engine_failed")
+
+    async def _outputs(self, c: Choice) -> AsyncIterator[Piece]:
+        """The choice's output as the engine produces its tokens."""
+        last, gen = None, c.gen
+        first = True
         while True:
             update = await gen.updates.get()
             if update.failure is not None:
-                raise APIError(500, f"the engine stopped: {update.failure}", "server_error", "engine_failed")
-            ids, delta = [], ""
+                raise self._failure(update.failure)
+            text, scored = "", []
+            if first and c.echo is not None:
+                text = c.echo
+                if update.prompt_logprobs is not None:
+                    scored = list(zip(c.prompt, update.prompt_logprobs))
+            first = False
             for token in update.tokens:
-                ids.append(token)
                 last = token
-                if text is not None:
-                    delta += text.add(token)
-                    if text.stopped:
-                        self.loop.close(gen)  # no need for more tokens
-                        yield delta, ids, "stop"
-                        return
-            if update.done:
+                if c.text is not None:
+                    text += c.text.add(token)
+            if update.logprobs is not None:
+                scored += list(zip(update.tokens, update.logprobs))
+            finish = None
+            if c.text is not None and c.text.stopped:
+                self.loop.close(gen)  # no need for more tokens
+                finish = "stop"
+            elif update.done:
                 finish = "stop" if last in gen.params.stop_token_ids else "length"
-                yield delta + (text.flush() if text is not None else ""), ids, finish
+                text += c.text.flush() if c.text is not None else ""
+            if finish is not None:
+                self.metrics.finished.labels(finish).inc()
+            yield Piece(text, update.tokens, scored, finish)
+            if finish is not None:
                 return
-            yield delta, ids, None
 
-    async def _complete(self, endpoint: Endpoint, head: dict, outputs, prompt_tokens: int) -> JSONResponse:
-        parts, ids, finish = [], [], None
-        async for delta, new, finish in outputs:
-            parts.append(delta)
-            ids += new
-        return JSONResponse({"id": head["id"], "object": endpoint.object, **head,
-                             "choices": [endpoint.choice("".join(parts), ids, finish)],
-                             "usage": usage(prompt_tokens, len(ids))})
+    def _logprobs(self, endpoint: Endpoint, opts: GenerationOptions, scored: list[ScoredToken],
+                  text_offset: int) -> dict | None:
+        return endpoint.logprobs(scored, self.token_text, text_offset) if opts.logprobs is not None else None
 
-    async def _events(self, endpoint: Endpoint, head: dict, outputs, prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list, usage_counts=None) -> str:
-            extra = {"usage": usage_counts} if include_usage else {}
-            return _sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choices, **extra})
+    async def _complete(self, endpoint: Endpoint, head: dict, choices: list[Choice], prompt_tokens: int,
+                        opts: GenerationOptions) -> JSONResponse:
+        async def collect(c: Choice) -> dict:
+            text, ids, scored, finish = [], [], [], None
+            async for piece in self._outputs(c):
+                text.append(piece.text)
+                ids += piece.token_ids
+                scored += piece.scored
+                finish = piece.finish
+            return endpoint.choice(c.index, "".join(text), ids, finish, self._logprobs(endpoint, opts, scored, 0))
 
-        opening = endpoint.opening_chunk_choice()
-        if opening is not None:
-            yield chunk([opening])
-        generated = 0
+        answers = await asyncio.gather(*map(collect, choices))
+        generated = sum(len(a["token_ids"]) for a in answers)
+        return JSONResponse({"id": head["id"], "object": endpoint.object, **head, "choices": answers,
+                             "usage": usage(prompt_tokens, generated)})
+
+    async def _events(self, endpoint: Endpoint, head: dict, choices: list[Choice], prompt_tokens: int,
+                      opts: GenerationOptions) -> AsyncIterator[str]:
+        def chunk(choice_list: list, usage_counts=None) -> str:
+            extra = {"usage": usage_counts} if opts.include_usage else {}
+            return _sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
+
+        for c in choices:
+            opening = endpoint.opening_chunk_choice(c.index)
+            if opening is not None:
+                yield chunk([opening])
+        pieces: asyncio.Queue[tuple[Choice, Piece | APIError | None]] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for piece in self._outputs(c):
+                    pieces.put_nowait((c, piece))
+            except APIError as e:
+                pieces.put_nowait((c, e))
+            pieces.put_nowait((c, None))
+
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+        generated, offsets, running = 0, dict.fromkeys(range(len(choices)), 0), len(choices)
         try:
-            async for delta, ids, finish in outputs:
-                generated += len(ids)
-                yield chunk([endpoint.chunk_choice(delta, ids, finish)])
-        except APIError as e:  # the status line has gone out: the error travels as an event
-            yield _sse(e.body())
-        if include_usage:
+            while running:
+                c, piece = await pieces.get()
+                if piece is None:
+                    running -= 1
+                elif isinstance(piece, APIError):  # the status line has gone out: the error travels as an event
+                    yield _sse(piece.body())
+                    break
+                else:
+                    generated += len(piece.token_ids)
+                    logprobs = self._logprobs(endpoint, opts, piece.scored, offsets[c.index])
+                    offsets[c.index] += sum(len(self.token_text(t)) for t, _ in piece.scored)
+                    yield chunk([endpoint.chunk_choice(c.index, piece.text, piece.token_ids, piece.finish, logprobs)])
+        finally:
+            for p in pumps:
+                p.cancel()
+        if opts.include_usage:
             yield chunk([], usage(prompt_tokens, generated))
         yield "data: [DONE]\n\n"
 
 
-def create_app(server: Server, api_key: str | None = None) -> FastAPI:
+class CountResponses:
+    """ASGI middleware around the whole application (error handlers included): every HTTP answer
+    counted by endpoint and status in ``dsv4c_http_requests_total``."""
+
+    def __init__(self, app, metrics: ServerMetrics, endpoints: set[str]):
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         server.loop.start(asyncio.get_running_loop())
@@ -245,16 +423,47 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request):
-        prompt, opts = completion_request(server.check_model(parse_json_object(await request.body())))
-        return await server.generate(request, Completions, server.completion_prompt(prompt), opts)
+        prompts, opts = await server.parse(request, completion_request)
+        ids = [server.completion_prompt(p) for p in prompts]
+        echo = None
+        if opts.echo:  # the prompt as sent, or its ids' text
+            echo = [p if isinstance(p, str) else server.engine.decode(p) if server.engine.tokenizer else ""
+                    for p in prompts]
+        return await server.generate(request, Completions, ids, opts, echo)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        messages, opts = chat_request(server.check_model(parse_json_object(await request.body())))
-        return await server.generate(request, ChatCompletions, server.chat_prompt(messages), opts)
+        messages, opts = await server.parse(request, chat_request)
+        return await server.generate(request, ChatCompletions, [server.chat_prompt(messages)], opts)
+
+    # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
+    tokens = APIRouter(dependencies=[Depends(check_api_key)])
+
+    @tokens.post("/tokenize")
+    async def tokenize(request: Request):
+        asked = await server.parse(request, tokenize_request)
+        if asked.messages is not None:
+            ids = server.chat_prompt(asked.messages)
+        elif isinstance(asked.prompt, str):
+            server.needs_tokenizer("it takes no text", "prompt")
+            ids = server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
+        else:
+            ids = asked.prompt
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_context}
+
+    @tokens.post("/detokenize")
+    async def detokenize(request: Request):
+        ids = await server.parse(request, detokenize_request)
+        server.needs_tokenizer("it has no text for token ids", "tokens")
+        vocab = server.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": server.engine.decode(ids)}
 
     app.include_router(v1)
-    return app
+    app.include_router(tokens)
+    endpoints = {route.path for route in app.routes if isinstance(route, APIRoute)}
+    return CountResponses(app, server.metrics, endpoints)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -265,27 +474,59 @@ def _listen(host: str, port: int) -> socket.socket:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+class HTTPServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown ends in answers: once ``drain_timeout`` seconds have
+    passed, the engine ends what still runs, so that waiting clients get a JSON 503 and streams an
+    error event and ``[DONE]``, rather than uvicorn cancelling their tasks (a plain-text 500, streams
+    cut short, tracebacks). uvicorn's own timeout stays as a backstop."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, drain_timeout: float):
+        super().__init__(config)
+        self.app_server, self.drain_timeout = server, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.app_server.loop.abort)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+# After the engine ended the requests left at shutdown, their answers get this long to go out.
+ANSWER_GRACE_SECONDS = 10.0
+
+
 def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests: int = 8,
           max_context: int = 4096, max_waiting: int = 64, api_key: str | None = None,
           shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1,
-          weights: str = "auto", served_model_name: str | None = None) -> int:
+          weights: str = "auto", served_model_name: str | None = None,
+          limits: RequestLimits = RequestLimits()) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
-    to ``shutdown_timeout`` seconds, cancel the rest and return 0. ``speculative="mtp"``: every
-    request decodes speculatively with the model's MTP layer (``Engine``). ``served_model_name``:
-    the name requests must give as ``model`` (default: the artifact's model name)."""
+    to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
+    fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
+    ``speculative="mtp"``: every request decodes speculatively with the model's MTP layer
+    (``Engine``). ``served_model_name``: the name requests must give as ``model`` (default: the
+    artifact's model name)."""
     if max_requests < 1 or max_context < 1 or max_waiting < 0 or shutdown_timeout < 0:
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
                          "--shutdown-timeout >= 0")
+    if limits.max_bytes < 1 or not limits.body_timeout > 0:
+        raise UsageError("--max-request-bytes and --request-body-timeout must be positive")
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
                     num_draft_tokens=num_draft_tokens, weights=weights)
-    server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name)
+
+    def engine_failed():
+        http.should_exit = True
+
+    server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name, limits,
+                    on_engine_failure=engine_failed)
     sock = _listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
     # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed
     # the engine's steps by ~20% on 8 streams; with them the overhead is within a few percent.
     config = uvicorn.Config(create_app(server, api_key), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout)
-    http = uvicorn.Server(config)
+                            timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_SECONDS)
+    http = HTTPServer(config, server, shutdown_timeout)
 
     # uvicorn handles SIGINT / SIGTERM while it runs, then restores these handlers and raises the
     # signal again; as no-ops they let the shutdown end with exit status 0 (and they catch a signal
@@ -301,5 +542,9 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{max_waiting} waiting, context {max_context}{', chat' if server.chat_template else ''}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
+    if server.loop.failure is not None:
+        print(f"dsv4c serve: stopped because the engine failed ({server.loop.failure!r})", file=sys.stderr,
+              flush=True)
+        return 1
     print("dsv4c serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dsv4c.errors import UsageError
-from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.engine import Engine, RequestFailed
 from dsv4c.runtime.kv_pool import KVPool
-from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.runtime.sampling import SamplingParams, TokenLogprob
 
 
 def pool_usage_ratio(pool: KVPool) -> float:
@@ -52,6 +52,13 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "dsv4c_inter_token_latency_seconds", "Between consecutive generated tokens of a request",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.engine_up = Gauge("dsv4c_engine_up", "1 while the engine thread runs; 0 once it has failed or stopped",
+                               registry=r)
+        self.requests = Counter("dsv4c_http_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("dsv4c_choices_finished", "Choices generated to their end, by finish reason "
+                                "(stop: EOS or a stop string; length: max_tokens or the context)",
+                                ["finish_reason"], registry=r)
 
 
 class QueueFull(Exception):
@@ -66,7 +73,9 @@ class EngineStopped(Exception):
 class Update:
     tokens: list[int]  # new since the last update
     done: bool  # no more tokens will come
-    failure: BaseException | None = None  # the engine thread failed; the request is over
+    failure: BaseException | None = None  # the request failed (or the engine did); it is over
+    logprobs: list[TokenLogprob] | None = None  # of ``tokens``, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, in the first update, when asked for
 
 
 class Generation:
@@ -81,19 +90,24 @@ class Generation:
         self.closed = False  # the handler let go of it (event loop)
         self.rid: int | None = None  # engine thread
         self.last_token_at: float | None = None  # engine thread
+        self.prompt_scored = params.prompt_logprobs is None  # its prompt_logprobs went out (engine thread)
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_waiting: int):
+    """``on_failure`` is called (on the event loop) if the engine thread dies of an error: the
+    server then has no engine, and stops so that a supervisor restarts it."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_waiting: int, on_failure=lambda: None):
         self.engine, self.metrics = engine, metrics
         self.capacity = engine.max_requests + max_waiting
         self.open_count = 0  # generations opened and not closed (event loop)
         self.failure: BaseException | None = None
+        self.on_failure = on_failure
         self._inbox: collections.deque[tuple[str, Generation]] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
         self._live: dict[int, Generation] = {}  # by engine request id (engine thread)
-        self._fresh: dict[Generation, list[int]] = {}  # tokens of the current step (engine thread)
+        self._fresh: dict[Generation, Update] = {}  # what the current step produced (engine thread)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="dsv4c-engine", daemon=True)
 
@@ -101,11 +115,17 @@ class EngineLoop:
     def start(self, event_loop: asyncio.AbstractEventLoop) -> None:
         self._event_loop = event_loop
         self._thread.start()
+        self.metrics.engine_up.set(1)
+
+    def abort(self) -> None:
+        """Have the engine thread end every request (each gets ``EngineStopped``) and stop, at its
+        next step; returns at once."""
+        self._stopping = True
+        self._wake.set()
 
     def stop(self) -> None:
         """Cancel what is left and end the thread (blocks until it has)."""
-        self._stopping = True
-        self._wake.set()
+        self.abort()
         self._thread.join()
         self._fail_all(EngineStopped("the server shut down before this request finished"))  # posted since
 
@@ -166,9 +186,13 @@ class EngineLoop:
                     self._wake.wait()
         except BaseException as e:  # a bug, not a bad request: those are refused before they reach a step
             self.failure = e
+            self.metrics.engine_up.set(0)
+            print(f"dsv4c serve: the engine failed: {e!r}; stopping the server", file=sys.stderr, flush=True)
             traceback.print_exc(file=sys.stderr)
             self._fail_all(e)
+            self._event_loop.call_soon_threadsafe(self.on_failure)
             return
+        self.metrics.engine_up.set(0)
         for rid in self._live:
             self.engine.cancel(rid)
         self._fail_all(EngineStopped("the server shut down before this request finished"))
@@ -191,6 +215,15 @@ class EngineLoop:
                 self.metrics.prompt_tokens.inc(len(gen.prompt))
                 self._event_loop.call_soon_threadsafe(self._resolve, gen.submitted, None)
 
+    def _update(self, gen: Generation) -> Update:
+        """This step's update of ``gen``, with the prompt's log-probabilities if they have not gone out."""
+        if gen not in self._fresh:
+            self._fresh[gen] = Update([], done=False, logprobs=[] if gen.params.logprobs is not None else None)
+            if not gen.prompt_scored:
+                self._fresh[gen].prompt_logprobs = self.engine.requests[gen.rid].prompt_logprobs
+                gen.prompt_scored = True
+        return self._fresh[gen]
+
     def _on_token(self, rid: int, token: int) -> None:
         gen, now = self._live[rid], time.perf_counter()
         if gen.last_token_at is None:
@@ -199,18 +232,25 @@ class EngineLoop:
             self.metrics.inter_token_latency.observe(now - gen.last_token_at)
         gen.last_token_at = now
         self.metrics.generation_tokens.inc()
-        self._fresh.setdefault(gen, []).append(token)
+        update = self._update(gen)
+        update.tokens.append(token)
+        if update.logprobs is not None:
+            update.logprobs.append(self.engine.requests[rid].logprobs[-1])
 
     def _publish(self) -> None:
         """Hand this step's tokens and finished requests to the event loop, in one callback."""
-        updates = {gen: Update(tokens, done=False) for gen, tokens in self._fresh.items()}
-        self._fresh = {}
         for rid in [rid for rid in self._live if self.engine.is_finished(rid)]:
-            gen = self._live.pop(rid)
-            self.engine.result(rid)  # the tokens went out through on_token; this forgets the request
-            updates.setdefault(gen, Update([], done=True)).done = True
+            gen = self._live[rid]
+            update = self._update(gen)
+            update.done = True
+            del self._live[rid]
+            try:
+                self.engine.result(rid)  # the tokens went out through on_token; this forgets the request
+            except RequestFailed as e:
+                update.failure = e
+        updates, self._fresh = list(self._fresh.items()), {}
         if updates:
-            self._event_loop.call_soon_threadsafe(self._deliver, list(updates.items()))
+            self._event_loop.call_soon_threadsafe(self._deliver, updates)
         pool = self.engine.pool
         self.metrics.running.set(len(pool.requests))
         self.metrics.waiting.set(len(self._live) - len(pool.requests))

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dsv4c.runtime.sampling import MAX_LOGPROBS, TokenLogprob
+
 
 class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
@@ -32,13 +34,15 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 # Options that change what is generated and that this server does not implement: accepted at the
 # value that leaves the output as it is (or null), refused by name otherwise.
 NEUTRAL = {
-    "n": 1, "best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
-    "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": "none", "functions": [],
-    "function_call": "none", "response_format": {"type": "text"},
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "tools": [],
+    "tool_choice": "none", "functions": [], "function_call": "none", "response_format": {"type": "text"},
 }
 # Options that only describe a request; accepted and ignored.
 LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
+          "n"}
+# The most choices one request may ask for (prompts x n): each is a request in the engine.
+MAX_CHOICES = 128
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     ignore_eos: bool  # vLLM's extension: generate past EOS, up to max_tokens (benchmarks, tests)
+    n: int = 1  # choices per prompt
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k most likely alternatives
+    echo: bool = False  # completions: the prompt comes first in the text (and its tokens in logprobs)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -58,8 +65,16 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if b"\\u" in raw:  # JSON escapes can spell a lone surrogate, which no text encoding can carry
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise bad_request("the request body holds a lone UTF-16 surrogate (like \\udcff): not text",
+                              code="invalid_json") from None
     return body
 
 
@@ -68,7 +83,13 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite number, as a float too (a 400-digit integer is not one)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _is_token_ids(v) -> bool:
@@ -76,7 +97,10 @@ def _is_token_ids(v) -> bool:
 
 
 def _show(v) -> str:
-    text = json.dumps(v)
+    try:
+        text = json.dumps(v)
+    except (ValueError, RecursionError):  # an integer too long to print, or nesting too deep
+        text = f"a {type(v).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -100,7 +124,8 @@ def _check_options(body: dict, own: set[str]) -> None:
             raise bad_request(f"unknown option '{name}'", name, "unknown_option")
 
 
-def _generation_options(body: dict, max_tokens: int | None) -> GenerationOptions:
+def _generation_options(body: dict, max_tokens: int | None, logprobs: int | None = None,
+                        echo: bool = False) -> GenerationOptions:
     _field(body, "model", lambda v: isinstance(v, str), "a string")  # which one: Server.check_model
     temperature = _field(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0)
     top_p = _field(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
@@ -115,29 +140,44 @@ def _generation_options(body: dict, max_tokens: int | None) -> GenerationOptions
                             'an object like {"include_usage": true}', {})
     include_usage = _field(stream_options, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
     ignore_eos = _field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
+    n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
     return GenerationOptions(max_tokens, float(temperature), float(top_p), seed, stop, stream, include_usage,
-                             ignore_eos)
+                             ignore_eos, n, logprobs, echo)
+
+
+def _logprobs_count(body: dict, name: str) -> int | None:
+    return _field(body, name, lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
 
 
 def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
     return _field(body, name, lambda v: _is_int(v) and v >= 0, "an integer >= 0", default)
 
 
-def completion_request(body: dict) -> tuple[str | list[int], GenerationOptions]:
-    """``POST /v1/completions``: the prompt (text or token ids) and the options."""
-    _check_options(body, {"prompt"})
+def _prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's four spellings of ``prompt``: a text, token ids, or a batch (a list) of either."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(isinstance(p, list) and p and _is_token_ids(p)
+                                                       for p in prompt)):
+        return prompt
+    raise bad_request("'prompt' must be a string, a list of token ids (integers), or a non-empty list of strings "
+                      f"or of token id lists, got {_show(prompt)}", "prompt")
+
+
+def completion_request(body: dict) -> tuple[list[str | list[int]], GenerationOptions]:
+    """``POST /v1/completions``: the prompts (texts or token ids; a batch answers one choice per
+    prompt and ``n``) and the options."""
+    _check_options(body, {"prompt", "logprobs", "echo"})
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt", "missing_field")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
-        if len(prompt) != 1:
-            raise bad_request(f"batched prompts ({len(prompt)} in one request) are not supported; send one "
-                              "request per prompt", "prompt", "unsupported_option")
-        prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, str) or _is_token_ids(prompt)):
-        raise bad_request(f"'prompt' must be a string or a list of token ids (integers), got {_show(prompt)}",
-                          "prompt")
-    return prompt, _generation_options(body, _max_tokens(body, "max_tokens", 16))  # OpenAI's default: 16
+    prompts = _prompts(body["prompt"])
+    echo = _field(body, "echo", lambda v: isinstance(v, bool), "true or false", False)
+    opts = _generation_options(body, _max_tokens(body, "max_tokens", 16),  # OpenAI's default: 16
+                               _logprobs_count(body, "logprobs"), echo)
+    if len(prompts) * opts.n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n = {opts.n} asks for more than {MAX_CHOICES} choices", "n")
+    return prompts, opts
 
 
 def _message_text(content, i: int) -> str:
@@ -157,9 +197,8 @@ def _message_text(content, i: int) -> str:
                       "messages")
 
 
-def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
-    """``POST /v1/chat/completions``: the messages (content as plain text) and the options."""
-    _check_options(body, {"messages", "max_completion_tokens"})
+def chat_messages(body: dict) -> list[dict[str, Any]]:
+    """The request's ``messages``, each with its content as plain text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", "messages")
@@ -168,11 +207,53 @@ def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role', got {_show(m)}", "messages")
         rendered.append({**m, "content": _message_text(m.get("content"), i)})
+    return rendered
+
+
+def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
+    """``POST /v1/chat/completions``: the messages (content as plain text) and the options."""
+    _check_options(body, {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    rendered = chat_messages(body)
     max_tokens = _max_tokens(body, "max_completion_tokens", _max_tokens(body, "max_tokens", None))
-    return rendered, _generation_options(body, max_tokens)
+    logprobs = _field(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+    top = _logprobs_count(body, "top_logprobs")
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return rendered, _generation_options(body, max_tokens, (top or 0) if logprobs else None)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    prompt: str | list[int] | None  # this, or
+    messages: list[dict[str, Any]] | None  # these
+    add_special_tokens: bool  # for a text prompt: BOS and the like, as completions add them
+
+
+def tokenize_request(body: dict) -> TokenizeRequest:
+    """``POST /tokenize`` (vLLM's): a ``prompt`` (text or token ids) or chat ``messages``, one of them."""
+    _check_options(body, {"prompt", "messages", "add_special_tokens"})
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give either 'prompt' (text or token ids) or 'messages'", "prompt", "missing_field")
+    special = _field(body, "add_special_tokens", lambda v: isinstance(v, bool), "true or false", True)
+    if "messages" in body:
+        return TokenizeRequest(None, chat_messages(body), special)
+    prompt = body["prompt"]
+    if not (isinstance(prompt, str) or _is_token_ids(prompt)):
+        raise bad_request(f"'prompt' must be a string or a list of token ids, got {_show(prompt)}", "prompt")
+    return TokenizeRequest(prompt, None, special)
+
+
+def detokenize_request(body: dict) -> list[int]:
+    """``POST /detokenize`` (vLLM's): ``tokens``, a list of token ids."""
+    _check_options(body, {"tokens"})
+    return _field(body, "tokens", _is_token_ids, "a list of token ids (integers)", [])
 
 
 # --------------------------------------------------------------------------- responses
+
+# A token with its log-probability entry; the first prompt token has none (nothing predicts it).
+ScoredToken = tuple[int, TokenLogprob | None]
+TokenText = Callable[[int], str]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -187,14 +268,28 @@ class Completions:
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
     @staticmethod
-    def choice(text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
+    def choice(index: int, text: str, token_ids: list[int], finish: str | None,
+               logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids}
 
     chunk_choice = choice
 
     @staticmethod
-    def opening_chunk_choice() -> dict[str, Any] | None:
+    def opening_chunk_choice(index: int) -> dict[str, Any] | None:
         return None
+
+    @staticmethod
+    def logprobs(scored: list[ScoredToken], token_text: TokenText, text_offset: int) -> dict[str, Any]:
+        """The legacy shape: parallel lists, ``top_logprobs`` as {token text: log-probability}
+        (null where a token has no entry), ``text_offset`` where each token starts in the text."""
+        tokens = [token_text(t) for t, _ in scored]
+        offsets = []
+        for text in tokens:
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e.logprob if e else None for _, e in scored],
+                "top_logprobs": [{token_text(t): lp for t, lp in e.top} if e else None for _, e in scored],
+                "text_offset": offsets}
 
 
 class ChatCompletions:
@@ -203,17 +298,28 @@ class ChatCompletions:
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
     @staticmethod
-    def choice(text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(index: int, text: str, token_ids: list[int], finish: str | None,
+               logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish, "token_ids": token_ids}
 
     @staticmethod
-    def chunk_choice(text: str, token_ids: list[int], finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish,
+    def chunk_choice(index: int, text: str, token_ids: list[int], finish: str | None,
+                     logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": token_ids}
 
     @staticmethod
-    def opening_chunk_choice() -> dict[str, Any] | None:
+    def opening_chunk_choice(index: int) -> dict[str, Any] | None:
         # OpenAI's first chunk names the role before any content.
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                "token_ids": []}
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None, "token_ids": []}
+
+    @staticmethod
+    def logprobs(scored: list[ScoredToken], token_text: TokenText, text_offset: int) -> dict[str, Any]:
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, e.logprob), "top_logprobs": [entry(a, lp) for a, lp in e.top]}
+                            for t, e in scored], "refusal": None}
