@@ -8,6 +8,7 @@ from dsv4c.frontend.config import config_from_dict
 
 from parity_configs import PARITY_CONFIGS
 from reference_harness import fp32_checkpoint
+from serving import write_tokenizer
 
 
 def compile_pair(tmp, ckpt):
@@ -34,3 +35,18 @@ def tiny_llvm(tmp_path_factory):
     assert cli(["make-tiny", "--out", str(root / "model")]) == 0
     assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "art")]) == 0
     return root / "art"
+
+
+@pytest.fixture(scope="session")
+def serve_artifacts(tmp_path_factory):
+    """The tiny model compiled for the reference interpreter (without a tokenizer) and for llvm (with
+    the word-level tokenizer and chat template)."""
+    root = tmp_path_factory.mktemp("serve")
+    model = root / "model"
+    assert cli(["make-tiny", "--out", str(model), "--seed", "0"]) == 0
+    # The reference artifact is compiled before the tokenizer exists: a model without one.
+    assert cli(["compile", "--model", str(model), "--target", "reference", "-o", str(root / "ref")]) == 0
+    write_tokenizer(model)
+    assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(root / "cpu")]) == 0
+    assert (root / "cpu" / "tokenizer_config.json").is_file() and not (root / "ref" / "tokenizer.json").exists()
+    return root

@@ -3,23 +3,17 @@ raw HTTP; Engine.cancel; the text assembly behind stop strings."""
 
 import asyncio
 import json
-import os
 import re
-import select
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-import dsv4c
 from dsv4c.cli import main as cli
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine
@@ -27,83 +21,12 @@ from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.serve.engine_loop import pool_usage_ratio
 from dsv4c.runtime.serve.text import TextAssembler
 
-KEY = "test-key"
-EOS = 1  # the tiny preset's eos_token_id
-CONTEXT = 2048
-SPECIALS = ["<bos>", "<eos>", "<unk>", "<user>", "<assistant>", "<system>"]  # ids 0..5; <bos> = 0 and <eos> = 1
-CHAT_TEMPLATE = (
-    "{% if messages[0].role == 'assistant' %}{{ raise_exception('a conversation starts with a user') }}{% endif %}"
-    "{{ bos_token }}{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-
-
-def _write_tokenizer(model: Path) -> None:
-    """A word-level tokenizer over the tiny model's 512 ids: the specials, then w6 ... w511."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(SPECIALS)} | {f"w{i}": i for i in range(len(SPECIALS), 512)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": {"content": "<eos>", "special": True}, "chat_template": CHAT_TEMPLATE}))
+from serving import CONTEXT, EOS, KEY, SPECIALS, Served, serving
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    model = root / "model"
-    assert cli(["make-tiny", "--out", str(model), "--seed", "0"]) == 0
-    # The reference artifact is compiled before the tokenizer exists: a model without one.
-    assert cli(["compile", "--model", str(model), "--target", "reference", "-o", str(root / "ref")]) == 0
-    _write_tokenizer(model)
-    assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(root / "cpu")]) == 0
-    assert (root / "cpu" / "tokenizer_config.json").is_file() and not (root / "ref" / "tokenizer.json").exists()
-    return root
-
-
-class Served:
-    def __init__(self, proc: subprocess.Popen, url: str, stderr: Path):
-        self.proc, self.url, self.stderr = proc, url, stderr
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(dsv4c_\w+) (\S+)$", text, re.M)}
-
-    def wait_metrics(self, done, timeout: float = 10.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while not done(m := self.metrics()):
-            assert time.monotonic() < deadline, f"metrics never got there: {m}"
-            time.sleep(0.05)
-        return m
-
-
-@contextmanager
-def serving(artifact: Path, *args: str):
-    """``dsv4c serve ARTIFACT --port 0 ARGS`` in a subprocess, once it answers /health."""
-    stderr = artifact.parent / f"serve-{artifact.name}-{time.monotonic_ns()}.err"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dsv4c.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    with open(stderr, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "dsv4c", "serve", str(artifact), "--port", "0", *args],
-                                stdout=subprocess.PIPE, stderr=err, env=env, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        banner = proc.stdout.readline() if ready else ""
-        url = re.search(r"http://127\.0\.0\.1:\d+", banner)
-        assert url, f"no banner: {banner!r}; stderr: {stderr.read_text()}"
-        served = Served(proc, url[0], stderr)
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{served.url}/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        yield served
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+def artifacts(serve_artifacts):
+    return serve_artifacts
 
 
 @pytest.fixture(scope="module")

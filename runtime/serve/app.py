@@ -180,7 +180,9 @@ class Server:
 
     def token_text(self, token: int) -> str:
         """A token as text in log-probabilities; ``token_id:N`` (vLLM's spelling) without a tokenizer."""
-        return self.engine.decode([token]) if self.engine.tokenizer is not None else f"token_id:{token}"
+        if self.engine.tokenizer is None:
+            return f"token_id:{token}"
+        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ generation
     def _params(self, opts: GenerationOptions, prompt: list[int], seed: int) -> SamplingParams:
@@ -460,9 +462,20 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": server.engine.decode(ids)}
 
+    @tokens.get("/tokenizer_info")
+    async def tokenizer_info():
+        # What clients that tokenize through the server read (lm-eval's remote tokenizer).
+        server.needs_tokenizer("it has no tokenizer to describe", None)
+        config, tok = server.engine.config, server.engine.tokenizer
+        named = {"bos_token": config.bos_token_id, "eos_token": config.eos_token_ids[0] if config.eos_token_ids
+                 else None}
+        return {**{name: tok.id_to_token(i) for name, i in named.items() if i is not None},
+                "model_max_length": server.engine.max_context, "vocab_size": config.vocab_size}
+
     app.include_router(v1)
     app.include_router(tokens)
-    endpoints = {route.path for route in app.routes if isinstance(route, APIRoute)}
+    endpoints = {route.path for router in (app.router, v1, tokens) for route in router.routes
+                 if isinstance(route, APIRoute)}
     return CountResponses(app, server.metrics, endpoints)
 
 
