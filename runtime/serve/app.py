@@ -23,13 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine
-from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
+from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
 from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, bad_request,
                                           chat_request, completion_request, parse_json_object, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
 
-Endpoint = type[Completions] | type[ChatCompletions]
+Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
 
 
 class EventStream(StreamingResponse):
@@ -62,7 +63,8 @@ class Server:
 
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int,
                  served_model_name: str | None = None):
-        self.engine, self.chat_template = engine, chat_template
+        self.engine = engine
+        self.chat = ChatProtocol.of(engine, chat_template)
         self.model = served_model_name or engine.manifest["model_name"]
         self.created = int(time.time())
         self.metrics = ServerMetrics()
@@ -87,20 +89,19 @@ class Server:
                               "token ids", "prompt", "no_tokenizer")
         return self.engine.encode(prompt)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
         if self.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json, so it cannot chat: use /v1/completions with "
                               "token ids", "messages", "no_tokenizer")
-        if self.chat_template is None:
-            raise bad_request("this model has no chat_template in tokenizer_config.json: use /v1/completions",
-                              "messages", "no_chat_template")
-        # The template writes the special tokens (BOS, role markers) itself, as in apply_chat_template.
-        return self.engine.tokenizer.encode(self.chat_template.render(messages), add_special_tokens=False).ids
+        # The template (or V4's encoding) writes the special tokens (BOS, role markers) itself.
+        return self.engine.tokenizer.encode(self.chat.prompt_text(messages, options), add_special_tokens=False).ids
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: Request, endpoint: Endpoint, prompt: list[int],
-                       opts: GenerationOptions) -> Response:
-        text = TextAssembler(self.engine.decode, opts.stop) if self.engine.tokenizer is not None else None
+    async def generate(self, request: Request, endpoint: Endpoint, prompt: list[int], opts: GenerationOptions,
+                       logits_processor: LogitsProcessor | None = None, decode=None) -> Response:
+        """``logits_processor``: the request's constrained decoding; ``decode``: how its tokens
+        become text (default: the tokenizer's, special tokens left out)."""
+        text = TextAssembler(decode or self.engine.decode, opts.stop) if self.engine.tokenizer is not None else None
         if opts.stop and text is None:
             raise bad_request("this model has no tokenizer.json, so it has no text to match 'stop' strings in",
                               "stop", "no_tokenizer")
@@ -108,7 +109,8 @@ class Server:
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=opts.temperature, top_p=opts.top_p,
                                     seed=opts.seed if opts.seed is not None else secrets.randbits(63),
-                                    stop_token_ids=() if opts.ignore_eos else self.eos)
+                                    stop_token_ids=() if opts.ignore_eos else self.eos,
+                                    logits_processor=logits_processor)
         except UsageError as e:
             raise bad_request(str(e)) from None
         try:
@@ -250,8 +252,14 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        messages, opts = chat_request(server.check_model(parse_json_object(await request.body())))
-        return await server.generate(request, ChatCompletions, server.chat_prompt(messages), opts)
+        body = server.check_model(parse_json_object(await request.body()))
+        messages, opts = chat_request(body)
+        options = chat_options(body)
+        prompt = server.chat_prompt(messages, options)
+        # Compiling a grammar can take a while: off the event loop.
+        constraint = await asyncio.to_thread(server.chat.constraint, options)
+        return await server.generate(request, server.chat.endpoint(options), prompt, opts, constraint,
+                                     server.chat.decode_output if server.chat.v4 else None)
 
     app.include_router(v1)
     return app
@@ -298,7 +306,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
     print(f"dsv4c serve: {server.model} on {url} (up to {max_requests} running, "
-          f"{max_waiting} waiting, context {max_context}{', chat' if server.chat_template else ''}"
+          f"{max_waiting} waiting, context {max_context}{server.chat.summary}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
     print("dsv4c serve: stopped", file=sys.stderr, flush=True)

@@ -38,6 +38,10 @@ NEUTRAL = {
 }
 # Options that only describe a request; accepted and ignored.
 LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# Chat options of the conversation protocol, checked by runtime.serve.chat (tools, tool_choice and
+# response_format are no longer neutral there).
+CHAT_PROTOCOL = {"tools", "tool_choice", "response_format", "chat_template_kwargs", "reasoning_effort",
+                 "add_generation_prompt"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
 
 
@@ -159,7 +163,7 @@ def _message_text(content, i: int) -> str:
 
 def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
     """``POST /v1/chat/completions``: the messages (content as plain text) and the options."""
-    _check_options(body, {"messages", "max_completion_tokens"})
+    _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL}, {"messages", "max_completion_tokens"})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", "messages")
