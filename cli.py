@@ -7,7 +7,9 @@ User errors (bad config, checkpoint, artifact, arguments) print one line,
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from dsv4c.errors import DsvError
 from dsv4c.targets import COMPILED_TARGETS, TARGETS
@@ -182,13 +184,20 @@ def _cmd_generate(args) -> int:
     if temperature == 0 and args.top_p is not None:
         raise UsageError("--top-p needs --temperature > 0")
     # Size the pool for this request: a text prompt has at most one token per character (+ specials).
-    prompt_bound = len(args.token_ids) if args.token_ids is not None else len(args.prompt) + 16
+    messages = _read_messages(args.messages) if args.messages is not None else None
+    if args.thinking and messages is None:
+        raise UsageError("--thinking goes with --messages")
+    text_prompt = args.prompt if messages is None else json.dumps(messages)
+    prompt_bound = len(args.token_ids) if args.token_ids is not None else len(text_prompt) + 1024
     if args.stats and args.speculative is None:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
                     speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights)
-    prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
+    if messages is not None:
+        prompt = _chat_prompt(engine, messages, args.thinking)
+    else:
+        prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
                             stop_token_ids=tuple(args.stop_token_ids or ()))
@@ -196,14 +205,14 @@ def _cmd_generate(args) -> int:
 
     def on_token(_rid: int, token: int) -> None:
         # Text streams as it decodes; ids are printed once, space-separated, at the end.
-        if args.prompt is not None:
+        if args.token_ids is None:
             before = engine.decode(streamed)
             streamed.append(token)
             sys.stdout.write(engine.decode(streamed)[len(before):])
             sys.stdout.flush()
 
     result = engine.generate(prompt, params, on_token=on_token, record_logits=args.logits_out is not None)
-    if args.prompt is not None:
+    if args.token_ids is None:
         sys.stdout.write("\n")
     else:
         print(" ".join(str(t) for t in result.tokens))
@@ -216,6 +225,37 @@ def _cmd_generate(args) -> int:
               f"{s['tokens_per_step'] or 0:.2f} tokens per verify step over {s['verify_steps']} steps",
               file=sys.stderr)
     return 0
+
+
+def _read_messages(path: str) -> list[dict]:
+    from dsv4c.errors import UsageError
+
+    try:
+        messages = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--messages {path}: {e}") from None
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                            for m in messages)):
+        raise UsageError(f"--messages {path}: not a JSON list of messages with a 'role' each")
+    return messages
+
+
+def _chat_prompt(engine, messages: list[dict], thinking: bool) -> list[int]:
+    """The prompt `dsv4c serve` makes of a chat request with these messages."""
+    from dsv4c.errors import UsageError
+    from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol
+    from dsv4c.runtime.serve.protocol import APIError, chat_request
+    from dsv4c.runtime.serve.text import ChatTemplate
+
+    if engine.tokenizer is None:
+        raise UsageError(f"{engine.path} has no tokenizer.json; --messages needs one")
+    chat = ChatProtocol.of(engine, ChatTemplate.from_artifact(engine.path))
+    try:
+        checked, _ = chat_request({"messages": messages})
+        text = chat.prompt_text(checked, ChatOptions(template_kwargs={"thinking": thinking}))
+    except APIError as e:
+        raise UsageError(f"--messages: {e.message}") from None
+    return engine.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def _cmd_serve(args) -> int:
@@ -293,6 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the artifact)")
     src.add_argument("--token-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--messages", metavar="FILE.json",
+                     help="a conversation (a JSON list of OpenAI chat messages) encoded as `dsv4c serve` encodes "
+                          "chat requests: the artifact's chat template, else DeepSeek-V4's encoding")
+    p.add_argument("--thinking", action="store_true", help="with --messages: V4's thinking mode")
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     p.add_argument("--temperature", type=float)

@@ -170,6 +170,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
             raise UsageError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.logits_processor is not None and self.speculative:
+            raise UsageError("constrained decoding is not available with speculative decoding (drafts are "
+                             "verified without the request's token mask); run without speculative")
         if record_logits and self.speculative:
             raise UsageError("record_logits is not available with speculative decoding (rejected drafts have "
                              "logits that are not the sequence's); run without speculative")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -17,6 +18,15 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 
 
+class LogitsProcessor(Protocol):
+    """A request's own rule on which tokens may come next (constrained decoding): ``mask`` the
+    logits of each step before sampling, then ``accept`` the token taken."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
@@ -28,6 +38,7 @@ class SamplingParams:
     # likely tokens at its position, under the model's distribution (before temperature and top_p).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logits_processor: LogitsProcessor | None = field(default=None, compare=False)  # stateful: one per request
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -72,9 +83,14 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        if self.params.greedy:
-            return int(np.argmax(logits))  # the lowest id wins ties
-        return self.draw(self.probs(logits))
+        processor = self.params.logits_processor
+        if processor is not None:
+            logits = processor.mask(logits)
+        # Greedy: the lowest id wins ties.
+        token = int(np.argmax(logits)) if self.params.greedy else self.draw(self.probs(logits))
+        if processor is not None:
+            processor.accept(token)
+        return token
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
         """The distribution a non-greedy request samples from: softmax at the temperature,

@@ -25,14 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine, RequestFailed
-from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
+from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
 from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, ScoredToken,
                                           bad_request, chat_request, completion_request, detokenize_request,
                                           parse_json_object, tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
 
-Endpoint = type[Completions] | type[ChatCompletions]
+Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
 T = TypeVar("T")
 # Bodies larger than this are parsed on a worker thread: parsing 1 MB of JSON (and checking its
 # token ids) takes tens of milliseconds, which would stall every stream on the event loop.
@@ -115,6 +116,7 @@ class Choice:
     gen: Generation
     text: TextAssembler | None
     echo: str | None  # the prompt's text when it comes first in the output (completions' echo)
+    endpoint: Endpoint  # shapes its output (V4's chat parses it, with a parser of its own)
 
 
 @dataclass
@@ -133,7 +135,8 @@ class Server:
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int,
                  served_model_name: str | None = None, limits: RequestLimits = RequestLimits(),
                  on_engine_failure=lambda: None):
-        self.engine, self.chat_template, self.limits = engine, chat_template, limits
+        self.engine, self.limits = engine, limits
+        self.chat = ChatProtocol.of(engine, chat_template)
         self.model = served_model_name or engine.manifest["model_name"]
         self.created = int(time.time())
         self.metrics = ServerMetrics()
@@ -170,13 +173,10 @@ class Server:
         self.needs_tokenizer("it takes no text: send 'prompt' as a list of token ids", "prompt")
         return self.engine.encode(prompt)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
         self.needs_tokenizer("it cannot chat: use /v1/completions with token ids", "messages")
-        if self.chat_template is None:
-            raise bad_request("this model has no chat_template in tokenizer_config.json: use /v1/completions",
-                              "messages", "no_chat_template")
-        # The template writes the special tokens (BOS, role markers) itself, as in apply_chat_template.
-        return self.engine.tokenizer.encode(self.chat_template.render(messages), add_special_tokens=False).ids
+        # The template (or V4's encoding) writes the special tokens (BOS, role markers) itself.
+        return self.engine.tokenizer.encode(self.chat.prompt_text(messages, options), add_special_tokens=False).ids
 
     def token_text(self, token: int) -> str:
         """A token as text in log-probabilities; ``token_id:N`` (vLLM's spelling) without a tokenizer."""
@@ -185,19 +185,22 @@ class Server:
         return self.engine.tokenizer.decode([token], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ generation
-    def _params(self, opts: GenerationOptions, prompt: list[int], seed: int) -> SamplingParams:
+    def _params(self, opts: GenerationOptions, prompt: list[int], seed: int,
+                logits_processor: LogitsProcessor | None) -> SamplingParams:
         max_tokens = opts.max_tokens if opts.max_tokens is not None else max(self.engine.max_context - len(prompt), 0)
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=opts.temperature, top_p=opts.top_p,
                                   seed=seed, stop_token_ids=() if opts.ignore_eos else self.eos,
                                   logprobs=opts.logprobs,
-                                  prompt_logprobs=opts.logprobs if opts.echo else None)
+                                  prompt_logprobs=opts.logprobs if opts.echo else None,
+                                  logits_processor=logits_processor)
         except UsageError as e:
             raise bad_request(str(e)) from None
 
-    async def _open(self, prompts: list[list[int]], opts: GenerationOptions,
-                    echo_texts: list[str] | None) -> list[Choice]:
-        """One generation per prompt and choice, all accepted by the engine, or none and the error."""
+    async def _open(self, endpoint: Endpoint, prompts: list[list[int]], opts: GenerationOptions,
+                    echo_texts: list[str] | None, chat: ChatOptions | None) -> list[Choice]:
+        """One generation per prompt and choice, all accepted by the engine, or none and the error.
+        A chat choice has its own output parser and its own constraint (both keep state)."""
         if opts.stop and self.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json, so it has no text to match 'stop' strings in",
                               "stop", "no_tokenizer")
@@ -207,10 +210,16 @@ class Server:
             for i, prompt in enumerate(prompts):
                 for j in range(opts.n):
                     index = i * opts.n + j
-                    params = self._params(opts, prompt, _choice_seed(seed, index))
+                    decode, constraint = self.engine.decode, None
+                    if chat is not None:
+                        # Compiling a grammar can take a while: off the event loop.
+                        constraint = await asyncio.to_thread(self.chat.constraint, chat)
+                        endpoint = self.chat.endpoint(chat)
+                        decode = self.chat.decode_output if self.chat.v4 else decode
+                    params = self._params(opts, prompt, _choice_seed(seed, index), constraint)
                     gen = self.loop.open(prompt, params)
-                    text = TextAssembler(self.engine.decode, opts.stop) if self.engine.tokenizer else None
-                    choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None))
+                    text = TextAssembler(decode, opts.stop) if self.engine.tokenizer else None
+                    choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
             for c in choices:
                 await c.gen.submitted
         except QueueFull as e:
@@ -227,10 +236,12 @@ class Server:
         return choices
 
     async def generate(self, request: Request, endpoint: Endpoint, prompts: list[list[int]],
-                       opts: GenerationOptions, echo_texts: list[str] | None = None) -> Response:
+                       opts: GenerationOptions, echo_texts: list[str] | None = None,
+                       chat: ChatOptions | None = None) -> Response:
         """Run every prompt ``opts.n`` times and answer with all the choices (streamed or not);
-        ``echo_texts``: each prompt's text, put before its output."""
-        choices = await self._open(prompts, opts, echo_texts)
+        ``echo_texts``: each prompt's text, put before its output; ``chat``: a chat request's
+        conversation options (its output parsing and constrained decoding)."""
+        choices = await self._open(endpoint, prompts, opts, echo_texts, chat)
         head = {"id": f"{endpoint.id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model}
         prompt_tokens = sum(map(len, prompts))
 
@@ -305,7 +316,7 @@ class Server:
                 ids += piece.token_ids
                 scored += piece.scored
                 finish = piece.finish
-            return endpoint.choice(c.index, "".join(text), ids, finish, self._logprobs(endpoint, opts, scored, 0))
+            return c.endpoint.choice(c.index, "".join(text), ids, finish, self._logprobs(endpoint, opts, scored, 0))
 
         answers = await asyncio.gather(*map(collect, choices))
         generated = sum(len(a["token_ids"]) for a in answers)
@@ -319,7 +330,7 @@ class Server:
             return _sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
 
         for c in choices:
-            opening = endpoint.opening_chunk_choice(c.index)
+            opening = c.endpoint.opening_chunk_choice(c.index)
             if opening is not None:
                 yield chunk([opening])
         pieces: asyncio.Queue[tuple[Choice, Piece | APIError | None]] = asyncio.Queue()
@@ -346,7 +357,8 @@ class Server:
                     generated += len(piece.token_ids)
                     logprobs = self._logprobs(endpoint, opts, piece.scored, offsets[c.index])
                     offsets[c.index] += sum(len(self.token_text(t)) for t, _ in piece.scored)
-                    yield chunk([endpoint.chunk_choice(c.index, piece.text, piece.token_ids, piece.finish, logprobs)])
+                    yield chunk([c.endpoint.chunk_choice(c.index, piece.text, piece.token_ids, piece.finish,
+                                                         logprobs)])
         finally:
             for p in pumps:
                 p.cancel()
@@ -435,17 +447,19 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        messages, opts = await server.parse(request, chat_request)
-        return await server.generate(request, ChatCompletions, [server.chat_prompt(messages)], opts)
+        (messages, opts), options = await server.parse(request, lambda body: (chat_request(body), chat_options(body)))
+        return await server.generate(request, ChatCompletions, [server.chat_prompt(messages, options)], opts,
+                                     chat=options)
 
     # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
     tokens = APIRouter(dependencies=[Depends(check_api_key)])
 
     @tokens.post("/tokenize")
     async def tokenize(request: Request):
-        asked = await server.parse(request, tokenize_request)
+        asked, options = await server.parse(
+            request, lambda body: (tokenize_request(body), chat_options(body) if "messages" in body else None))
         if asked.messages is not None:
-            ids = server.chat_prompt(asked.messages)
+            ids = server.chat_prompt(asked.messages, options)
         elif isinstance(asked.prompt, str):
             server.needs_tokenizer("it takes no text", "prompt")
             ids = server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
@@ -552,7 +566,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
     print(f"dsv4c serve: {server.model} on {url} (up to {max_requests} running, "
-          f"{max_waiting} waiting, context {max_context}{', chat' if server.chat_template else ''}"
+          f"{max_waiting} waiting, context {max_context}{server.chat.summary}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
     if server.loop.failure is not None:

@@ -39,6 +39,10 @@ NEUTRAL = {
 }
 # Options that only describe a request; accepted and ignored.
 LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# Chat options of the conversation protocol, checked by runtime.serve.chat (tools, tool_choice and
+# response_format are no longer neutral there).
+CHAT_PROTOCOL = {"tools", "tool_choice", "response_format", "chat_template_kwargs", "reasoning_effort",
+                 "add_generation_prompt"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
           "n"}
 # The most choices one request may ask for (prompts x n): each is a request in the engine.
@@ -212,7 +216,8 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
 
 def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
     """``POST /v1/chat/completions``: the messages (content as plain text) and the options."""
-    _check_options(body, {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL},
+                   {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
     rendered = chat_messages(body)
     max_tokens = _max_tokens(body, "max_completion_tokens", _max_tokens(body, "max_tokens", None))
     logprobs = _field(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
@@ -231,7 +236,9 @@ class TokenizeRequest:
 
 def tokenize_request(body: dict) -> TokenizeRequest:
     """``POST /tokenize`` (vLLM's): a ``prompt`` (text or token ids) or chat ``messages``, one of them."""
-    _check_options(body, {"prompt", "messages", "add_special_tokens"})
+    # With messages, the conversation options (tools, chat_template_kwargs, ...) shape the prompt.
+    _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL or "messages" not in body},
+                   {"prompt", "messages", "add_special_tokens"})
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give either 'prompt' (text or token ids) or 'messages'", "prompt", "missing_field")
     special = _field(body, "add_special_tokens", lambda v: isinstance(v, bool), "true or false", True)

@@ -64,9 +64,11 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ArtifactError(f"{path}: chat_template line {e.lineno}: {e.message}") from None
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables) -> str:
+        """``variables``: the request's ``tools`` and ``chat_template_kwargs``, as vLLM passes them."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self.template.render({**variables, **self.special_tokens, "messages": messages,
+                                         "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:
             raise bad_request(f"the model's chat template refused the messages: {e}", "messages") from None
 

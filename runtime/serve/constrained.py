@@ -1,0 +1,150 @@
+"""Constrained decoding: grammars for ``response_format`` and forced tool calls, and the token
+mask that holds a request to them, by llguidance.
+
+The grammar tokenizer (llguidance's view of every token's bytes) is built once per server; each
+request compiles its grammar into a matcher, and the engine thread calls it before sampling
+each token (``SamplingParams.logits_processor``): tokens the grammar does not allow get -inf.
+
+A forced call is written as V4's DSML with its arguments in the schema's property order,
+required ones always and optional ones at the model's choice. Strings go as written
+(``string="true"``) when the schema says only "a string" or lists its values; a string with any
+other constraint (pattern, length, format) goes as a JSON string (``string="false"``), which
+the grammar checks against the schema like every other value."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from dsv4c.runtime.serve.dsv4_encoding import (INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN,
+                                               THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR)
+from dsv4c.runtime.serve.protocol import bad_request
+
+# Compact JSON as the release's encoder writes it (json.dumps' separators), with no free
+# whitespace: a grammar that allows whitespace lets a model pad forever.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A string "as written" may be anything but the end of its parameter.
+_PLAIN_STRING_KEYS = {"type", "description", "title"}
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _without(marker: str) -> str:
+    """A lark terminal: any text that does not contain ``marker``."""
+    escaped = "".join(f"\\{c}" if c in "\\/.^$*+?()[]{}|-" else c for c in marker)
+    return f"/(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/"
+
+
+def _json_rule(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+
+
+def _start(body: str, thinking: bool) -> list[str]:
+    """The start rule: in thinking mode the reasoning comes first, up to ``</think>``."""
+    if not thinking:
+        return [f"start: {body}"]
+    return [f"start: REASONING {_lit(THINK_END)} {body}", f"REASONING: {_without(THINK_END)}"]
+
+
+def response_format_grammar(response_format: dict, thinking: bool) -> str:
+    schema = {"type": "object"} if response_format["type"] == "json_object" else \
+        response_format["json_schema"]["schema"]
+    return "\n".join(_start("answer", thinking) + [f"answer: {_json_rule(schema)}"])
+
+
+def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
+    """The rule of one tool's parameters (in property order) and the rules it needs."""
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    close = _lit(PARAMETER_CLOSE + "\n")
+    parts, rules = [], []
+    for i, (key, sub) in enumerate(properties.items()):
+        rule = f"{tool}_p{i}"
+        as_written = _lit(f'{PARAMETER_OPEN} name="{key}" string="true">')
+        as_json = _lit(f'{PARAMETER_OPEN} name="{key}" string="false">')
+        plain = isinstance(sub, dict) and sub.get("type") == "string"
+        if plain and set(sub) <= _PLAIN_STRING_KEYS:
+            rules += [f"{rule}: {as_written} {rule.upper()} {close}", f"{rule.upper()}: {_without(PARAMETER_CLOSE)}"]
+        elif plain and isinstance(sub.get("enum"), list) and set(sub) <= _PLAIN_STRING_KEYS | {"enum"}:
+            rules.append(f"{rule}: {as_written} ({' | '.join(_lit(str(v)) for v in sub['enum'])}) {close}")
+        else:
+            value = {**defs, **sub} if isinstance(sub, dict) else sub
+            rules += [f"{rule}: {as_json} {rule}_value {close}", f"{rule}_value: {_json_rule(value)}"]
+        parts.append(rule if key in required else f"{rule}?")
+    # No parameters: the release writes the empty list as an empty line.
+    return (" ".join(parts) if parts else _lit("\n")), rules
+
+
+def tool_call_grammar(tools: list[dict], names: list[str], many: bool, thinking: bool) -> str:
+    """Output that is one DSML tool-calls block calling the named tools (``many``: one or more
+    calls, else exactly one), with arguments that satisfy each tool's parameters schema."""
+    rules, invokes = [], []
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    for k, name in enumerate(names):
+        schema = by_name[name].get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise bad_request(f"tool {name!r}: 'parameters' must be an object schema for tool_choice to force "
+                              "its call", "tools")
+        params, needed = _parameter_rules(f"t{k}", schema)
+        head = _lit(f'{INVOKE_OPEN} name="{name}">\n')
+        rules += [f"invoke{k}: {head} {params} {_lit(INVOKE_CLOSE)}", *needed]
+        invokes.append(f"invoke{k}")
+    newline, closing = _lit("\n"), _lit(f"\n{TOOL_CALLS_CLOSE}")
+    opening = _lit(f"{TOOL_CALLS_SEPARATOR}{TOOL_CALLS_OPEN}\n")
+    calls = f"invoke ({newline} invoke)*" if many else "invoke"
+    block = f"{opening} {calls} {closing}"
+    return "\n".join(_start("block", thinking) + [f"block: {block}", "invoke: " + " | ".join(invokes), *rules])
+
+
+class GrammarTokenizer:
+    """llguidance's tokenizer for one served model, built once (on first use: a second for a
+    130k vocabulary), shared by every request's matcher."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos: tuple[int, ...]):
+        self.path, self.vocab_size, self.eos = tokenizer_json, vocab_size, eos
+        self._built = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._built is None:
+                try:
+                    from llguidance import LLTokenizer
+                except ModuleNotFoundError:
+                    raise bad_request("constrained decoding (tool_choice 'required' or a named tool, "
+                                      "response_format) needs the llguidance package: pip install 'dsv4c[serve]'",
+                                      code="unsupported_option") from None
+                self._built = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size, eos_token=list(self.eos))
+            return self._built
+
+    def constraint(self, grammar: str, param: str) -> "GrammarConstraint":
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.get(), grammar, log_level=0)
+        if matcher.is_error():
+            raise bad_request(f"'{param}' cannot be enforced: {matcher.get_error()}", param)
+        return GrammarConstraint(matcher, self.vocab_size, self.eos)
+
+
+class GrammarConstraint:
+    """One request's grammar state: masks the logits of each step, follows the tokens taken."""
+
+    def __init__(self, matcher, vocab_size: int, eos: tuple[int, ...]):
+        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        if not allowed.any():  # the grammar is done (or the request went on past EOS): only EOS
+            allowed[list(self.eos)] = True
+        return np.where(allowed, logits, -np.inf)
+
+    def accept(self, token: int) -> None:
+        # A token the grammar refuses can only be one generated past its end (ignore_eos).
+        self.matcher.consume_token(token)
