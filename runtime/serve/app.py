@@ -435,36 +435,45 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
         return {"object": "list", "data": [{"id": server.model, "object": "model", "created": server.created,
                                             "owned_by": "dsv4c", "max_model_len": server.engine.max_context}]}
 
+    # Each handler's parse callback also tokenizes (and renders the chat), so that all of a large
+    # request's CPU work happens off the event loop (Server.parse).
     @v1.post("/completions")
     async def completions(request: Request):
-        prompts, opts = await server.parse(request, completion_request)
-        ids = [server.completion_prompt(p) for p in prompts]
-        echo = None
-        if opts.echo:  # the prompt as sent, or its ids' text
-            echo = [p if isinstance(p, str) else server.engine.decode(p) if server.engine.tokenizer else ""
-                    for p in prompts]
+        def prepare(body: dict):
+            prompts, opts = completion_request(body)
+            echo = None
+            if opts.echo:  # the prompt as sent, or its ids' text
+                echo = [p if isinstance(p, str) else server.engine.decode(p) if server.engine.tokenizer else ""
+                        for p in prompts]
+            return [server.completion_prompt(p) for p in prompts], opts, echo
+
+        ids, opts, echo = await server.parse(request, prepare)
         return await server.generate(request, Completions, ids, opts, echo)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        (messages, opts), options = await server.parse(request, lambda body: (chat_request(body), chat_options(body)))
-        return await server.generate(request, ChatCompletions, [server.chat_prompt(messages, options)], opts,
-                                     chat=options)
+        def prepare(body: dict):
+            (messages, opts), options = chat_request(body), chat_options(body)
+            return server.chat_prompt(messages, options), opts, options
+
+        prompt, opts, options = await server.parse(request, prepare)
+        return await server.generate(request, ChatCompletions, [prompt], opts, chat=options)
 
     # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
     tokens = APIRouter(dependencies=[Depends(check_api_key)])
 
     @tokens.post("/tokenize")
     async def tokenize(request: Request):
-        asked, options = await server.parse(
-            request, lambda body: (tokenize_request(body), chat_options(body) if "messages" in body else None))
-        if asked.messages is not None:
-            ids = server.chat_prompt(asked.messages, options)
-        elif isinstance(asked.prompt, str):
-            server.needs_tokenizer("it takes no text", "prompt")
-            ids = server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
-        else:
-            ids = asked.prompt
+        def prepare(body: dict) -> list[int]:
+            asked = tokenize_request(body)
+            if asked.messages is not None:
+                return server.chat_prompt(asked.messages, chat_options(body))
+            if isinstance(asked.prompt, str):
+                server.needs_tokenizer("it takes no text", "prompt")
+                return server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
+            return asked.prompt
+
+        ids = await server.parse(request, prepare)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_context}
 
     @tokens.post("/detokenize")
