@@ -328,3 +328,41 @@ def test_an_engine_that_dies_fails_its_requests_and_the_process_exits_1(serve_ar
         assert "injected engine fault" in response.json()["error"]["message"]
         assert served.proc.wait(30) == 1  # a supervisor restarts it
     assert "the engine failed" in served.stderr.read_text()
+
+
+REQUEST_FAULT = """
+import sys
+from dsv4c.runtime.engine import Engine
+
+advance = Engine._advance
+
+def advance_failing_on_token_13(self, r, logits):
+    if r.prompt[0] == 13:
+        raise ValueError("injected fault of one request")
+    advance(self, r, logits)
+
+Engine._advance = advance_failing_on_token_13
+from dsv4c.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_request_that_fails_fails_alone(serve_artifacts):
+    with serving(serve_artifacts / "cpu", "--max-context", str(CONTEXT), launcher=("-c", REQUEST_FAULT)) as served:
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        alone = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+        answers = {}
+
+        def post(name, prompt):
+            answers[name] = httpx.post(f"{served.url}/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+
+        threads = [threading.Thread(target=post, args=("bad", [13, *PROMPT])),
+                   threading.Thread(target=post, args=("good", PROMPT))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert answers["bad"].status_code == 500 and answers["bad"].json()["error"]["code"] == "request_failed"
+        assert "injected fault of one request" in answers["bad"].json()["error"]["message"]
+        assert answers["good"].json()["choices"][0]["token_ids"] == alone
+        assert httpx.get(f"{served.url}/health").status_code == 200 and served.metrics()["dsv4c_engine_up"] == 1
