@@ -12,6 +12,7 @@ the next drafts from the streams of every request's accepted positions.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ from dsv4c.artifact.manifest import MANIFEST, ArtifactError, read_manifest
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry
 from dsv4c.errors import UsageError
-from dsv4c.runtime.kv_pool import KVPool
+from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
+from dsv4c.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
 from dsv4c.runtime.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose
 from dsv4c.runtime.weights import check_weights_mode
@@ -102,17 +104,37 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_m
     return TvmBackend(artifact, manifest, pool, device, weights_mode)
 
 
+def available_memory() -> int | None:
+    """The host's available memory (MemAvailable), when the system says."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
-                 speculative: str | None = None, num_draft_tokens: int = 1, weights: str = "auto"):
+                 speculative: str | None = None, num_draft_tokens: int = 1, weights: str = "auto",
+                 kv_cache_memory: int | None = None, prefix_caching: bool = True):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
         when they take at most half the available memory; see ``runtime.weights``); compiled
         artifacts only, the reference interpreter maps them.
         ``speculative="mtp"`` drafts ``num_draft_tokens`` tokens per decode step with the model's
-        MTP layer (chained on its own output when more than one) and verifies them in the step."""
+        MTP layer (chained on its own output when more than one) and verifies them in the step.
+        ``kv_cache_memory``: bytes of the KV pool that all requests share (rows are taken 256
+        tokens at a time as requests grow; admission waits for free rows, and when decoding runs
+        out of them the most recently admitted request is preempted and later recomputed). By
+        default: room for ``max_requests`` requests of ``max_context`` tokens and as much again for
+        cached prefixes, at most half the host's available memory when the pool lives there.
+        ``prefix_caching``: requests share the pool rows of whole 256-token blocks their prompts
+        start with (``runtime.prefix_cache``); CPU pools only for now."""
         check_weights_mode(weights)
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
@@ -120,10 +142,8 @@ class Engine:
         # The model and the pool as the compiler recorded them (read, not re-derived).
         self.config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], f"{self.path / MANIFEST}")
         geometry = PoolGeometry.from_summary(manifest["pool_geometry"], self.config, f"{self.path / MANIFEST}")
-        envelopes = max_requests * -(-max_context // ENVELOPE_TOKENS)
-        self.pool = KVPool(geometry, envelopes * geometry.rows_per_envelope
-                           + max_requests * geometry.window_rows_per_request)
         self.max_context = max_context
+        self.pool = KVPool(geometry, self._pool_rows(geometry, max_requests, kv_cache_memory))
         if max_step_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise UsageError("max_step_tokens and prefill_chunk must be positive")
         limit = manifest.get("vm", {}).get("max_step_tokens")
@@ -136,13 +156,34 @@ class Engine:
         self.spec_stats = SpecStats()  # over every request this engine verified drafts for
         if speculative is not None:
             self._check_speculative(geometry)
+        self.prefix_cache = PrefixCache(self.pool) if prefix_caching and getattr(self.backend, "on_host", True) \
+            else None
+        self.preemptions = 0
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
+        self._admitted: dict[int, int] = {}  # request in the pool -> admission number (preempt the newest first)
+        self._admissions = itertools.count()
+        self._preempted_now: set[int] = set()
         self.tokenizer = None
         if (self.path / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+
+    def _pool_rows(self, g: PoolGeometry, max_requests: int, kv_cache_memory: int | None) -> int:
+        one = -(-self.max_context // ENVELOPE_TOKENS) * g.rows_per_envelope + g.window_rows_per_request
+        if kv_cache_memory is None:
+            rows = 2 * max_requests * one
+            host = available_memory()
+            if target_info(self.manifest["target"]).kind in ("reference", "cpu") and host is not None:
+                rows = max(min(rows, KVPool.rows_for_bytes(g, host // 2)), one)
+        else:
+            rows = KVPool.rows_for_bytes(g, kv_cache_memory)
+            if rows < one:
+                raise UsageError(f"kv_cache_memory {kv_cache_memory} B holds {rows} pool rows, fewer than one request "
+                                 f"of max_context {self.max_context} needs ({one} rows, "
+                                 f"{KVPool.nbytes_for(g, one)} B); give it more or lower max_context")
+        return rows
 
     def _check_speculative(self, geometry: PoolGeometry) -> None:
         if self.speculative not in METHODS:
@@ -192,21 +233,75 @@ class Engine:
         live = [r for r in self.requests.values() if not r.finished]
         live.sort(key=lambda r: (r.fed < len(r.prompt), r.rid))  # running decodes before prefills
         for r in live:
-            pending = len(r.sequence) - r.fed
-            if pending == 0 or budget == 0:
+            if len(r.sequence) == r.fed or budget == 0 or r.rid in self._preempted_now:
                 continue
-            if r.rid not in self.pool.requests:
-                if len(self.pool.requests) >= self.max_requests:
-                    continue
-                self.pool.admit(r.rid, reserve_tokens=len(r.prompt))
+            if r.rid not in self.pool.requests and (len(self.pool.requests) >= self.max_requests
+                                                    or not self._admit(r)):
+                continue  # it waits for a place, or for rows
+            # With the prefix cache, a step ends at the next block boundary, whose state it keeps.
+            boundary = (r.fed // BLOCK_TOKENS + 1) * BLOCK_TOKENS if self.prefix_cache else len(r.sequence) + 1
             if r.decoding:  # its last token, and the drafts the budget leaves room for
-                del r.draft.tokens[budget - 1:], r.draft.probs[budget - 1:]
+                keep = min(budget, boundary - r.fed) - 1
+                del r.draft.tokens[keep:], r.draft.probs[keep:]
                 n = 1 + len(r.draft.tokens)
             else:
-                n = min(pending, budget, self.prefill_chunk or pending)
+                pending = len(r.sequence) - r.fed
+                n = min(pending, budget, self.prefill_chunk or pending, boundary - r.fed)
+            if not self._grow(r, r.fed + n, plan):
+                continue
             plan.append((r, n))
-            budget -= n
+            budget = self.max_step_tokens - sum(k for _, k in plan)
+        self._preempted_now.clear()
         return plan
+
+    def _admit(self, r: Request) -> bool:
+        """Take pool rows for ``r``'s whole sequence, its cached prefix shared; False when they are
+        not free (it waits)."""
+        hit = []
+        if self.prefix_cache is not None and not r.wants_every_row:
+            # At least one token is fed (its logits are sampled); with MTP, the whole window of
+            # the prompt's end, which the MTP layer reads and a cached slot does not hold for it.
+            keep = 1 + (self.config.sliding_window if self.speculative else 0)
+            hit = self.prefix_cache.lookup(r.sequence, max(len(r.sequence) - keep, 0) // BLOCK_TOKENS)
+        shared = [b.envelope for b in hit if b.envelope is not None]
+        try:
+            with self.prefix_cache.pinned(hit) if hit else contextlib.nullcontext():
+                rows = self.pool.admit(r.rid, reserve_tokens=len(r.sequence), shared=shared)
+        except PoolExhausted:
+            return False
+        if hit:
+            self.pool.copy_slot(hit[-1].slot, rows.slot)
+            r.fed = len(hit) * BLOCK_TOKENS
+        self._admitted[r.rid] = next(self._admissions)
+        return True
+
+    def _grow(self, r: Request, tokens: int, plan: list[tuple[Request, int]]) -> bool:
+        """Envelopes for ``r``'s positions below ``tokens``; when the pool has none left, the most
+        recently admitted request is preempted (taken out of ``plan`` if it was in it). False when
+        that is ``r`` itself."""
+        while True:
+            try:
+                self.pool.ensure(r.rid, tokens)
+                return True
+            except PoolExhausted:
+                victim = self.requests[max(self._admitted, key=self._admitted.get)]
+                if victim is r and len(self._admitted) == 1:
+                    raise  # cannot happen: the pool holds one request of max_context (_pool_rows)
+                self._preempt(victim)
+                plan[:] = [(q, n) for q, n in plan if q is not victim]
+                if victim is r:
+                    return False
+
+    def _preempt(self, r: Request) -> None:
+        """Give back ``r``'s rows; it is admitted again later and recomputes its sequence (what of
+        it the prefix cache still holds, it shares)."""
+        self.pool.free(r.rid)
+        del self._admitted[r.rid]
+        self._preempted_now.add(r.rid)  # not admitted again in the step that preempted it
+        self.preemptions += 1
+        r.fed, r.draft = 0, Draft()
+        r.logits.clear()  # every row is computed again
+        del r.prompt_logprobs[1:]
 
     def step(self) -> bool:
         plan = self._schedule()
@@ -215,7 +310,6 @@ class Engine:
         tokens, positions, seqs, logit_rows, saved = [], [], [], [], {}
         every_row = {r.rid: r.wants_every_row for r, _ in plan}
         for r, n in plan:
-            self.pool.ensure(r.rid, r.fed + n)
             start = len(tokens)
             tokens += (r.sequence + r.draft.tokens)[r.fed:r.fed + n]
             positions += range(r.fed, r.fed + n)
@@ -242,9 +336,21 @@ class Engine:
                 r.failure = e
                 if not r.finished:
                     self._finish(r)
+        if self.prefix_cache is not None:
+            self._cache_blocks(plan)
         if self.speculative:
             self._draft([(r, fed_before[r.rid], n) for r, n in plan])
         return True
+
+    def _cache_blocks(self, plan: list[tuple[Request, int]]) -> None:
+        """Cache the block each request of the step has just fed to its end (steps end at block
+        boundaries): its envelope, and its slot as it is now."""
+        for r, _ in plan:
+            if r.rid in self.pool.requests and r.fed and r.fed % BLOCK_TOKENS == 0 and not r.draft.tokens:
+                rows = self.pool.requests[r.rid]
+                index = r.fed // BLOCK_TOKENS - 1
+                envelope = rows.blocks[index] if rows.blocks else None
+                self.prefix_cache.insert(r.sequence, index, envelope, rows.slot)
 
     def _take_rows(self, r: Request, n: int, rows: np.ndarray, saved: list | None) -> None:
         """What the step computed for ``r``'s ``n`` fed positions: ``rows`` of logits."""
@@ -352,7 +458,17 @@ class Engine:
 
     def _finish(self, r: Request) -> None:
         r.finished = True
-        self.pool.free(r.rid)
+        self._leave_pool(r.rid)
+
+    def _leave_pool(self, rid: int) -> None:
+        if rid in self.pool.requests:
+            self.pool.free(rid)
+            del self._admitted[rid]
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached block no request holds (their rows are free again)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def run(self) -> None:
         while self.step():
@@ -384,8 +500,7 @@ class Engine:
         freed at once, and the steps that follow no longer include it."""
         self._request(rid)
         del self.requests[rid]
-        if rid in self.pool.requests:
-            self.pool.free(rid)
+        self._leave_pool(rid)
 
     def generate(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
                  record_logits: bool = False) -> Result:

@@ -3,6 +3,8 @@ the row formats are ``artifact.pool`` and ``artifact.pool_rows``, shared with th
 
 :class:`KVPool` allocates the tensors once and hands out rows: envelopes from row 0 upward,
 slots from the top downward; the boundary between the two regions is a pair of counters.
+Envelopes are reference-counted: the prefix cache (``runtime.prefix_cache``) shares a cached
+block's envelope between the requests whose prompts start with it, and keeps it when they end.
 :class:`PagedStore` lets the reference kernels run on the pool. The compiled step turns a
 request's slot and block table into rows itself (``codegen.step_kernels``).
 """
@@ -10,6 +12,7 @@ request's slot and block table into rows itself (``codegen.step_kernels``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -59,8 +62,7 @@ class KVPool:
         self.max_envelopes = total_rows // g.rows_per_envelope if g.rows_per_envelope else 0
         self.max_slots = total_rows // g.window_rows_per_request
         self._main, self._index = MainRowCodec(g), IndexRowCodec(g)
-        count = {"main": total_rows, "index": max(self.max_envelopes * g.index_rows_per_envelope, 1),
-                 "slots": self.max_slots}
+        count = self._counts(g, total_rows)
         layout = g.tensors()
         # By PoolTensor.name, in the compiled step's order; the views below are the same arrays.
         self.tensors = {t.name: aligned_zeros((count[t.rows], *t.shape), t.dtype) for t in layout}
@@ -73,6 +75,35 @@ class KVPool:
         self._slot_high = 0  # slots [0, _slot_high) may be in use; rows grow down from the top
         self._env_free: list[int] = []
         self._slot_free: list[int] = []
+        self._env_refs: dict[int, int] = {}  # envelope in use -> its holders (requests, the prefix cache)
+        # Called when rows run out: frees rows nobody needs (cached blocks no request uses) and says
+        # whether it freed any; the prefix cache installs it.
+        self.reclaim: Callable[[], bool] = lambda: False
+
+    @staticmethod
+    def _counts(g: PoolGeometry, total_rows: int) -> dict[str, int]:
+        """How many of each kind of row a pool of ``total_rows`` main rows allocates."""
+        envelopes = total_rows // g.rows_per_envelope if g.rows_per_envelope else 0
+        return {"main": total_rows, "index": max(envelopes * g.index_rows_per_envelope, 1),
+                "slots": total_rows // g.window_rows_per_request}
+
+    @classmethod
+    def nbytes_for(cls, g: PoolGeometry, total_rows: int) -> int:
+        """The bytes of a pool of ``total_rows`` rows (its planes, index rows and rings)."""
+        count = cls._counts(g, total_rows)
+        return sum(count[t.rows] * int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+                   for t in g.tensors())
+
+    @classmethod
+    def rows_for_bytes(cls, g: PoolGeometry, nbytes: int) -> int:
+        """The most rows a pool of at most ``nbytes`` bytes holds."""
+        low, high = 0, 1
+        while cls.nbytes_for(g, high) <= nbytes:
+            low, high = high, 2 * high
+        while high - low > 1:  # nbytes_for(low) <= nbytes < nbytes_for(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if cls.nbytes_for(g, mid) <= nbytes else (low, mid)
+        return low
 
     # ----- boundary
     def envelope_rows(self, block: int) -> tuple[int, int]:
@@ -97,7 +128,20 @@ class KVPool:
         return len(self._env_free) + max(0, room - self._env_high)
 
     def _take(self, n_env: int, n_slots: int) -> tuple[list[int], list[int]]:
-        """Pick envelopes and slots (freed ones first), or raise PoolExhausted having changed nothing."""
+        """Pick envelopes and slots (freed ones first, then reclaimed ones), or raise PoolExhausted
+        having changed nothing but the reclaimed cache."""
+        while True:
+            try:
+                envs, slots = self._take_free(n_env, n_slots)
+            except PoolExhausted:
+                if not self.reclaim():
+                    raise
+                continue
+            for e in envs:
+                self._env_refs[e] = 1
+            return envs, slots
+
+    def _take_free(self, n_env: int, n_slots: int) -> tuple[list[int], list[int]]:
         reuse_env = sorted(self._env_free)[:n_env]
         reuse_slot = sorted(self._slot_free)[:n_slots]
         env_high = self._env_high + n_env - len(reuse_env)
@@ -117,18 +161,57 @@ class KVPool:
         return envs, slots
 
     # ----- requests
-    def admit(self, seq: int, reserve_tokens: int = 0) -> RequestRows:
-        """A slot for a new request, plus envelopes for ``reserve_tokens`` tokens up front."""
+    def admit(self, seq: int, reserve_tokens: int = 0, shared: list[int] = ()) -> RequestRows:
+        """A slot for a new request, plus envelopes for ``reserve_tokens`` tokens up front; its
+        block table starts with the ``shared`` envelopes (a cached prefix), which it then holds."""
         if seq in self.requests:
             raise UsageError(f"request {seq} is already in the pool")
         if reserve_tokens < 0:
             raise UsageError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
-        envs, (slot,) = self._take(-(-reserve_tokens // ENVELOPE_TOKENS) if self.geometry.rows_per_envelope else 0, 1)
+        blocks = -(-reserve_tokens // ENVELOPE_TOKENS) if self.geometry.rows_per_envelope else 0
+        envs, (slot,) = self._take(max(blocks - len(shared), 0), 1)
+        for e in shared:
+            self.hold(e)
+        self.clear_slot(slot)
+        req = self.requests[seq] = RequestRows(slot, list(shared) + envs)
+        return req
+
+    def clear_slot(self, slot: int) -> None:
         for kv, score in self.state.values():
             kv[slot] = 0.0
             score[slot] = -np.inf  # an empty ring gives zero softmax weight
-        req = self.requests[seq] = RequestRows(slot, envs)
-        return req
+
+    def hold(self, envelope: int) -> None:
+        """One more holder of an envelope in use."""
+        self._env_refs[envelope] += 1
+
+    def release(self, envelope: int) -> None:
+        """One holder fewer; the last one gives the envelope back."""
+        self._env_refs[envelope] -= 1
+        if not self._env_refs[envelope]:
+            del self._env_refs[envelope]
+            self._env_free.append(envelope)
+            self._lower_high_water()
+
+    def holders(self, envelope: int) -> int:
+        return self._env_refs.get(envelope, 0)
+
+    def take_slot(self) -> int:
+        """A slot outside any request (the prefix cache keeps a block boundary's windows and rings in it)."""
+        return self._take(0, 1)[1][0]
+
+    def release_slot(self, slot: int) -> None:
+        self._slot_free.append(slot)
+        self._lower_high_water()
+
+    def copy_slot(self, source: int, target: int) -> None:
+        """Slot ``target`` becomes what ``source`` holds: every layer's window rows and compressor rings."""
+        (a, b), (c, d) = self.slot_rows(source), self.slot_rows(target)
+        for plane in self.planes.values():
+            plane[c:d] = plane[a:b]
+        for arrays in self.state.values():
+            for array in arrays:
+                array[target] = array[source]
 
     def ensure(self, seq: int, tokens: int) -> None:
         """Grow the block table so that positions ``< tokens`` have envelopes."""
@@ -143,9 +226,12 @@ class KVPool:
     def free(self, seq: int) -> None:
         req = self._request(seq)
         del self.requests[seq]
-        self._env_free.extend(req.blocks)
-        self._slot_free.append(req.slot)
-        # Give the high-water marks back so the other region can use the rows.
+        for e in req.blocks:
+            self.release(e)
+        self.release_slot(req.slot)
+
+    def _lower_high_water(self) -> None:
+        """Give the high-water marks back so the other region can use the rows."""
         while self._env_high and (self._env_high - 1) in self._env_free:
             self._env_high -= 1
             self._env_free.remove(self._env_high)
