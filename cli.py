@@ -207,7 +207,8 @@ def _cmd_generate(args) -> int:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
-                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights)
+                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights,
+                    profile=args.profile)
     prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
@@ -235,6 +236,10 @@ def _cmd_generate(args) -> int:
         print(f"speculative mtp: acceptance {rate} ({s['accepted_tokens']}/{s['draft_tokens']} drafts), "
               f"{s['tokens_per_step'] or 0:.2f} tokens per verify step over {s['verify_steps']} steps",
               file=sys.stderr)
+    if args.profile:
+        from dsv4c.runtime.profile import report_lines
+
+        print("\n".join(report_lines(engine)), file=sys.stderr)
     return 0
 
 
@@ -324,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_arg(p)
     p.add_argument("--stats", action="store_true",
                    help="print speculative decoding's acceptance rate and tokens per step on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="time the compiled step's kernels by op family and print them on stderr beside the cost "
+                        "model's prediction at this machine's measured bandwidth and matmul rate")
     p.set_defaults(run=_cmd_generate)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")

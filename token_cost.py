@@ -4,9 +4,11 @@ report measures itself against (``frontend.v32``). ``dsv4c inspect --cost`` prin
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from dsv4c.ir.cost import FAMILIES, Cost, Decode, function_cost, total
+from dsv4c.ir.cost import FAMILIES, Cost, Decode, function_cost, node_costs, total
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,28 @@ def decode_cost(model: str, target: str = "llvm", context: int = 4096, batch: in
                      sum(geometry.bytes_per_token().values()))
 
 
+def artifact_step_costs(artifact: Path, manifest: dict, config, batch: int, context: int) -> list[tuple[str, Cost]]:
+    """(family, cost) of every node (merged projections part by part) of a compiled artifact's
+    step (its ``program.json``, the program after the passes) for a decode step of ``batch``
+    requests at ``context``, in the pool row and FP8 formats of its quantization plan."""
+    from dsv4c.ir.serialize import program_from_json
+
+    program = program_from_json(json.loads((Path(artifact) / "program.json").read_text()), config)
+    plan = manifest["quant_plan"]
+    d = Decode(batch, context, plan["main_kv"]["row_bytes"], plan["index_kv"]["row_bytes"], plan["fp8_format"])
+    return [part for node in program.functions["step"].nodes for part in node_costs(node, d)]
+
+
+def roofline_seconds(parts: list[tuple[str, Cost]], bytes_per_s: float, flops_per_s: float) -> dict[str, float]:
+    """Predicted seconds by family (every family, in :data:`FAMILIES` order): each node takes the
+    longer of moving its bytes (read and written) at ``bytes_per_s`` and doing its FLOPs at
+    ``flops_per_s``; nodes run one after another."""
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for family, c in parts:
+        out[family] += max((c.bytes_read + c.bytes_written) / bytes_per_s, c.flops / flops_per_s)
+    return out
+
+
 def format_cost(c: TokenCost) -> list[str]:
     """The text ``dsv4c inspect --cost`` prints: per family FLOPs, bytes read and their shares."""
     t = c.total
@@ -76,12 +100,13 @@ def format_cost(c: TokenCost) -> list[str]:
              f"  {'family':<34} {'GFLOP':>10} {'share':>6} {'MB read':>11} {'share':>6}"]
     for family, cost in c.by_family.items():
         if cost.flops or cost.bytes_read:
-            lines.append(f"  {FAMILIES[family]:<34} {cost.flops / 1e9:>10.3f} {_share(cost.flops, t.flops):>6} "
-                         f"{cost.bytes_read / 1e6:>11.2f} {_share(cost.bytes_read, t.bytes_read):>6}")
+            lines.append(f"  {FAMILIES[family]:<34} {cost.flops / 1e9:>10.3f} {share_text(cost.flops, t.flops):>6} "
+                         f"{cost.bytes_read / 1e6:>11.2f} {share_text(cost.bytes_read, t.bytes_read):>6}")
     lines.append(f"  {'total':<34} {t.flops / 1e9:>10.3f} {'':>6} {t.bytes_read / 1e6:>11.2f}")
     lines.append(f"  KV bytes per token of context: {c.kv_bytes_per_token:,.1f}")
     return lines
 
 
-def _share(part: float, whole: float) -> str:
+def share_text(part: float, whole: float) -> str:
+    """A percentage of ``whole``, or "-" when it is 0."""
     return f"{100 * part / whole:5.1f}%" if whole else "-"

@@ -386,6 +386,18 @@ def node_costs(node: Node, d: Decode, rules: dict[str, Rule] | None = None) -> l
     return [rules[node.op](node, d)]
 
 
+def node_families(node: Node) -> dict[str, float]:
+    """Each family's share of a node's work: one family, or a merged projection's parts by the
+    bytes they read (weights of the same format and width, so by their rows). A profile splits
+    the time of the node's kernel calls so."""
+    parts = node_costs(node, Decode(1, 1, 4, 4))
+    read = sum(c.bytes_read for _, c in parts)
+    out: dict[str, float] = {}
+    for family, c in parts:
+        out[family] = out.get(family, 0.0) + (c.bytes_read / read if len(parts) > 1 else 1.0)
+    return out
+
+
 def function_cost(fn: Function, d: Decode, rules: dict[str, Rule] | None = None) -> dict[str, Cost]:
     """The step's cost by family (every family present, in :data:`FAMILIES` order), for the
     whole batch."""
