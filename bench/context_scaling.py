@@ -1,8 +1,8 @@
 """Benchmark: decode ms/token of a compiled artifact at growing contexts, against the cost model.
 
 Does the cost of a token grow with its context as the cost model says? For each context N the
-script decodes ``--decode-steps`` tokens at positions N, N + 1, ... of one request and takes the
-median step, and prices the same steps with the cost model (``token_cost.artifact_step_costs``:
+script decodes ``--decode-steps`` tokens of a request at positions N - 1, N, ... (the requests
+of all contexts taking turns step by step) and takes the median step, and prices the same steps with the cost model (``token_cost.artifact_step_costs``:
 the artifact's own program, each node the longer of its bytes at this machine's streaming-read
 bandwidth and its FLOPs at its fp32 matmul rate, both measured in the same run).
 
@@ -22,7 +22,7 @@ The default artifact is the flash slice of ``flash_slice.py`` (hidden 4096, 64 h
 layers: HCA + CSA), made and compiled in ``--workdir`` when missing.
 
     python bench/context_scaling.py [--artifact DIR | --workdir DIR] [--contexts 1024 ... 65536]
-                                    [--decode-steps 8] [--rounds 2] [--prefill 512] [--families]
+                                    [--decode-steps 16] [--prefill 512] [--families]
                                     [--json out.json]
 """
 
@@ -49,22 +49,25 @@ def fill_pool(pool, rng) -> None:
             a[...] = rng.standard_normal(a.shape, np.float32) * 0.5
 
 
-def decode_at(engine, context: int, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` decode steps of one request at positions context - 1, ...:
-    the first step's token sees ``context`` tokens, itself included."""
-    seq = 0
-    engine.pool.admit(seq)
-    engine.pool.ensure(seq, context + steps)
-    times = []
+def decode_at(engine, contexts: list[int], steps: int) -> dict[int, list[float]]:
+    """Seconds of each of ``steps`` decode steps per context, one request per context (its first
+    token at position context - 1 sees ``context`` tokens, itself included). The requests take
+    turns step by step, so the machine's drift over seconds falls on every context alike."""
+    for seq, context in enumerate(contexts):
+        engine.pool.admit(seq)
+        engine.pool.ensure(seq, context + steps)
+    times: dict[int, list[float]] = {c: [] for c in contexts}
     try:
         for i in range(steps):
-            position = context - 1 + i
-            start = time.perf_counter()
-            engine.backend.step(np.array([7 + i], np.int32), np.array([position], np.int32),
-                                np.array([seq], np.int32), np.array([0], np.int32))
-            times.append(time.perf_counter() - start)
+            order = list(enumerate(contexts))
+            for seq, context in order[::1 if i % 2 == 0 else -1]:
+                start = time.perf_counter()
+                engine.backend.step(np.array([7 + i], np.int32), np.array([context - 1 + i], np.int32),
+                                    np.array([seq], np.int32), np.array([0], np.int32))
+                times[context].append(time.perf_counter() - start)
     finally:
-        engine.pool.free(seq)
+        for seq in range(len(contexts)):
+            engine.pool.free(seq)
     return times
 
 
@@ -107,16 +110,14 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/dsv4c-flash-slice"),
                    help="where the flash slice is made and compiled when --artifact is not given")
     p.add_argument("--contexts", type=int, nargs="+", default=DEFAULT_CONTEXTS)
-    p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2, help="passes over the contexts, alternating order; "
-                                                         "each context keeps its fastest median")
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per context, the contexts taking turns")
     p.add_argument("--prefill", type=int, default=0, help="also time a real prefill of this many tokens")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--families", action="store_true", help="also profile the steps by op family")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = p.parse_args()
-    if min(args.contexts) < 1 or args.decode_steps < 1 or args.rounds < 1:
-        p.error("contexts, --decode-steps and --rounds must be positive")
+    if min(args.contexts) < 1 or args.decode_steps < 1:
+        p.error("contexts and --decode-steps must be positive")
 
     from dsv4c.ir.cost import FAMILIES
     from dsv4c.runtime.engine import Engine
@@ -128,7 +129,7 @@ def main() -> None:
     longest = contexts[-1] + args.decode_steps + 1
 
     def engine_for(profile: bool):
-        engine = Engine(artifact, max_context=max(longest, args.prefill + 2), max_requests=1,
+        engine = Engine(artifact, max_context=max(longest, args.prefill + 2), max_requests=len(contexts),
                         max_step_tokens=max(args.prefill_chunk, 4), profile=profile)
         fill_pool(engine.pool, np.random.default_rng(0))
         return engine
@@ -136,37 +137,41 @@ def main() -> None:
     engine = engine_for(False)
     host = host_cpu_flags()
     report = {"cpu": {"model": host.model if host else None, "llvm_cpu": host_cpu()}, "artifact": str(artifact),
-              "decode_steps": args.decode_steps, "rounds": args.rounds}
-    decode_at(engine, contexts[-1], args.decode_steps)  # warm-up: the thread pool, first touches of weights and pool
-    medians: dict[int, list[float]] = {c: [] for c in contexts}
-    for r in range(args.rounds):
-        for context in contexts[::1 if r % 2 == 0 else -1]:
-            medians[context].append(1e3 * statistics.median(decode_at(engine, context, args.decode_steps)))
+              "decode_steps": args.decode_steps}
+    decode_at(engine, contexts, 2)  # warm-up: the thread pool, first touches of weights and pool
+    # The machine's rates before and after the decode steps (a shared machine drifts); their mean prices them.
+    rates = [(read_bandwidth(), matmul_gflop_s())]
+    times = decode_at(engine, contexts, args.decode_steps)
+    rates.append((read_bandwidth(), matmul_gflop_s()))
+    read_gb_s, gflop_s = (statistics.mean(r) for r in zip(*rates))
+    report.update(read_gb_s=read_gb_s, matmul_gflop_s=gflop_s, rates=rates)
     if args.prefill:
         report["prefill_tok_s"] = prefill_tok_s(engine, args.prefill, args.prefill_chunk)
-    read_gb_s, gflop_s = read_bandwidth(), matmul_gflop_s()
-    report.update(read_gb_s=read_gb_s, matmul_gflop_s=gflop_s)
     rows = report["contexts"] = {}
     for context in contexts:
         predicted = predicted_ms(artifact, engine, context, args.decode_steps, read_gb_s, gflop_s)
-        rows[str(context)] = {"measured_ms": min(medians[context]), "rounds_ms": medians[context],
+        rows[str(context)] = {"measured_ms": 1e3 * statistics.median(times[context]),
+                              "steps_ms": [1e3 * t for t in times[context]],
                               "predicted_ms": sum(predicted.values()), "predicted_families_ms": predicted}
     del engine
     if args.families:
         profiled = engine_for(True)
-        decode_at(profiled, contexts[-1], args.decode_steps)
-        for context in contexts:
-            profiled.profiler.steps.clear()
-            decode_at(profiled, context, args.decode_steps)
-            rows[str(context)]["measured_families_ms"] = profiled.profiler.summary("decode")["families_ms"]
+        decode_at(profiled, contexts, 2)
+        profiled.profiler.steps.clear()
+        decode_at(profiled, contexts, args.decode_steps)
+        for context in contexts:  # the steps of one context: those whose mean context is in its range
+            steps = [s for s in profiled.profiler.steps if context <= s.context < context + args.decode_steps]
+            rows[str(context)]["measured_families_ms"] = {
+                f: 1e3 * statistics.mean(s.families.get(f, 0.0) for s in steps) for f in FAMILIES}
 
     first, last = rows[str(contexts[0])], rows[str(contexts[-1])]
     growth = {kind: {"ratio": last[f"{kind}_ms"] / first[f"{kind}_ms"], "added_ms": last[f"{kind}_ms"] - first[f"{kind}_ms"]}
               for kind in ("measured", "predicted")}
     report["growth"] = growth
     print(f"decode of one request on {report['cpu']['model']} (LLVM {report['cpu']['llvm_cpu']}), {artifact}: median "
-          f"of {args.decode_steps} steps, best of {args.rounds} round(s); predicted at {read_gb_s:.1f} GB/s "
-          f"(streaming read) and {gflop_s:.1f} GFLOP/s (numpy fp32 matmul)")
+          f"of {args.decode_steps} steps per context, the contexts taking turns; predicted at {read_gb_s:.1f} GB/s "
+          f"(streaming read) and {gflop_s:.1f} GFLOP/s (numpy fp32 matmul), the means of "
+          + " and ".join(f"{b:.1f} / {g:.1f}" for b, g in rates) + " measured before and after")
     print(f"{'context':>8} {'measured ms':>12} {'predicted ms':>13} {'measured / predicted':>21}")
     for context in contexts:
         row = rows[str(context)]
