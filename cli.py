@@ -45,13 +45,29 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 512MiB)") from None
 
 
+COST_CONTEXT = 1 << 20  # the 1M context of the V4 report's claims
+
+
 def _cmd_inspect(args) -> int:
     import json
 
-    from dsv4c.frontend.config import resolve_model
+    from dsv4c.errors import UsageError
+    from dsv4c.frontend.config import COST_ONLY_PRESETS, resolve_model
     from dsv4c.passes.quant_plan import plan_for
     from dsv4c.artifact.pool import PoolGeometry
 
+    if not args.cost and (args.context is not None or args.batch is not None):
+        raise UsageError("--context and --batch size the decode step --cost prices; add --cost")
+    cost = None
+    if args.cost:
+        from dsv4c.token_cost import decode_cost, format_cost
+
+        cost = decode_cost(args.model, args.target, COST_CONTEXT if args.context is None else args.context,
+                           1 if args.batch is None else args.batch, args.numerics,
+                           args.kv_cache_dtype)
+        if args.model in COST_ONLY_PRESETS:  # no pool geometry to report: it never compiles
+            print(json.dumps(cost.to_json(), indent=2) if args.json else "\n".join(format_cost(cost)))
+            return 0
     cfg = resolve_model(args.model)
     plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
@@ -62,6 +78,8 @@ def _cmd_inspect(args) -> int:
         report.update(geometry.budget(args.memory))
     if args.plan:
         report["quant_plan"] = plan.to_json()
+    if cost is not None:
+        report.update(cost.to_json())
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -95,6 +113,8 @@ def _cmd_inspect(args) -> int:
             print(f"  {kind:<8} storage={w.storage:<9} block={block:<8} scale={w.scale or '-':<5} compute={w.compute}")
         print(f"  fp8 format {plan.fp8_format}; index layout {plan.index_kv.layout}"
               f"{' with Hadamard rotation' if plan.index_kv.hadamard else ''}")
+    if cost is not None:
+        print("\n".join(format_cost(cost)))
     return 0
 
 
@@ -193,7 +213,8 @@ def _cmd_generate(args) -> int:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
-                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights)
+                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights,
+                    profile=args.profile)
     if messages is not None:
         prompt = _chat_prompt(engine, messages, args.thinking)
     else:
@@ -224,6 +245,10 @@ def _cmd_generate(args) -> int:
         print(f"speculative mtp: acceptance {rate} ({s['accepted_tokens']}/{s['draft_tokens']} drafts), "
               f"{s['tokens_per_step'] or 0:.2f} tokens per verify step over {s['verify_steps']} steps",
               file=sys.stderr)
+    if args.profile:
+        from dsv4c.runtime.profile import report_lines
+
+        print("\n".join(report_lines(engine)), file=sys.stderr)
     return 0
 
 
@@ -351,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_arg(p)
     p.add_argument("--stats", action="store_true",
                    help="print speculative decoding's acceptance rate and tokens per step on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="time the compiled step's kernels by op family and print them on stderr beside the cost "
+                        "model's prediction at this machine's measured bandwidth and matmul rate")
     p.set_defaults(run=_cmd_generate)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
@@ -389,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     p.add_argument("--memory", type=_parse_bytes, help="device memory for the pool, e.g. 80GiB")
     p.add_argument("--plan", action="store_true", help="also print the quantization plan")
+    p.add_argument("--cost", action="store_true",
+                   help="FLOPs and bytes read per decode token, by op family (docs/cost_model.md); "
+                        "the model may also be v3.2, DeepSeek-V3.2-Exp for comparison")
+    p.add_argument("--context", type=int, help=f"with --cost: tokens each request sees (default {COST_CONTEXT:,})")
+    p.add_argument("--batch", type=int, help="with --cost: requests decoding together, one token each (default 1)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_cmd_inspect)
     return parser

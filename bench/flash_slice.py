@@ -190,54 +190,8 @@ def matmul_peak(threads: int, size: int = 4096, repeats: int = 3) -> float:
     return 2 * size ** 3 / min(times) / 1e9
 
 
-def _stream_sum(dtype: str, chunks: int = 64, lanes: int = 16):
-    """A TVM kernel that sums ``a [chunks, per, lanes]`` (any ``per``) into ``out [chunks, lanes]``:
-    a vectorised streaming read, in parallel over the chunks, built for this CPU and run on
-    TVM's thread pool (TVM_NUM_THREADS threads, as the decode kernels)."""
-    import tvm
-    from tvm.script import tirx as T
-
-    from dsv4c.targets import target_info
-
-    @T.prim_func
-    def stream_sum(a: T.handle, out: T.Buffer((chunks, lanes), dtype)):
-        per = T.int32()
-        A = T.match_buffer(a, (chunks, per, lanes), dtype)
-        for c in T.parallel(chunks):
-            acc = T.alloc_buffer((lanes,), dtype, scope="local")
-            for l in T.vectorized(lanes):
-                acc[l] = T.Cast(dtype, 0)
-            for i in range(per):
-                for l in T.vectorized(lanes):
-                    acc[l] = acc[l] + A[c, i, l]
-            for l in T.vectorized(lanes):
-                out[c, l] = acc[l]
-
-    return tvm.compile(tvm.IRModule({"main": stream_sum}), target=target_info("llvm").tvm_target())["main"]
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s of a streaming read (``_stream_sum``) over ``gib`` GiB of fresh memory, far beyond the
-    last-level cache; the best of ``repeats``."""
-    import tvm
-
-    from dsv4c.runtime.kv_pool import aligned_empty
-
-    kernel = _stream_sum("float32")
-    buf = aligned_empty((64, int(gib * 2**30) // 4 // 64 // 16, 16), np.float32)
-    buf[...] = 1.0  # touch every page before timing
-    a, out = tvm.runtime.from_dlpack(buf), tvm.runtime.tensor(np.zeros((64, 16), np.float32))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        kernel(a, out)
-        times.append(time.perf_counter() - start)
-    assert float(out.numpy().sum()) == buf.size  # every element was read
-    return buf.nbytes / min(times) / 1e9
-
-
 def weight_read_probe(params, skip: set[int]):
-    """A callable giving the GB/s of one streaming read (``_stream_sum``, int32 words) over the
+    """A callable giving the GB/s of one streaming read (``runtime.profile.stream_sum_kernel``, int32 words) over the
     step's own weights, ``params`` (the backend's tensors, read or mapped as its weights mode
     says) except those at the indices ``skip`` (what a token reads only part of, the routed
     experts and embedding rows, and the MTP layer's): the same pages the decode step reads, and
@@ -245,7 +199,9 @@ def weight_read_probe(params, skip: set[int]):
     except a tail under 4 KiB."""
     import tvm
 
-    kernel = _stream_sum("int32")
+    from dsv4c.runtime.profile import stream_sum_kernel
+
+    kernel = stream_sum_kernel("int32")
     out = tvm.runtime.tensor(np.zeros((64, 16), np.int32))
     views = []
     for i, tensor in enumerate(params):
@@ -397,6 +353,8 @@ def main() -> None:
         prepare(args.workdir, args.stage, args.cpu)
         return
     if args.system == "bandwidth":  # child process, with TVM_NUM_THREADS set
+        from dsv4c.runtime.profile import read_bandwidth
+
         print(json.dumps({"read_gb_s": read_bandwidth()}))
         return
     if args.system == "matmul":  # child process

@@ -86,11 +86,27 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
     with toolchain(info), tvm.transform.PassContext(config=config):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
         executable.export_library(str(out_dir / LIBRARY))
-    kernels = {"count": len(kernel_table(program, plan)[0]), "build_seconds": round(time.perf_counter() - start, 2),
+    symbols = list(kernel_table(program, plan)[0])
+    kernels = {"count": len(symbols), "build_seconds": round(time.perf_counter() - start, 2),
                **info.library_facts(target)}
     vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS),
           "mtp_inputs": list(STEP_INPUTS + MTP_INPUTS), "outputs": ["logits", "streams"], "params": step.params,
           "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
-          "cuda_graph": info.cuda_graph}
+          "cuda_graph": info.cuda_graph,
+          "profile": {"kernels": symbols, "calls": {name: call_runs(calls) for name, calls in step.call_families.items()}}}
     return kernels, vm
+
+
+def call_runs(call_families: list[dict[str, float]]) -> list[list]:
+    """An entry function's kernel calls as runs ``[families, count]`` of consecutive calls with
+    the same families: a family's name, or ``{family: share}`` for a merged projection's parts
+    (the manifest's ``vm.profile.calls``; runs keep it small for 61-layer models)."""
+    runs: list[list] = []
+    for families in call_families:
+        key = next(iter(families)) if len(families) == 1 else {f: round(s, 4) for f, s in families.items()}
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    return runs

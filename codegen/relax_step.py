@@ -33,6 +33,7 @@ from dsv4c.codegen.ops.base import F32, I32, KernelSpec, weight_quant
 from dsv4c.codegen.ops.registry import lowering_of
 from dsv4c.errors import UnsupportedModelError
 from dsv4c.ir.core import Program
+from dsv4c.ir.cost import node_families
 
 GEMV_MAX_ROWS = 4  # steps with at most this many tokens run the decode function
 # The step's inputs, in the entry functions' argument order (before params and pool).
@@ -61,6 +62,9 @@ class StepModule:
     pool: list[PoolTensor]
     entry_ratios: list[int]  # compress ratios of entry_extents, in order
     max_step_tokens: int
+    # Per entry function, the families (``ir.cost.node_families``) of each kernel call it makes,
+    # in the order the VM runs them: how ``runtime.profile`` attributes a call's time.
+    call_families: dict[str, list[dict[str, float]]]
 
 
 class _Emitter:
@@ -77,21 +81,25 @@ class _Emitter:
         self.param_index = {name: i for i, (name, _, _) in enumerate(params)}
         self.param_types = [(shape, dtype) for _, shape, dtype in params]
         self._params: dict[str, relax.Var] = {}
+        self.call_families: list[dict[str, float]] = []
+        self.families = {"other": 1.0}  # the node being emitted's (step bookkeeping before any node)
 
     # ------------------------------------------------------------------ helpers
     def call(self, kernel: KernelSpec | str, args: list, out) -> relax.Var:
         """call_tir of a kernel (a spec, or a generic kernel's name); ``out`` is one (shape,
         dtype) or a list of them."""
         outs = [relax.TensorType(list(s), d) for s, d in (out if isinstance(out, list) else [out])]
-        return self.bb.emit(relax.call_tir(self._gvar(kernel), args, outs if isinstance(out, list) else outs[0]))
+        return self.bb.emit(relax.call_tir(self._callee(kernel), args, outs if isinstance(out, list) else outs[0]))
 
-    def _gvar(self, kernel: KernelSpec | str):
+    def _callee(self, kernel: KernelSpec | str):
+        """The kernel's global var, for a call emitted now (recorded with the node's families)."""
+        self.call_families.append(self.families)
         return self.gvars[kernel if isinstance(kernel, str) else kernel.symbol]
 
     def call_inplace(self, kernel: KernelSpec, args: list, written: list[int]) -> list[relax.Var]:
         """call_tir_inplace writing ``args[i]`` for i in ``written``: the new versions of those."""
         types = [args[i].ty for i in written]
-        out = self.bb.emit(relax.call_tir_inplace(self._gvar(kernel), args, written,
+        out = self.bb.emit(relax.call_tir_inplace(self._callee(kernel), args, written,
                                                   types if len(types) > 1 else types[0]))
         if len(written) == 1:
             return [out]
@@ -197,6 +205,7 @@ class _Emitter:
             logits = None
             for node, roles in zip(fn.nodes, self.per_node[source]):
                 lowering = lowering_of(node.op)
+                self.families = node_families(node)
                 outs = lowering.emit(self, node, roles, [env.get(id(v)) for v in node.inputs])
                 for o, val in zip(node.outputs, outs):
                     env[id(o)] = val
@@ -256,9 +265,10 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
     bb = relax.BlockBuilder()
     gvars = {symbol: bb.add_func(func, symbol) for symbol, func in kernels.items()}
     functions = entry_functions(program, max_step_tokens)
-    pool, ratios = None, None
+    pool, ratios, call_families = None, None, {}
     for name, (source, gemv, bound) in functions.items():
         emitter = _Emitter(bb, program, geometry, gvars, per_node, params, gemv, cuda_graph)
         emitter.function(name, source, bound)
-        pool, ratios = emitter.pool_layout, emitter.ratios
-    return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens)
+        pool, ratios, call_families[name] = emitter.pool_layout, emitter.ratios, emitter.call_families
+    return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens,
+                      call_families)

@@ -29,6 +29,7 @@ from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_
 from dsv4c.errors import ConfigError, UnsupportedModelError
 
 PRESETS = ("pro", "flash", "tiny")
+COST_ONLY_PRESETS = ("v3.2",)  # costed by `dsv4c inspect --cost` (frontend.v32), never compiled
 
 
 # --------------------------------------------------------------------------- parsing
@@ -520,6 +521,9 @@ def preset(name: str) -> ModelConfig:
 
 def resolve_model(spec: str | Path) -> ModelConfig:
     """A preset name or a path to a model directory / config file."""
+    if str(spec) in COST_ONLY_PRESETS and not Path(spec).exists():
+        raise UnsupportedModelError(f"{spec} is a cost-model preset (DeepSeek-V3.2-Exp, for comparison): "
+                                    f"`dsv4c inspect {spec} --cost`; dsv4c compiles DeepSeek-V4 models only")
     if str(spec) in PRESETS and not Path(spec).exists():
         return preset(str(spec))
     if not Path(spec).exists():

@@ -16,6 +16,23 @@ from typing import Any, Iterable
 from dsv4c.ir.ops import infer_types
 from dsv4c.ir.types import TensorType, Type
 
+
+CONCAT = "concat"
+
+
+def concat_name(parts: list[str]) -> str:
+    """The name of a weight made of others concatenated along the output dimension (a pass
+    merges projections so)."""
+    return f"{CONCAT}({','.join(parts)})"
+
+
+def concat_parts(name: str) -> list[str] | None:
+    """The weights a merged weight is made of, or None for a checkpoint weight."""
+    if name.startswith(CONCAT + "(") and name.endswith(")"):
+        return name[len(CONCAT) + 1:-1].split(",")
+    return None
+
+
 class Value:
     """An SSA value: a function input, a weight, or a node output."""
 

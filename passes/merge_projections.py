@@ -9,21 +9,8 @@ the merged weight holds exactly the original codes and scales.
 
 from __future__ import annotations
 
-from dsv4c.ir.core import Builder, Function, Node, Program
+from dsv4c.ir.core import Builder, Function, Node, Program, concat_name, concat_parts
 from dsv4c.ir.ops import f32
-
-CONCAT = "concat"
-
-
-def concat_name(parts: list[str]) -> str:
-    return f"{CONCAT}({','.join(parts)})"
-
-
-def concat_parts(name: str) -> list[str] | None:
-    """The weights a merged weight is made of, or None for a checkpoint weight."""
-    if name.startswith(CONCAT + "(") and name.endswith(")"):
-        return name[len(CONCAT) + 1:-1].split(",")
-    return None
 
 
 def _block_aligned(nodes: list[Node]) -> bool:

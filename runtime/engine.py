@@ -120,7 +120,8 @@ class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
                  speculative: str | None = None, num_draft_tokens: int = 1, weights: str = "auto",
-                 kv_cache_memory: int | None = None, prefix_caching: bool = True):
+                 kv_cache_memory: int | None = None, prefix_caching: bool = True,
+                 profile: bool = False):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
@@ -134,7 +135,8 @@ class Engine:
         default: room for ``max_requests`` requests of ``max_context`` tokens and as much again for
         cached prefixes, at most half the host's available memory when the pool lives there.
         ``prefix_caching``: requests share the pool rows of whole 256-token blocks their prompts
-        start with (``runtime.prefix_cache``); CPU pools only for now."""
+        start with (``runtime.prefix_cache``); CPU pools only for now.
+        ``profile`` times every step's kernels by op family (``self.profiler``, ``runtime.profile``)."""
         check_weights_mode(weights)
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
@@ -151,6 +153,11 @@ class Engine:
             raise UsageError(f"max_step_tokens {max_step_tokens} exceeds what {self.path} was compiled for ({limit}); "
                              "lower it")
         self.backend = load_backend(self.path, manifest, self.config, self.pool, weights)
+        self.profiler = None
+        if profile:
+            from dsv4c.runtime.profile import StepProfiler
+
+            self.profiler = StepProfiler(self.backend, manifest, self.path)
         self.max_step_tokens, self.prefill_chunk, self.max_requests = max_step_tokens, prefill_chunk, max_requests
         self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
         self.spec_stats = SpecStats()  # over every request this engine verified drafts for

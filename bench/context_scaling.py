@@ -1,0 +1,196 @@
+"""Benchmark: decode ms/token of a compiled artifact at growing contexts, against the cost model.
+
+Does the cost of a token grow with its context as the cost model says? For each context N the
+script decodes ``--decode-steps`` tokens of a request at positions N - 1, N, ... (the requests
+of all contexts taking turns step by step) and takes the median step, and prices the same steps with the cost model (``token_cost.artifact_step_costs``:
+the artifact's own program, each node the longer of its bytes at this machine's streaming-read
+bandwidth and its FLOPs at its fp32 matmul rate, both measured in the same run).
+
+The context is not prefilled token by token: at the flash slice's widths prefill runs tens of
+tokens a second on 2 cores, so 64K tokens would take most of an hour. The request's pool rows
+(compressed entries, index rows, window rows, compressor rings) are filled with random values
+instead: a decode step reads and computes over the same rows whatever they hold (every kernel's
+work depends on the positions, not on the values), so its time is that of a decode after a real
+prompt of N tokens. ``--prefill`` also times a real chunked prefill of that many tokens, for
+scale.
+
+With ``--families`` a second engine, profiled (``runtime.profile``), decodes the same steps and
+the measured kernel time by op family is printed beside the predicted one per context (the
+profiler's instrument adds VM overhead, so those steps are not the timed ones).
+
+The default artifact is the flash slice of ``flash_slice.py`` (hidden 4096, 64 heads x 512, 2
+layers: HCA + CSA), made and compiled in ``--workdir`` when missing.
+
+    python bench/context_scaling.py [--artifact DIR | --workdir DIR] [--contexts 1024 ... 65536]
+                                    [--decode-steps 16] [--prefill 512] [--families]
+                                    [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+def fill_pool(pool, rng) -> None:
+    """Random finite values in every float tensor of the pool (integer ones keep zeros): what a
+    prompt would have left there, as far as a decode step's work is concerned."""
+    for a in pool.tensors.values():
+        if a.dtype.kind == "f":
+            a[...] = rng.standard_normal(a.shape, np.float32) * 0.5
+
+
+def decode_at(engine, contexts: list[int], steps: int) -> dict[int, list[float]]:
+    """Seconds of each of ``steps`` decode steps per context, one request per context (its first
+    token at position context - 1 sees ``context`` tokens, itself included). The requests take
+    turns step by step, so the machine's drift over seconds falls on every context alike."""
+    for seq, context in enumerate(contexts):
+        engine.pool.admit(seq)
+        engine.pool.ensure(seq, context + steps)
+    times: dict[int, list[float]] = {c: [] for c in contexts}
+    try:
+        for i in range(steps):
+            order = list(enumerate(contexts))
+            for seq, context in order[::1 if i % 2 == 0 else -1]:
+                start = time.perf_counter()
+                engine.backend.step(np.array([7 + i], np.int32), np.array([context - 1 + i], np.int32),
+                                    np.array([seq], np.int32), np.array([0], np.int32))
+                times[context].append(time.perf_counter() - start)
+    finally:
+        for seq in range(len(contexts)):
+            engine.pool.free(seq)
+    return times
+
+
+def prefill_tok_s(engine, tokens: int, chunk: int) -> float:
+    """Tokens per second of a real prefill of ``tokens`` random tokens in chunks of ``chunk``."""
+    from dsv4c.runtime.sampling import SamplingParams
+
+    prompt = np.random.default_rng(1).integers(0, engine.config.vocab_size, tokens).tolist()
+    engine.prefill_chunk = chunk
+    start = time.perf_counter()
+    engine.generate(prompt, SamplingParams(max_new_tokens=1))
+    return tokens / (time.perf_counter() - start)
+
+
+def predicted_ms(artifact: Path, engine, context: int, steps: int, read_gb_s: float, gflop_s: float) -> dict:
+    """The cost model's ms by family of the same steps (mean over them)."""
+    from dsv4c.token_cost import artifact_step_costs, roofline_seconds
+
+    out: dict[str, float] = {}
+    for i in range(steps):
+        parts = artifact_step_costs(artifact, engine.manifest, engine.config, 1, context + i)
+        for family, seconds in roofline_seconds(parts, read_gb_s * 1e9, gflop_s * 1e9).items():
+            out[family] = out.get(family, 0.0) + 1e3 * seconds / steps
+    return out
+
+
+def ensure_flash_slice(workdir: Path) -> Path:
+    """The flash slice's artifact in ``workdir``, made and compiled (``flash_slice.py``'s stages,
+    each in its own process) when missing."""
+    script = Path(__file__).with_name("flash_slice.py")
+    for stage, done in (("make", "fp8"), ("compile", "artifact")):
+        if not (workdir / done).exists():
+            subprocess.run([sys.executable, str(script), "--stage", stage, "--workdir", str(workdir)], check=True)
+    return workdir / "artifact"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifact", type=Path, help="a compiled llvm artifact (default: the flash slice in --workdir)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/dsv4c-flash-slice"),
+                   help="where the flash slice is made and compiled when --artifact is not given")
+    p.add_argument("--contexts", type=int, nargs="+", default=DEFAULT_CONTEXTS)
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per context, the contexts taking turns")
+    p.add_argument("--prefill", type=int, default=0, help="also time a real prefill of this many tokens")
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--families", action="store_true", help="also profile the steps by op family")
+    p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    args = p.parse_args()
+    if min(args.contexts) < 1 or args.decode_steps < 1:
+        p.error("contexts and --decode-steps must be positive")
+
+    from dsv4c.ir.cost import FAMILIES
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.profile import matmul_gflop_s, read_bandwidth
+    from dsv4c.targets import host_cpu, host_cpu_flags
+
+    artifact = args.artifact or ensure_flash_slice(args.workdir)
+    contexts = sorted(args.contexts)
+    longest = contexts[-1] + args.decode_steps + 1
+
+    def engine_for(profile: bool):
+        engine = Engine(artifact, max_context=max(longest, args.prefill + 2), max_requests=len(contexts),
+                        max_step_tokens=max(args.prefill_chunk, 4), profile=profile)
+        fill_pool(engine.pool, np.random.default_rng(0))
+        return engine
+
+    engine = engine_for(False)
+    host = host_cpu_flags()
+    report = {"cpu": {"model": host.model if host else None, "llvm_cpu": host_cpu()}, "artifact": str(artifact),
+              "decode_steps": args.decode_steps}
+    decode_at(engine, contexts, 2)  # warm-up: the thread pool, first touches of weights and pool
+    # The machine's rates before and after the decode steps (a shared machine drifts); their mean prices them.
+    rates = [(read_bandwidth(), matmul_gflop_s())]
+    times = decode_at(engine, contexts, args.decode_steps)
+    rates.append((read_bandwidth(), matmul_gflop_s()))
+    read_gb_s, gflop_s = (statistics.mean(r) for r in zip(*rates))
+    report.update(read_gb_s=read_gb_s, matmul_gflop_s=gflop_s, rates=rates)
+    if args.prefill:
+        report["prefill_tok_s"] = prefill_tok_s(engine, args.prefill, args.prefill_chunk)
+    rows = report["contexts"] = {}
+    for context in contexts:
+        predicted = predicted_ms(artifact, engine, context, args.decode_steps, read_gb_s, gflop_s)
+        rows[str(context)] = {"measured_ms": 1e3 * statistics.median(times[context]),
+                              "steps_ms": [1e3 * t for t in times[context]],
+                              "predicted_ms": sum(predicted.values()), "predicted_families_ms": predicted}
+    del engine
+    if args.families:
+        profiled = engine_for(True)
+        decode_at(profiled, contexts, 2)
+        profiled.profiler.steps.clear()
+        decode_at(profiled, contexts, args.decode_steps)
+        for context in contexts:  # the steps of one context: those whose mean context is in its range
+            steps = [s for s in profiled.profiler.steps if context <= s.context < context + args.decode_steps]
+            rows[str(context)]["measured_families_ms"] = {
+                f: 1e3 * statistics.mean(s.families.get(f, 0.0) for s in steps) for f in FAMILIES}
+
+    first, last = rows[str(contexts[0])], rows[str(contexts[-1])]
+    growth = {kind: {"ratio": last[f"{kind}_ms"] / first[f"{kind}_ms"], "added_ms": last[f"{kind}_ms"] - first[f"{kind}_ms"]}
+              for kind in ("measured", "predicted")}
+    report["growth"] = growth
+    print(f"decode of one request on {report['cpu']['model']} (LLVM {report['cpu']['llvm_cpu']}), {artifact}: median "
+          f"of {args.decode_steps} steps per context, the contexts taking turns; predicted at {read_gb_s:.1f} GB/s "
+          f"(streaming read) and {gflop_s:.1f} GFLOP/s (numpy fp32 matmul), the means of "
+          + " and ".join(f"{b:.1f} / {g:.1f}" for b, g in rates) + " measured before and after")
+    print(f"{'context':>8} {'measured ms':>12} {'predicted ms':>13} {'measured / predicted':>21}")
+    for context in contexts:
+        row = rows[str(context)]
+        print(f"{context:>8} {row['measured_ms']:>12.1f} {row['predicted_ms']:>13.1f} "
+              f"{row['measured_ms'] / row['predicted_ms']:>21.2f}")
+    for kind, g in growth.items():
+        print(f"{kind} growth {contexts[0]} -> {contexts[-1]}: x{g['ratio']:.3f} (+{g['added_ms']:.1f} ms)")
+    print(f"measured added ms / predicted added ms: {growth['measured']['added_ms'] / growth['predicted']['added_ms']:.2f}")
+    if args.families:
+        for context in contexts:
+            row = rows[str(context)]
+            print(f"context {context}: family ms measured (profiled) / predicted: " + ", ".join(
+                f"{FAMILIES[f]} {row['measured_families_ms'].get(f, 0.0):.1f} / {row['predicted_families_ms'][f]:.1f}"
+                for f in FAMILIES if row['measured_families_ms'].get(f) or row['predicted_families_ms'][f] > 0.05))
+    if "prefill_tok_s" in report:
+        print(f"prefill of {args.prefill} tokens in chunks of {args.prefill_chunk}: {report['prefill_tok_s']:.1f} tok/s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
