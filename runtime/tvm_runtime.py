@@ -81,10 +81,10 @@ def from_numpy(a: np.ndarray):
 
 
 def to_device(a: np.ndarray, dev):
-    """A copy of host array ``a`` on device ``dev`` (not the CPU)."""
+    """A copy of host array ``a`` (read-only ones included) on device ``dev``."""
     a = np.ascontiguousarray(a)
     out = _alloc(Shape(a.shape), tvm_ffi.dtype(str(a.dtype)), dev, None)
-    _copy(tvm_ffi.from_dlpack(a), out)
+    _copy(tvm_ffi.from_dlpack(a.__dlpack__(max_version=(1, 0))), out)
     return out
 
 

@@ -301,3 +301,13 @@ def test_running_an_llvm_artifact_imports_no_compiler_and_no_torch(tiny):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["2 []", "later imports work"]
+
+
+def test_device_copies_take_read_only_and_strided_arrays():
+    """GPU backends copy mapped (read-only) weights to the device; here the same helpers on the CPU."""
+    from dsv4c.runtime import tvm_runtime
+
+    mapped = np.arange(12, dtype=np.uint16).reshape(3, 4)[:, 1::2]
+    mapped.flags.writeable = False
+    copy = tvm_runtime.to_numpy(tvm_runtime.to_device(mapped, tvm_runtime.CPU))
+    assert copy.dtype == np.uint16 and copy.tolist() == mapped.tolist() and copy.flags.writeable
