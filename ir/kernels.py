@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dsv4c.artifact import lowbit
-from dsv4c.errors import UsageError
+from dsv4c.artifact.step_requests import request_groups
 
 F32 = np.float32
 
@@ -155,22 +155,6 @@ def fp8_roundtrip(x, block: int, channels: int):
     out[..., :channels] = lowbit.fp8_roundtrip(x[..., :channels], block)
     out[..., channels:] = lowbit.bf16_roundtrip(x[..., channels:])
     return out
-
-
-# ----------------------------------------------------------------------------- request grouping
-
-
-def request_groups(positions: np.ndarray, seq_ids: np.ndarray):
-    """Yield (seq, token indices, first position) for each request in a step.
-
-    A request's tokens in one step are consecutive positions in ascending order (the
-    runtime guarantees it; the interpreter checks it)."""
-    for seq in dict.fromkeys(seq_ids.tolist()):
-        idx = np.nonzero(seq_ids == seq)[0]
-        pos = positions[idx]
-        if np.any(np.diff(pos) != 1):
-            raise UsageError(f"request {seq}: positions in one step must be consecutive, got {pos.tolist()}")
-        yield seq, idx, int(pos[0])
 
 
 # ----------------------------------------------------------------------------- KV state

@@ -14,15 +14,13 @@ import os
 from pathlib import Path
 
 import numpy as np
-import tvm
-import tvm_ffi
-from tvm import relax
 
 from dsv4c import targets
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError
+from dsv4c.artifact.step_requests import request_groups
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import UsageError
-from dsv4c.ir.kernels import request_groups
+from dsv4c.runtime import tvm_runtime as rt
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 
@@ -30,13 +28,13 @@ from dsv4c.runtime.weights import open_weights, reads_weights
 class TvmBackend:
     def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto"):
         self.device = device
-        self.on_host = device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
+        self.on_host = rt.on_host(device)
         vm = manifest["vm"]
         if self.on_host:
             check_cpu(artifact, manifest["kernels"])
             check_subnormals(artifact)
             use_physical_cores()
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact / vm["library"])), device)
+        self.vm = rt.load_vm(artifact / vm["library"], device)
         self.functions = {name: self.vm[name] for name in vm["functions"]}
         # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
         self.has_mtp = "mtp0_decode" in self.functions
@@ -54,8 +52,8 @@ class TvmBackend:
             raise ArtifactError(f"{artifact}: the weights lack {missing[0]!r} ({len(missing)} tensors the step "
                                 "reads); recompile with weights")
         # ffi Arrays made once: a Python list would be converted on every call.
-        self.params = tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
-        self.pool_tensors = tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p["name"]]) for p in vm["pool"]])
+        self.params = rt.tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
+        self.pool_tensors = rt.tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p["name"]]) for p in vm["pool"]])
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
@@ -63,7 +61,7 @@ class TvmBackend:
         self.step_streams = self.draft_streams = None
 
     # ------------------------------------------------------------------ memory
-    def _upload(self, a: np.ndarray) -> tvm.runtime.Tensor:
+    def _upload(self, a: np.ndarray):
         """A host array as a tensor on the device (zero-copy on the CPU when DLPack can share it)."""
         a = np.asarray(a)
         if self.on_host:
@@ -71,13 +69,12 @@ class TvmBackend:
                 aligned = aligned_empty(a.shape, a.dtype)
                 aligned[...] = a
                 a = aligned
-            # The versioned capsule: numpy exports read-only (mapped) arrays only through it.
-            return tvm.runtime.from_dlpack(a.__dlpack__(max_version=(1, 0)))
-        return tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
+            return rt.from_numpy(a)
+        return rt.to_device(a, self.device)
 
-    def _pool_tensor(self, a: np.ndarray) -> tvm.runtime.Tensor:
+    def _pool_tensor(self, a: np.ndarray):
         """A pool tensor on the device: the KVPool's own array on the CPU, a device copy otherwise."""
-        return tvm.runtime.from_dlpack(a) if self.on_host else tvm.runtime.tensor(a, self.device)
+        return rt.from_numpy(a) if self.on_host else rt.to_device(a, self.device)
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -95,9 +92,9 @@ class TvmBackend:
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
         fn = self.functions[prefix + ("decode" if n <= self.decode_max_tokens else "prefill")]
-        logits, streams = fn(*(self._upload(a) for a in arrays), tvm.runtime.ShapeTuple(inputs[3]), *extra,
+        logits, streams = fn(*(self._upload(a) for a in arrays), rt.Shape(inputs[3]), *extra,
                              self.params, self.pool_tensors)
-        logits = logits.numpy()[:len(rows)]
+        logits = rt.to_numpy(logits)[:len(rows)]
         self.read_back = logits.size
         return logits, streams
 

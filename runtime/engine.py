@@ -96,8 +96,9 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_m
         program = program_from_json(json.loads((artifact / "program.json").read_text()), config)
         return ReferenceBackend(artifact, manifest, program, pool)
     from dsv4c.runtime.backend_tvm import TvmBackend
+    from dsv4c.runtime.tvm_runtime import device as tvm_device
 
-    device = info.device()
+    device = tvm_device(info)
     if device is None:
         raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
                             "there, or compile with --target llvm for this CPU")

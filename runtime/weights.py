@@ -10,7 +10,7 @@ kernels stream such pages faster than the page cache's 4 KiB ones (``WEIGHTS_MOD
 float32, int32, int64), stacked weights as one array. Tensors of a 64-byte multiple size
 start 64-byte aligned in the file (and the map is page aligned), so TVM can share them
 without a copy; numpy refuses to export read-only arrays through plain ``__dlpack__()``, so
-hand TVM the versioned capsule: ``tvm.runtime.from_dlpack(a.__dlpack__(max_version=(1, 0)))``.
+hand TVM the versioned capsule (``runtime.tvm_runtime.from_numpy``).
 """
 
 from __future__ import annotations

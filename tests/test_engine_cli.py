@@ -276,3 +276,38 @@ def test_cpu_kernels_run_on_every_physical_core_unless_the_user_says(tiny, env, 
     if pinned:
         assert cores == 1
     assert threads == (1 if env else cores)
+
+
+_RUNTIME_ONLY = """
+import sys
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.sampling import SamplingParams
+tokens = Engine(sys.argv[1]).generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0)).tokens
+print(len(tokens), sorted(m for m in sys.modules if m.split(".")[0] in ("tvm", "torch", "ml_dtypes")
+                          or m.startswith(("dsv4c.ir", "dsv4c.frontend", "dsv4c.passes", "dsv4c.codegen"))))
+# What runtime.tvm_runtime says still works when torch, ml_dtypes and the compiler come later.
+import ml_dtypes, numpy as np, torch, tvm
+assert tvm.runtime.from_dlpack(torch.arange(4, dtype=torch.float32)).numpy().tolist() == [0, 1, 2, 3]
+assert tvm.runtime.tensor(np.arange(3, dtype=np.float32).astype(ml_dtypes.bfloat16)).numpy().tolist() == [0, 1, 2]
+print("later imports work")
+"""
+
+
+def test_running_an_llvm_artifact_imports_no_compiler_and_no_torch(tiny):
+    """The runtime loads TVM's FFI and runtime library, not ``tvm`` (its compiler's Python side)
+    nor torch / ml_dtypes that tvm_ffi would import: seconds of start-up (bench/startup.py)."""
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-c", _RUNTIME_ONLY, str(tiny / "cpu")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["2 []", "later imports work"]
+
+
+def test_device_copies_take_read_only_and_strided_arrays():
+    """GPU backends copy mapped (read-only) weights to the device; here the same helpers on the CPU."""
+    from dsv4c.runtime import tvm_runtime
+
+    mapped = np.arange(12, dtype=np.uint16).reshape(3, 4)[:, 1::2]
+    mapped.flags.writeable = False
+    copy = tvm_runtime.to_numpy(tvm_runtime.to_device(mapped, tvm_runtime.CPU))
+    assert copy.dtype == np.uint16 and copy.tolist() == mapped.tolist() and copy.flags.writeable
