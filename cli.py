@@ -191,6 +191,15 @@ def _weights_arg(p: argparse.ArgumentParser) -> None:
                         "the available memory (default auto)")
 
 
+def _pool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-memory", type=_parse_bytes,
+                   help="memory of the KV pool all requests share, e.g. 8GiB (default: room for --max-requests "
+                        "requests of --max-context tokens and as much again for cached prefixes)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt (by default requests share the pool rows of the 256-token blocks "
+                        "their prompts start with)")
+
+
 def _cmd_generate(args) -> int:
     import numpy as np
 
@@ -214,7 +223,8 @@ def _cmd_generate(args) -> int:
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
                     speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights,
-                    profile=args.profile)
+                    profile=args.profile, kv_cache_memory=args.kv_cache_memory,
+                    prefix_caching=args.prefix_caching)
     if messages is not None:
         prompt = _chat_prompt(engine, messages, args.thinking)
     else:
@@ -290,7 +300,8 @@ def _cmd_serve(args) -> int:
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
                  num_draft_tokens=args.num_draft_tokens, weights=args.weights,
-                 served_model_name=args.served_model_name,
+                 served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
+                 prefix_caching=args.prefix_caching,
                  limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
                                                                          ("body_timeout", args.request_body_timeout)]
                                          if value is not None}))
@@ -373,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="check every artifact file against its sha256 first (reads every byte; `dsv4c verify` alone)")
     _speculative_args(p)
+    _pool_args(p)
     _weights_arg(p)
     p.add_argument("--stats", action="store_true",
                    help="print speculative decoding's acceptance rate and tokens per step on stderr")
@@ -403,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-body-timeout", type=float,
                    help="seconds a request body gets to arrive in full; slower ones get 408 (default 30)")
     _speculative_args(p)
+    _pool_args(p)
     _weights_arg(p)
     p.set_defaults(run=_cmd_serve)
 

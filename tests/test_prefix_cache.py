@@ -129,3 +129,15 @@ def test_the_pool_is_sized_by_memory(tiny_llvm):
     assert sized.pool.total_rows == rows
     with pytest.raises(UsageError, match="fewer than one request"):
         Engine(tiny_llvm, max_context=512, kv_cache_memory=1000)
+
+
+def test_generate_takes_the_pool_options(tiny_llvm, capsys):
+    from dsv4c.cli import main as cli
+
+    args = ["generate", str(tiny_llvm), "--token-ids", "5,6,7", "--max-new-tokens", "4", "--greedy"]
+    assert cli(args) == 0
+    plain = capsys.readouterr().out
+    assert cli(args + ["--kv-cache-memory", "64MiB", "--no-prefix-caching"]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli(args + ["--kv-cache-memory", "1KiB"]) == 2
+    assert "fewer than one request" in capsys.readouterr().err

@@ -366,3 +366,15 @@ def test_a_request_that_fails_fails_alone(serve_artifacts):
         assert "injected fault of one request" in answers["bad"].json()["error"]["message"]
         assert answers["good"].json()["choices"][0]["token_ids"] == alone
         assert httpx.get(f"{served.url}/health").status_code == 200 and served.metrics()["dsv4c_engine_up"] == 1
+
+
+def test_a_resent_prompt_hits_the_prefix_cache(server):
+    before = server.metrics()
+    prompt = [6 + (7 * i) % 500 for i in range(600)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first, second = (_post(server, "/v1/completions", body).json() for _ in range(2))
+    assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    after = server.metrics()
+    assert after["dsv4c_prefix_cache_queries_total"] - before.get("dsv4c_prefix_cache_queries_total", 0) == 1200
+    assert after["dsv4c_prefix_cache_hits_total"] - before.get("dsv4c_prefix_cache_hits_total", 0) == 512
+    assert 0 < after["dsv4c_kv_pool_cached_ratio"] < 1 and after["dsv4c_preemptions_total"] == 0

@@ -536,7 +536,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           max_context: int = 4096, max_waiting: int = 64, api_key: str | None = None,
           shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1,
           weights: str = "auto", served_model_name: str | None = None,
-          limits: RequestLimits = RequestLimits()) -> int:
+          limits: RequestLimits = RequestLimits(), kv_cache_memory: int | None = None,
+          prefix_caching: bool = True) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
     fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
@@ -549,7 +550,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     if limits.max_bytes < 1 or not limits.body_timeout > 0:
         raise UsageError("--max-request-bytes and --request-body-timeout must be positive")
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
-                    num_draft_tokens=num_draft_tokens, weights=weights)
+                    num_draft_tokens=num_draft_tokens, weights=weights, kv_cache_memory=kv_cache_memory,
+                    prefix_caching=prefix_caching)
 
     def engine_failed():
         http.should_exit = True

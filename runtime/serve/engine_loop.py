@@ -26,10 +26,10 @@ from dsv4c.runtime.sampling import SamplingParams, TokenLogprob
 
 
 def pool_usage_ratio(pool: KVPool) -> float:
-    """Rows held by requests (their envelopes and window slots) over the pool's rows."""
+    """Rows held by requests (their envelopes, shared ones once, and window slots) over the pool's rows."""
     g = pool.geometry
-    held = sum(len(r.blocks) * g.rows_per_envelope + g.window_rows_per_request for r in pool.requests.values())
-    return held / pool.total_rows
+    envelopes = {b for r in pool.requests.values() for b in r.blocks}
+    return (len(envelopes) * g.rows_per_envelope + len(pool.requests) * g.window_rows_per_request) / pool.total_rows
 
 
 class ServerMetrics:
@@ -42,8 +42,17 @@ class ServerMetrics:
                              registry=r)
         self.waiting = Gauge("dsv4c_requests_waiting", "Requests accepted and waiting for room in the pool",
                              registry=r)
-        self.pool_usage = Gauge("dsv4c_kv_pool_usage_ratio", "KV pool rows held by requests / all pool rows",
-                                registry=r)
+        self.pool_usage = Gauge(
+            "dsv4c_kv_pool_usage_ratio", "KV pool rows held by running requests / all pool rows (cached prefix blocks "
+            "that no running request shares are not counted: they are given up when rows run out; see "
+            "dsv4c_kv_pool_cached_ratio)", registry=r)
+        self.pool_cached = Gauge("dsv4c_kv_pool_cached_ratio", "KV pool rows held only by the prefix cache / all "
+                                 "pool rows", registry=r)
+        self.prefix_queries = Counter("dsv4c_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("dsv4c_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.preemptions = Counter("dsv4c_preemptions", "Requests preempted (rows given back, recomputed later) "
+                                   "because the KV pool ran out of rows", registry=r)
         self.prompt_tokens = Counter("dsv4c_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter("dsv4c_generation_tokens", "Generated tokens", registry=r)
         self.time_to_first_token = Histogram(
@@ -108,6 +117,7 @@ class EngineLoop:
         self._stopping = False
         self._live: dict[int, Generation] = {}  # by engine request id (engine thread)
         self._fresh: dict[Generation, Update] = {}  # what the current step produced (engine thread)
+        self._published: dict = {}  # engine totals the counters have counted (engine thread)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="dsv4c-engine", daemon=True)
 
@@ -251,10 +261,23 @@ class EngineLoop:
         updates, self._fresh = list(self._fresh.items()), {}
         if updates:
             self._event_loop.call_soon_threadsafe(self._deliver, updates)
-        pool = self.engine.pool
-        self.metrics.running.set(len(pool.requests))
-        self.metrics.waiting.set(len(self._live) - len(pool.requests))
-        self.metrics.pool_usage.set(pool_usage_ratio(pool))
+        self._publish_pool()
+
+    def _publish_pool(self) -> None:
+        engine, m = self.engine, self.metrics
+        pool, cache = engine.pool, engine.prefix_cache
+        m.running.set(len(pool.requests))
+        m.waiting.set(len(self._live) - len(pool.requests))
+        m.pool_usage.set(pool_usage_ratio(pool))
+        # The counters follow the engine's totals.
+        totals = {m.preemptions: engine.preemptions}
+        if cache is not None:
+            m.pool_cached.set(cache.cached_rows / pool.total_rows)
+            totals |= {m.prefix_queries: cache.queried_tokens, m.prefix_hits: cache.hit_tokens}
+        for counter, total in totals.items():
+            if total > self._published.get(counter, 0):
+                counter.inc(total - self._published.get(counter, 0))
+                self._published[counter] = total
 
     def _fail_all(self, error: BaseException) -> None:
         """End every request still here with ``error``: running ones through their updates, those not
