@@ -141,3 +141,21 @@ def test_generate_takes_the_pool_options(tiny_llvm, capsys):
     assert capsys.readouterr().out == plain
     assert cli(args + ["--kv-cache-memory", "1KiB"]) == 2
     assert "fewer than one request" in capsys.readouterr().err
+
+
+def test_an_fp8_pool_hit_equals_a_cold_run_chunked_at_the_hit(tiny_llvm, tmp_path):
+    from dsv4c.cli import main as cli
+
+    fp8 = tmp_path / "fp8"
+    assert cli(["compile", "--model", str(tiny_llvm.parent / "model"), "--target", "llvm", "--kv-cache-dtype", "fp8",
+                "-o", str(fp8)]) == 0
+    # The cache ends steps at block boundaries; the cold run's chunks end there too.
+    cold = Engine(fp8, max_requests=2, max_context=1024, prefix_caching=False, prefill_chunk=BLOCK_TOKENS)
+    cached = Engine(fp8, max_requests=2, max_context=1024)
+    vocab = cached.config.vocab_size
+    base = _prompt(50, 2 * BLOCK_TOKENS + 30, vocab)
+    prompt = base[:2 * BLOCK_TOKENS] + _prompt(51, 45, vocab)
+    _run(cached, [base])
+    got = _run(cached, [prompt])
+    assert cached.prefix_cache.hit_tokens == 2 * BLOCK_TOKENS
+    assert _same(got[0], _run(cold, [prompt])[0])
