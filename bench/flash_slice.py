@@ -179,15 +179,10 @@ def matmul_peak(threads: int, size: int = 4096, repeats: int = 3) -> float:
     ``repeats`` after one warm-up: this machine's practical fp32 FMA peak."""
     import torch
 
+    from dsv4c.runtime.profile import matmul_rate
+
     torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size ** 3 / min(times) / 1e9
+    return matmul_rate(torch.randn(size, size), torch.randn(size, size), repeats)
 
 
 def weight_read_probe(params, skip: set[int]):

@@ -169,18 +169,23 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return buf.nbytes / min(times) / 1e9
 
 
-def matmul_gflop_s(size: int = 2048, repeats: int = 3) -> float:
-    """GFLOP/s of numpy's fp32 matmul (its BLAS, its threads) on size^3, the best of ``repeats``
-    after a warm-up: the fp32 rate this machine reaches on dense work."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((size, size), np.float32), rng.standard_normal((size, size), np.float32)
+def matmul_rate(a, b, repeats: int = 3) -> float:
+    """GFLOP/s of ``a @ b`` (square fp32 matrices of numpy or torch: their BLAS, their threads), the
+    best of ``repeats`` after a warm-up: the fp32 rate this machine reaches on dense work."""
     a @ b
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - start)
-    return 2 * size ** 3 / min(times) / 1e9
+    return 2 * a.shape[0] ** 3 / min(times) / 1e9
+
+
+def matmul_gflop_s(size: int = 2048, repeats: int = 3) -> float:
+    """:func:`matmul_rate` of numpy on size^3."""
+    rng = np.random.default_rng(0)
+    return matmul_rate(rng.standard_normal((size, size), np.float32), rng.standard_normal((size, size), np.float32),
+                       repeats)
 
 
 # --------------------------------------------------------------------------- prediction and report

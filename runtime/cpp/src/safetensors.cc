@@ -288,7 +288,11 @@ bool reads_weights(const std::string& artifact_dir, const json::Fields& manifest
 }
 
 std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir, bool read) {
-  json::Fields manifest = read_manifest(artifact_dir);
+  return read_artifact_weights(artifact_dir, read_manifest(artifact_dir), read);
+}
+
+std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir, const json::Fields& manifest,
+                                                    bool read) {
   const std::string d = python_path(artifact_dir);
   std::optional<json::Value> has = manifest.get("has_weights");
   if (!has || has->type_index() != tvm::ffi::TypeIndex::kTVMFFIBool || !has->cast<bool>()) {

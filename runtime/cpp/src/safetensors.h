@@ -24,6 +24,10 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path);
 /// Checks the manifest (format version, file sizes), every shard's header and the index against
 /// the shards; throws ArtifactError / CheckpointError with the Python loader's messages.
 std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir, bool read = false);
+/// The same, given the manifest its caller has already read (and checked: read_manifest hashes
+/// the small files, so reading it twice would hash them twice).
+std::map<std::string, Tensor> read_artifact_weights(const std::string& artifact_dir, const json::Fields& manifest,
+                                                    bool read);
 
 /// The weights modes (EngineOptions::weights) and the share of MemAvailable that "auto" reads
 /// weight files up to, on the CPU (Python: runtime/weights.py, WEIGHTS_MODES, READ_SHARE).

@@ -182,7 +182,8 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   // on the CPU an aligned weight is shared with the kernels as it is (mapped, its pages load as
   // they are first read).
   std::map<std::string, Tensor> weights =
-      read_artifact_weights(artifact, reads_weights(artifact, manifest, weights_mode, device_.device_type == kDLCPU));
+      read_artifact_weights(artifact, manifest,
+                            reads_weights(artifact, manifest, weights_mode, device_.device_type == kDLCPU));
   for (auto& [name, t] : read_safetensors(join_path(artifact, vm.string("constants")))) weights.emplace(name, t);
   for (const json::Value& name_value : vm.array("params")) {
     std::string name = json::as_string(name_value).value_or("");
