@@ -576,8 +576,11 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
         signal.signal(sig, stop)
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+    pool = engine.pool
     print(f"dsv4c serve: {server.model} on {url} (up to {max_requests} running, "
-          f"{max_waiting} waiting, context {max_context}{server.chat.summary}"
+          f"{max_waiting} waiting, context {max_context}, KV pool "
+          f"{pool.nbytes_for(pool.geometry, pool.total_rows) / 2**20:,.0f} MiB"
+          f"{', prefix caching' if engine.prefix_cache else ''}{server.chat.summary}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
     if server.loop.failure is not None:
