@@ -15,11 +15,9 @@ from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.serve.dsv4_encoding import encode_chat
 
 from test_serve import serving
+from v4_tokenizer import THINK_END_ID, write_v4_tokenizer
 
 EOS = 1
-SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"]
-THINK_TAGS = ["<think>", "</think>"]  # added tokens that decode as text, as in DeepSeek's tokenizers
-THINK_END_ID = len(SPECIAL) + 1
 CORPUS = ['{"city": "Paris", "unit": "celsius", "days": 3}', "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
           '<｜DSML｜invoke name="get_weather">', "</｜DSML｜invoke>", '<｜DSML｜parameter name="unit" string="true">',
           "</｜DSML｜parameter>", "## Tools You have access to a set of tools. The weather is nice today."]
@@ -36,27 +34,11 @@ ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _write_tokenizer(model):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL + THINK_TAGS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 10, trainer)
-    spec = json.loads(tok.to_str())
-    for added in spec["added_tokens"]:
-        added["special"] = added["content"] in SPECIAL
-    (model / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": SPECIAL[0], "eos_token": SPECIAL[1]}))
-
-
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     assert cli(["make-tiny", "--out", str(root / "model"), "--seed", "1"]) == 0
-    _write_tokenizer(root / "model")
+    write_v4_tokenizer(root / "model", CORPUS * 10, 512)
     assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "cpu")]) == 0
     return root / "cpu"
 
