@@ -12,6 +12,7 @@ import pytest
 from dsv4c.cli import main as cli
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.runtime.serve.app import _choice_seed
 from dsv4c.runtime.serve.dsv4_encoding import encode_chat
 
 from test_serve import serving
@@ -131,6 +132,27 @@ def test_json_schema_answers_are_valid(client, stream):
         assert isinstance(json.loads(anything.choices[0].message.content), dict)
     else:  # cut at max_tokens: a prefix of an object
         assert anything.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("constraint", [{"tools": TOOLS, "tool_choice": "required"}, {"response_format": {
+    "type": "json_schema", "json_schema": {"name": "person", "schema": ANSWER_SCHEMA}}}], ids=["tool_call", "json_schema"])
+def test_each_of_n_choices_keeps_its_own_constraint(client, constraint):
+    request = dict(model="tiny", messages=USER, max_tokens=300, temperature=1.0, **constraint)
+    answer = client.chat.completions.create(n=2, seed=3, **request)
+    assert sorted(c.index for c in answer.choices) == [0, 1]
+    for choice in answer.choices:
+        if "tools" in constraint:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+            for call in choice.message.tool_calls:
+                schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+        # What a request with the choice's seed samples alone: a grammar state of its own.
+        alone = client.chat.completions.create(n=1, seed=_choice_seed(3, choice.index), **request)
+        assert alone.choices[0].token_ids == choice.token_ids
+    assert answer.choices[0].token_ids != answer.choices[1].token_ids
 
 
 @pytest.mark.parametrize("extra, fragment", [
