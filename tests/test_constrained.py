@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from dsv4c.runtime.serve.constrained import GrammarTokenizer, response_format_grammar, tool_call_grammar
+from dsv4c.runtime.serve.chat import ChatProtocol, chat_options
+from dsv4c.runtime.serve.constrained import response_format_grammar, tool_call_grammar
 from dsv4c.runtime.serve.dsv4_encoding import THINK_END, dsml_tool_calls
 
 from test_chat_serve import ANSWER_SCHEMA, CORPUS, EOS
@@ -26,12 +27,17 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "sch
 
 
 @pytest.fixture(scope="module")
-def grammar(tmp_path_factory):
+def chat(tmp_path_factory):
+    """The chat protocol of a V4 model (no template) with the chat tests' tokenizer."""
     from tokenizers import Tokenizer
 
     model = tmp_path_factory.mktemp("tokenizer")
     write_v4_tokenizer(model, CORPUS * 10, VOCAB)
-    return GrammarTokenizer(model / "tokenizer.json", VOCAB, (EOS,)), Tokenizer.from_file(str(model / "tokenizer.json"))
+    return ChatProtocol(model, None, "deepseek_v4", VOCAB, (EOS,), Tokenizer.from_file(str(model / "tokenizer.json")))
+
+
+def _encode(chat, text: str) -> list[int]:
+    return chat.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def _feed(constraint, ids: list[int]) -> np.ndarray | None:
@@ -54,9 +60,8 @@ ANSWERS = {"tool_call": CALL, "json_schema": ANSWER}
 
 @pytest.mark.parametrize("kind", GRAMMARS)
 @pytest.mark.parametrize("added", [True, False], ids=["think-token", "think-text"])
-def test_thinking_reasons_then_answers_under_the_constraint(grammar, kind, added):
-    tokens, tokenizer = grammar
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+def test_thinking_reasons_then_answers_under_the_constraint(chat, kind, added):
+    tokens, tokenizer, encode = chat.grammar, chat.tokenizer, lambda text: _encode(chat, text)
     # </think> as the added token a V4 model writes, or (a tokenizer without it) spelled as text.
     assert tokens.think_token() == THINK_END_ID
     think_end = [THINK_END_ID] if added else encode("</") + encode("think") + encode(">")
@@ -70,3 +75,13 @@ def test_thinking_reasons_then_answers_under_the_constraint(grammar, kind, added
     # Without thinking the answer comes first: the reasoning's first token is refused.
     assert _feed(tokens.constraint(GRAMMARS[kind](False), kind), encode(REASONING) + think_end + answer) is None
     assert _allowed(_feed(tokens.constraint(GRAMMARS[kind](False), kind), answer)) == [EOS]
+
+
+@pytest.mark.parametrize("constraint", [{"tools": TOOLS, "tool_choice": "required"},
+                                        {"response_format": RESPONSE_FORMAT}], ids=GRAMMARS)
+def test_a_chat_requests_thinking_option_reaches_its_constraint(chat, constraint):
+    kind = "tool_call" if "tools" in constraint else "json_schema"
+    reasoned = _encode(chat, REASONING) + [THINK_END_ID] + _encode(chat, ANSWERS[kind])
+    thinking = chat_options({**constraint, "chat_template_kwargs": {"thinking": True}})
+    assert _allowed(_feed(chat.constraint(thinking), reasoned)) == [EOS]
+    assert _feed(chat.constraint(chat_options(constraint)), reasoned) is None
