@@ -12,14 +12,13 @@ import pytest
 from dsv4c.cli import main as cli
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
+from dsv4c.runtime.serve.app import _choice_seed
 from dsv4c.runtime.serve.dsv4_encoding import encode_chat
 
 from test_serve import serving
+from v4_tokenizer import THINK_END_ID, write_v4_tokenizer
 
 EOS = 1
-SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>"]
-THINK_TAGS = ["<think>", "</think>"]  # added tokens that decode as text, as in DeepSeek's tokenizers
-THINK_END_ID = len(SPECIAL) + 1
 CORPUS = ['{"city": "Paris", "unit": "celsius", "days": 3}', "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
           '<｜DSML｜invoke name="get_weather">', "</｜DSML｜invoke>", '<｜DSML｜parameter name="unit" string="true">',
           "</｜DSML｜parameter>", "## Tools You have access to a set of tools. The weather is nice today."]
@@ -36,27 +35,11 @@ ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _write_tokenizer(model):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIAL + THINK_TAGS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 10, trainer)
-    spec = json.loads(tok.to_str())
-    for added in spec["added_tokens"]:
-        added["special"] = added["content"] in SPECIAL
-    (model / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": SPECIAL[0], "eos_token": SPECIAL[1]}))
-
-
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
     assert cli(["make-tiny", "--out", str(root / "model"), "--seed", "1"]) == 0
-    _write_tokenizer(root / "model")
+    write_v4_tokenizer(root / "model", CORPUS * 10, 512)
     assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-o", str(root / "cpu")]) == 0
     return root / "cpu"
 
@@ -149,6 +132,27 @@ def test_json_schema_answers_are_valid(client, stream):
         assert isinstance(json.loads(anything.choices[0].message.content), dict)
     else:  # cut at max_tokens: a prefix of an object
         assert anything.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("constraint", [{"tools": TOOLS, "tool_choice": "required"}, {"response_format": {
+    "type": "json_schema", "json_schema": {"name": "person", "schema": ANSWER_SCHEMA}}}], ids=["tool_call", "json_schema"])
+def test_each_of_n_choices_keeps_its_own_constraint(client, constraint):
+    request = dict(model="tiny", messages=USER, max_tokens=300, temperature=1.0, **constraint)
+    answer = client.chat.completions.create(n=2, seed=3, **request)
+    assert sorted(c.index for c in answer.choices) == [0, 1]
+    for choice in answer.choices:
+        if "tools" in constraint:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+            for call in choice.message.tool_calls:
+                schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+        # What a request with the choice's seed samples alone: a grammar state of its own.
+        alone = client.chat.completions.create(n=1, seed=_choice_seed(3, choice.index), **request)
+        assert alone.choices[0].token_ids == choice.token_ids
+    assert answer.choices[0].token_ids != answer.choices[1].token_ids
 
 
 @pytest.mark.parametrize("extra, fragment", [

@@ -4,7 +4,7 @@ hand (encoding/encoding_dsv4.py of the April release, read for the format)."""
 import pytest
 
 from dsv4c.runtime.serve.dsv4_encoding import encode_chat
-from dsv4c.runtime.serve.protocol import APIError
+from dsv4c.runtime.serve.protocol import APIError, chat_messages
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -108,6 +108,19 @@ def test_tools_calls_and_results():
         "</｜DSML｜invoke>\n"
         f"</｜DSML｜tool_calls>{E}"
         f"{U}<tool_result>sunny</tool_result>{A}</think>")
+
+
+def test_a_tool_results_text_parts_are_joined_by_a_blank_line():
+    parts = [{"type": "text", "text": "sunny"}, {"type": "text", "text": "22 C"}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [_call("c1", "get_weather", '{"city": "Paris"}')]},
+                {"role": "tool", "tool_call_id": "c1", "content": parts}]
+    prompt = encode_chat(chat_messages({"messages": messages}), tools=[WEATHER])
+    assert prompt.endswith(f"</｜DSML｜tool_calls>{E}{U}<tool_result>sunny\n\n22 C</tool_result>{A}</think>")
+    assert prompt == encode_chat([*messages[:2], {**messages[2], "content": "sunny\n\n22 C"}], tools=[WEATHER])
+    # A user message's parts run on as written (the release takes only a string there).
+    user = chat_messages({"messages": [{"role": "user", "content": parts}]})
+    assert encode_chat(user) == f"{B}{U}sunny22 C{A}</think>"
 
 
 def test_tools_join_the_first_system_message_and_thinking_keeps_every_turn():

@@ -153,19 +153,22 @@ class ChatProtocol:
 
     def constraint(self, options: ChatOptions):
         """The request's logits processor, or None when nothing constrains its answer."""
-        thinking = self.v4 and options.thinking
-        if options.tool_choice in ("required", "function"):
-            if not self.v4:
-                raise bad_request("a forced tool call is written as V4's DSML: it needs V4's own encoding (this "
-                                  "model has a Jinja chat_template)", "tool_choice", "unsupported_option")
-            names = [t["function"]["name"] for t in options.tools] if options.function is None else [options.function]
-            grammar, param = tool_call_grammar(options.tools, names, options.function is None, thinking), "tool_choice"
-        elif options.response_format is not None:
-            grammar, param = response_format_grammar(options.response_format, thinking), "response_format"
-        else:
+        forced = options.tool_choice in ("required", "function")
+        if not forced and options.response_format is None:
             return None
+        param = "tool_choice" if forced else "response_format"
+        if forced and not self.v4:
+            raise bad_request("a forced tool call is written as V4's DSML: it needs V4's own encoding (this "
+                              "model has a Jinja chat_template)", "tool_choice", "unsupported_option")
         if self.grammar is None:
             raise bad_request("this model has no tokenizer.json: nothing to constrain", param, "no_tokenizer")
+        thinking = self.v4 and options.thinking
+        think_token = self.grammar.think_token() if thinking else None
+        if forced:
+            names = [t["function"]["name"] for t in options.tools] if options.function is None else [options.function]
+            grammar = tool_call_grammar(options.tools, names, options.function is None, thinking, think_token)
+        else:
+            grammar = response_format_grammar(options.response_format, thinking, think_token)
         return self.grammar.constraint(grammar, param)
 
     def endpoint(self, options: ChatOptions):

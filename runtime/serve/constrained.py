@@ -34,27 +34,38 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _without(marker: str) -> str:
-    """A lark terminal: any text that does not contain ``marker``."""
-    escaped = "".join(f"\\{c}" if c in "\\/.^$*+?()[]{}|-" else c for c in marker)
-    return f"/(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/"
+def _escaped(marker: str) -> str:
+    return "".join(f"\\{c}" if c in "\\/.^$*+?()[]{}|-" else c for c in marker)
+
+
+def _through(marker: str) -> str:
+    """A lark rule body for a lazy rule (``name[lazy]: ...``): any text up to the first ``marker``
+    and the marker. llguidance's lexer is greedy, so a terminal of "text without the marker"
+    followed by the marker as text never ends: it takes the marker's first bytes as its own."""
+    return f"/(.|\\n)*{_escaped(marker)}/"
 
 
 def _json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
 
 
-def _start(body: str, thinking: bool) -> list[str]:
-    """The start rule: in thinking mode the reasoning comes first, up to ``</think>``."""
+def _start(body: str, thinking: bool, think_token: int | None) -> list[str]:
+    """The start rule: in thinking mode the reasoning comes first, up to ``</think>``, the added
+    token ``think_token`` (see :meth:`GrammarTokenizer.think_token`) or else text."""
     if not thinking:
         return [f"start: {body}"]
-    return [f"start: REASONING {_lit(THINK_END)} {body}", f"REASONING: {_without(THINK_END)}"]
+    if think_token is None:
+        return [f"start: reasoning {body}", f"reasoning[lazy]: {_through(THINK_END)}"]
+    # Text cannot match an added token: the reasoning is a terminal that ends where the token comes
+    # (and cannot spell ``</think>`` out either, which would end it for the output parser).
+    return [f"start: REASONING <[{think_token}]> {body}",
+            f"REASONING: /(.|\\n)*/ & ~/(.|\\n)*{_escaped(THINK_END)}(.|\\n)*/"]
 
 
-def response_format_grammar(response_format: dict, thinking: bool) -> str:
+def response_format_grammar(response_format: dict, thinking: bool, think_token: int | None = None) -> str:
     schema = {"type": "object"} if response_format["type"] == "json_object" else \
         response_format["json_schema"]["schema"]
-    return "\n".join(_start("answer", thinking) + [f"answer: {_json_rule(schema)}"])
+    return "\n".join(_start("answer", thinking, think_token) + [f"answer: {_json_rule(schema)}"])
 
 
 def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
@@ -62,7 +73,7 @@ def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-    close = _lit(PARAMETER_CLOSE + "\n")
+    close, newline = _lit(PARAMETER_CLOSE + "\n"), _lit("\n")
     parts, rules = [], []
     for i, (key, sub) in enumerate(properties.items()):
         rule = f"{tool}_p{i}"
@@ -70,7 +81,7 @@ def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
         as_json = _lit(f'{PARAMETER_OPEN} name="{key}" string="false">')
         plain = isinstance(sub, dict) and sub.get("type") == "string"
         if plain and set(sub) <= _PLAIN_STRING_KEYS:
-            rules += [f"{rule}: {as_written} {rule.upper()} {close}", f"{rule.upper()}: {_without(PARAMETER_CLOSE)}"]
+            rules += [f"{rule}: {as_written} {rule}_text {newline}", f"{rule}_text[lazy]: {_through(PARAMETER_CLOSE)}"]
         elif plain and isinstance(sub.get("enum"), list) and set(sub) <= _PLAIN_STRING_KEYS | {"enum"}:
             rules.append(f"{rule}: {as_written} ({' | '.join(_lit(str(v)) for v in sub['enum'])}) {close}")
         else:
@@ -81,7 +92,8 @@ def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
     return (" ".join(parts) if parts else _lit("\n")), rules
 
 
-def tool_call_grammar(tools: list[dict], names: list[str], many: bool, thinking: bool) -> str:
+def tool_call_grammar(tools: list[dict], names: list[str], many: bool, thinking: bool,
+                      think_token: int | None = None) -> str:
     """Output that is one DSML tool-calls block calling the named tools (``many``: one or more
     calls, else exactly one), with arguments that satisfy each tool's parameters schema."""
     rules, invokes = [], []
@@ -99,7 +111,8 @@ def tool_call_grammar(tools: list[dict], names: list[str], many: bool, thinking:
     opening = _lit(f"{TOOL_CALLS_SEPARATOR}{TOOL_CALLS_OPEN}\n")
     calls = f"invoke ({newline} invoke)*" if many else "invoke"
     block = f"{opening} {calls} {closing}"
-    return "\n".join(_start("block", thinking) + [f"block: {block}", "invoke: " + " | ".join(invokes), *rules])
+    return "\n".join(_start("block", thinking, think_token)
+                     + [f"block: {block}", "invoke: " + " | ".join(invokes), *rules])
 
 
 class GrammarTokenizer:
@@ -122,6 +135,13 @@ class GrammarTokenizer:
                                       code="unsupported_option") from None
                 self._built = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size, eos_token=list(self.eos))
             return self._built
+
+    def think_token(self) -> int | None:
+        """``</think>``'s id where it is an added token (as in DeepSeek's tokenizers): llguidance
+        matches an added token only by its id, never as the text it decodes to."""
+        tok = self.get()
+        ids = tok.tokenize_str(THINK_END)
+        return ids[0] if len(ids) == 1 and tok.is_special_token(ids[0]) else None
 
     def constraint(self, grammar: str, param: str) -> "GrammarConstraint":
         from llguidance import LLMatcher

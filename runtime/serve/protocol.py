@@ -184,7 +184,7 @@ def completion_request(body: dict) -> tuple[list[str | list[int]], GenerationOpt
     return prompts, opts
 
 
-def _message_text(content, i: int) -> str:
+def _message_text(content, i: int, joiner: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -196,7 +196,7 @@ def _message_text(content, i: int) -> str:
                 raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                   "are supported", "messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return joiner.join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got {_show(content)}",
                       "messages")
 
@@ -210,7 +210,10 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role', got {_show(m)}", "messages")
-        rendered.append({**m, "content": _message_text(m.get("content"), i)})
+        # A tool result's text parts are joined by a blank line, as DeepSeek-V4's release encoding
+        # joins them; other messages' parts run on as written.
+        joiner = "\n\n" if m["role"] == "tool" else ""
+        rendered.append({**m, "content": _message_text(m.get("content"), i, joiner)})
     return rendered
 
 
