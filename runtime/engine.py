@@ -278,7 +278,7 @@ class Engine:
         except PoolExhausted:
             return False
         if hit:
-            self.pool.copy_slot(hit[-1].slot, rows.slot)
+            self.pool.copy_slot(hit[-1].slot, rows.slot, at_block_boundary=True)
             r.fed = len(hit) * BLOCK_TOKENS
         self._admitted[r.rid] = next(self._admissions)
         return True

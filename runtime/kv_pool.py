@@ -204,13 +204,19 @@ class KVPool:
         self._slot_free.append(slot)
         self._lower_high_water()
 
-    def copy_slot(self, source: int, target: int) -> None:
-        """Slot ``target`` becomes what ``source`` holds: every layer's window rows and compressor rings."""
+    def copy_slot(self, source: int, target: int, at_block_boundary: bool = False) -> None:
+        """Slot ``target`` becomes what ``source`` holds: every layer's window rows and compressor
+        rings. ``at_block_boundary``: the source has fed a whole number of 256-token blocks, where
+        every ratio's window has just closed, so only overlapping (CSA) rings hold positions that
+        later windows read; the others are left as they are (overwritten before they are read)."""
         (a, b), (c, d) = self.slot_rows(source), self.slot_rows(target)
         for plane in self.planes.values():
             plane[c:d] = plane[a:b]
-        for arrays in self.state.values():
-            for array in arrays:
+        ratios = {cl.layer: cl.ratio for cl in self.geometry.compressed}
+        for s in self.geometry.states:
+            if at_block_boundary and s.rows == ratios[s.layer]:
+                continue  # non-overlapping: its next window starts at the boundary
+            for array in self.state[(s.layer, s.stream)]:
                 array[target] = array[source]
 
     def ensure(self, seq: int, tokens: int) -> None:

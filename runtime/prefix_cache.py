@@ -99,7 +99,7 @@ class PrefixCache:
             snapshot = self.pool.take_slot()
         except PoolExhausted:
             return
-        self.pool.copy_slot(slot, snapshot)
+        self.pool.copy_slot(slot, snapshot, at_block_boundary=True)
         if envelope is not None:
             self.pool.hold(envelope)
         self.blocks[key] = CachedBlock(key, parent, envelope, snapshot)
