@@ -113,7 +113,8 @@ def _cmd_inspect(args) -> int:
     rows.append((f"weights per device at tensor parallel {sharding.tensor_parallel}",
                  f"{device_weight_bytes / gib:,.2f} GiB"))
     if args.memory is not None:
-        rows.append((f"pool memory left in {args.memory / gib:,.1f} GiB", f"{pool_memory / gib:,.2f} GiB"))
+        rows.append((f"pool memory left in {args.memory / gib:,.1f} GiB", f"{pool_memory / gib:,.2f} GiB" if pool_memory
+                     else "none: the weights alone do not fit; raise --tensor-parallel"))
         rows.append(("tokens that fit beside the weights (one request)", f"{report['max_tokens']:,}"))
         for ctx, n in report["max_requests_at_context"].items():
             rows.append((f"requests that fit at {int(ctx):,} tokens", f"{n:,}"))

@@ -119,7 +119,7 @@ class ShardingPlan:
         """The part of weight ``name`` (of ``shape``) that ``rank`` holds."""
         split = self.split_of(name) if self.tensor_parallel > 1 else None
         if split is None:
-            return WeightShard(None, 0, shape[0] if shape else 1, shape[0] if shape else 1)
+            return WeightShard(None, 0, shape[0], shape[0])
         axis, unit = split
         size = shape[axis]
         if unit != VOCAB and size % self.tensor_parallel:  # build() checked the config: a mismatch is a bug
