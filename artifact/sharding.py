@@ -8,8 +8,6 @@ replicated. Split weights are cut along one axis into ``N`` contiguous equal ran
 * attention heads: ``wq_b`` rows and ``attn_sink`` (head-major), the grouped output
   projection by groups (``wo_a`` rows, ``wo_b`` input columns: each rank's partial product is
   summed by an all-reduce), so ``N`` divides ``num_attention_heads`` and ``o_groups``;
-* index heads: the indexer's ``wq_b`` rows and ``weights_proj`` rows (the score is a sum over
-  heads: all-reduce before the top-k), so ``N`` divides ``index_n_heads``;
 * routed experts (expert parallel): rank ``r`` holds experts ``[r E/N, (r+1) E/N)``;
 * the shared expert by its intermediate dim (``w1`` / ``w3`` rows, ``w2`` columns): its partial
   output joins the routed experts' all-reduce, so splitting it costs no extra collective and
@@ -21,7 +19,10 @@ replicated. Split weights are cut along one axis into ``N`` contiguous equal ran
 Replicated: norms, mHC, the router (every rank routes every token), ``wq_a`` (every head reads
 ``q_res``), ``wkv`` and the compressors: V4 has one KV head (``num_key_value_heads = 1``), so
 the latent and the compressed KV are computed and stored on every rank, and the pool per
-device is the whole pool. MTP's ``e_proj`` / ``h_proj`` (two ``D x D`` matrices) stay whole
+device is the whole pool. The indexer's query side (``wq_b``, ``weights_proj``) too, as the
+production V4 deployments keep it: its score is one sum over all index heads, so split heads
+would need an all-reduce of ``[T, visible entries]`` scores in every CSA layer (1 MiB per token
+per layer at 1M context) to save 12.6 M parameters a layer. MTP's ``e_proj`` / ``h_proj`` (two ``D x D`` matrices) stay whole
 rather than add an all-gather to every draft.
 
 ``N`` is a power of two (the 2, 4, 8 devices of a node's NVLink / xGMI domain, and the doubling
@@ -41,8 +42,8 @@ from dsv4c.errors import ShardingError
 MIN_DEVICES_CONTEXT = 131072  # the one request `inspect --memory` sizes min_devices for
 
 # What a split weight is cut by.
-HEADS, O_GROUPS, INDEX_HEADS, EXPERTS, SHARED_INTER, VOCAB = (
-    "attention heads", "output groups", "index heads", "routed experts", "shared expert intermediate", "vocab")
+HEADS, O_GROUPS, EXPERTS, SHARED_INTER, VOCAB = (
+    "attention heads", "output groups", "routed experts", "shared expert intermediate", "vocab")
 
 # (name pattern, axis, unit): the first match rules; no match is replicated.
 _RULES = [(re.compile(pattern), axis, unit) for pattern, axis, unit in (
@@ -50,7 +51,6 @@ _RULES = [(re.compile(pattern), axis, unit) for pattern, axis, unit in (
     (r"(^|\.)attn\.attn_sink$", 0, HEADS),
     (r"(^|\.)attn\.wo_a\.weight$", 0, O_GROUPS),
     (r"(^|\.)attn\.wo_b\.weight$", 1, O_GROUPS),
-    (r"(^|\.)attn\.indexer\.(wq_b|weights_proj)\.weight$", 0, INDEX_HEADS),
     (r"(^|\.)ffn\.experts\.w[123]$", 0, EXPERTS),
     (r"(^|\.)ffn\.shared_experts\.w[13]\.weight$", 0, SHARED_INTER),
     (r"(^|\.)ffn\.shared_experts\.w2\.weight$", 1, SHARED_INTER),
@@ -88,12 +88,9 @@ class ShardingPlan:
         if n == 1:
             return cls(cfg, n)
         dense_fp8 = cfg.weights.dense == "fp8"
-        layers = cfg.layers + cfg.mtp_layers
         must_divide = [(HEADS, "num_attention_heads", cfg.num_heads), (O_GROUPS, "o_groups", cfg.o_groups),
                        (EXPERTS, "n_routed_experts", cfg.n_routed_experts),
                        (SHARED_INTER, "moe_intermediate_size", cfg.moe_intermediate_size)]
-        if any(layer.has_indexer for layer in layers):
-            must_divide.append((INDEX_HEADS, "index_n_heads", cfg.index_n_heads))
         for unit, field, size in must_divide:
             if size % n:
                 raise ShardingError(f"--tensor-parallel {n}: {cfg.name} does not split its {unit} across {n} devices "
