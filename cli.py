@@ -55,6 +55,8 @@ def _cmd_inspect(args) -> int:
     from dsv4c.frontend.config import COST_ONLY_PRESETS, resolve_model
     from dsv4c.passes.quant_plan import plan_for
     from dsv4c.artifact.pool import PoolGeometry
+    from dsv4c.artifact.sharding import MIN_DEVICES_CONTEXT, ShardingPlan, min_devices
+    from dsv4c.compile import stored_weights
 
     if not args.cost and (args.context is not None or args.batch is not None):
         raise UsageError("--context and --batch size the decode step --cost prices; add --cost")
@@ -70,12 +72,21 @@ def _cmd_inspect(args) -> int:
             return 0
     cfg = resolve_model(args.model)
     plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
+    sharding = ShardingPlan.build(cfg, args.tensor_parallel)
     geometry = PoolGeometry.build(cfg, plan)
+    weights = stored_weights(cfg, args.target, args.numerics, plan.fp8_format)
+    device_weight_bytes = sharding.device_weight_bytes(weights)
     report = {"model": cfg.name, "target": args.target, "numerics": args.numerics, **geometry.summary(),
-              "fp8_format": plan.fp8_format, "expert_format": plan.expert_format}
+              "fp8_format": plan.fp8_format, "expert_format": plan.expert_format,
+              "tensor_parallel": sharding.tensor_parallel, "weight_bytes_per_device": device_weight_bytes}
     if args.memory is not None:
+        # Every device holds the whole pool (one KV head: see artifact/sharding.py) beside its weights.
+        pool_memory = max(0, args.memory - device_weight_bytes)
         report["memory_bytes"] = args.memory
-        report.update(geometry.budget(args.memory))
+        report["pool_memory_bytes"] = pool_memory
+        report.update(geometry.budget(pool_memory))
+        report["min_devices"] = min_devices(cfg, weights, geometry, args.memory)
+        report["min_devices_context"] = MIN_DEVICES_CONTEXT
     if args.plan:
         report["quant_plan"] = plan.to_json()
     if cost is not None:
@@ -83,7 +94,7 @@ def _cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    mib = 2 ** 20
+    mib, gib = 2 ** 20, 2 ** 30
 
     def encoding(storage: str) -> str:  # FP8 rows name their code format
         return f"{storage} {geometry.fp8_format}" if storage == "fp8" else storage
@@ -99,10 +110,17 @@ def _cmd_inspect(args) -> int:
     rows.append(("window rows per request", f"{geometry.window_rows_per_request:,} "
                  f"({report['window_bytes_per_request'] / mib:,.2f} MiB)"))
     rows.append(("compressor state per request", f"{geometry.state_bytes_per_request / mib:,.2f} MiB"))
+    rows.append((f"weights per device at tensor parallel {sharding.tensor_parallel}",
+                 f"{device_weight_bytes / gib:,.2f} GiB"))
     if args.memory is not None:
-        rows.append((f"tokens that fit in {args.memory / 2**30:,.1f} GiB (one request)", f"{report['max_tokens']:,}"))
+        rows.append((f"pool memory left in {args.memory / gib:,.1f} GiB", f"{pool_memory / gib:,.2f} GiB" if pool_memory
+                     else "none: the weights alone do not fit; raise --tensor-parallel"))
+        rows.append(("tokens that fit beside the weights (one request)", f"{report['max_tokens']:,}"))
         for ctx, n in report["max_requests_at_context"].items():
             rows.append((f"requests that fit at {int(ctx):,} tokens", f"{n:,}"))
+        fewest = report["min_devices"]
+        rows.append((f"fewest devices for one {MIN_DEVICES_CONTEXT:,}-token request",
+                     f"{fewest}" if fewest is not None else "none: the weights do not split small enough"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
@@ -125,7 +143,8 @@ def _cmd_compile(args) -> int:
     passes = PipelineOptions(disable=set(args.disable_pass or ()), print_ir_after_all=args.print_ir_after_all,
                              print_ir_after=set(args.print_ir_after or ()), verbose=args.verbose)
     compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights,
-                  passes=passes, kv_cache_dtype=args.kv_cache_dtype, cpu=args.cpu)
+                  passes=passes, kv_cache_dtype=args.kv_cache_dtype, cpu=args.cpu,
+                  tensor_parallel=args.tensor_parallel)
     return 0
 
 
@@ -351,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-ir-after", action="append", metavar="PASS", help="print the IR after this pass")
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip this pass")
     p.add_argument("--verbose", action="store_true", help="per-pass timing and op counts")
+    p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",
+                   help="devices to split the model across: checked against the model's sharding plan; only 1 "
+                        "builds today (`dsv4c inspect --tensor-parallel N` sizes the others)")
     p.set_defaults(run=_cmd_compile)
 
     p = sub.add_parser("export", help="write the program (step + MTP) as an ONNX graph for Netron and ONNX tooling")
@@ -428,7 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="llvm", choices=COMPILED_TARGETS)
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
-    p.add_argument("--memory", type=_parse_bytes, help="device memory for the pool, e.g. 80GiB")
+    p.add_argument("--memory", type=_parse_bytes,
+                   help="memory of each device, e.g. 141GiB: what is left beside its weights holds the pool; "
+                        "also reports min_devices")
+    p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",
+                   help="devices the weights split across (docs/tensor_parallel.md); default 1")
     p.add_argument("--plan", action="store_true", help="also print the quantization plan")
     p.add_argument("--cost", action="store_true",
                    help="FLOPs and bytes read per decode token, by op family (docs/cost_model.md); "

@@ -25,12 +25,14 @@ from dsv4c import __version__
 from dsv4c.artifact.manifest import WEIGHTS_INDEX, staging, write_manifest
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import PoolGeometry
+from dsv4c.artifact.quant import WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
+from dsv4c.artifact.sharding import ShardingPlan
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, write_checkpoint
 from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
-from dsv4c.ir.core import Program
+from dsv4c.ir.core import Program, concat_parts
 from dsv4c.ir.serialize import program_to_json
 from dsv4c.passes.merge_projections import base_weight_names, weight_sources
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
@@ -76,16 +78,37 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def stored_weights(cfg: ModelConfig, target: str, numerics: str, fp8_format: str
+                   ) -> list[tuple[str, tuple[int, ...], WeightFormat]]:
+    """Every weight an artifact of ``cfg`` for ``target`` stores, as (checkpoint name, shape,
+    the format its layout stores it in), merged projections as their parts: what
+    ``dsv4c inspect`` sizes per device under a sharding plan."""
+    from dsv4c.codegen.lowering import weight_layouts
+
+    program = trace(cfg, numerics)
+    shapes = {name: tuple(v.type.shape) for fn in program.functions.values() for name, v in fn.weights.items()}
+    layouts = weight_layouts(run_pipeline(program), target, fp8_format)
+    return [(part, shapes[part], layout.format) for layout in layouts.values()
+            for part in concat_parts(layout.name) or [layout.name]]
+
+
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
-                  kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None) -> Path:
+                  kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None,
+                  tensor_parallel: int = 1) -> Path:
     """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
     in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
     caps each weight file (default 4 GiB); ``cpu`` (llvm only) is the LLVM CPU name to build
-    for, or native (the default: this machine's)."""
+    for, or native (the default: this machine's). ``tensor_parallel`` is checked against the
+    model's sharding plan; only 1 builds today."""
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
+    if ShardingPlan.build(cfg, tensor_parallel).tensor_parallel > 1:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: {cfg.name} splits across {tensor_parallel} devices, "
+                         "but multi-rank artifacts are not built yet; compile with --tensor-parallel 1 (one device, "
+                         f"every weight) and see `dsv4c inspect {model} --tensor-parallel {tensor_parallel}` for "
+                         "what each device would hold")
     program = run_pipeline(trace(cfg, numerics), passes)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)

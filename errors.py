@@ -32,3 +32,7 @@ class UsageError(DsvError):
 
 class ArtifactError(DsvError):
     """An artifact is missing, tampered with, from another format version, or for another host."""
+
+
+class ShardingError(UsageError):
+    """A model cannot be split across the requested number of devices (``--tensor-parallel``)."""

@@ -198,14 +198,16 @@ class PoolGeometry:
                 return c
         raise KeyError(f"layer {layer} has no compressed rows")
 
+    def request_bytes(self, context: int) -> int:
+        """Pool bytes one request of ``context`` tokens takes: its window rows and compressor
+        state, and the envelopes its tokens fill."""
+        return self.request_fixed_bytes + -(-context // ENVELOPE_TOKENS) * self.envelope_bytes
+
     def budget(self, memory_bytes: int, contexts=(4096, 32768, 131072, 1048576)) -> dict:
         """How many tokens (one request) and requests (at given context lengths) fit."""
         env = self.envelope_bytes
         one = (memory_bytes - self.request_fixed_bytes) // env if env else 0
-        requests = {}
-        for ctx in contexts:
-            per = self.request_fixed_bytes + -(-ctx // ENVELOPE_TOKENS) * env
-            requests[str(ctx)] = max(0, memory_bytes // per)
+        requests = {str(ctx): max(0, memory_bytes // self.request_bytes(ctx)) for ctx in contexts}
         return {"max_tokens": int(max(0, one) * ENVELOPE_TOKENS), "max_requests_at_context": requests}
 
     def summary(self) -> dict:

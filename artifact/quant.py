@@ -21,6 +21,7 @@ plane takes on a target (``passes.quant_plan.plan_for`` chooses); the manifest r
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -52,6 +53,10 @@ class WeightFormat:
     def row_bytes(self, cols: int) -> dict[str, int]:
         """Bytes one weight row takes in each artifact tensor (by suffix)."""
         return {suffix: n * STORAGE_DTYPES[dtype].itemsize for suffix, (dtype, n) in self.stored(cols).items()}
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes a weight of ``shape`` takes in this format (every row of its last axis)."""
+        return math.prod(shape[:-1]) * sum(self.row_bytes(shape[-1]).values())
 
     def lay_out(self, name: str, parts) -> dict[str, np.ndarray]:
         """The artifact arrays (by suffix, row-major ``[n, stored cols]``) of consecutive rows, given

@@ -113,13 +113,8 @@ def _io(node: Node, d: Decode, inputs: list[Value] | None = None, entries: int =
     return Cost(0, _tensor_bytes(ins, d, entries), _tensor_bytes(node.outputs, d, entries))
 
 
-def matrix_bytes(rows: int, cols: int, fmt) -> float:
-    return rows * sum(fmt.row_bytes(cols).values())
-
-
 def _dense_weight_bytes(node: Node, w: Value, d: Decode) -> float:
-    rows, cols = w.type.shape
-    return matrix_bytes(rows, cols, dense_format(node.attrs["quant"], d.fp8_format))
+    return dense_format(node.attrs["quant"], d.fp8_format).nbytes(tuple(w.type.shape))
 
 
 def _tokens(x: Value, d: Decode) -> int:
@@ -161,7 +156,7 @@ def linear_split_parts(node: Node, d: Decode) -> list[tuple[str, Cost]]:
     fmt = dense_format(node.attrs["quant"], d.fp8_format)
     inp, tokens = w.type.shape[1], _tokens(x, d)
     share = _tensor_bytes([x], d) / len(names)  # the input is read once for all parts
-    return [(weight_family(name), Cost(2 * tokens * rows * inp, matrix_bytes(rows, inp, fmt) + share,
+    return [(weight_family(name), Cost(2 * tokens * rows * inp, fmt.nbytes((rows, inp)) + share,
                                        _tensor_bytes([out], d)))
             for name, rows, out in zip(names, node.attrs["sizes"], node.outputs)]
 
@@ -337,7 +332,7 @@ def _moe_route(node: Node, d: Decode):
     experts, dim = gate.type.shape
     flops = d.batch * (2 * experts * dim + 3 * experts)
     table_bytes = 4 * d.batch * table.type.shape[1] if node.attrs["mode"] == "hash" else 4 * experts
-    return "routed_experts", Cost(flops, matrix_bytes(experts, dim, FP32) + table_bytes) + _io(node, d, [y])
+    return "routed_experts", Cost(flops, FP32.nbytes((experts, dim)) + table_bytes) + _io(node, d, [y])
 
 
 def swiglu_flops(inter: int, dim: int) -> int:
@@ -355,7 +350,7 @@ def experts_cost(node: Node, d: Decode, fmt) -> Cost:
     ids, w1 = node.inputs[2], node.inputs[3]
     e, inter, dim = w1.type.shape
     k = ids.type.shape[1]
-    per_expert = 2 * matrix_bytes(inter, dim, fmt) + matrix_bytes(dim, inter, fmt)
+    per_expert = 2 * fmt.nbytes((inter, dim)) + fmt.nbytes((dim, inter))
     flops = d.batch * k * (swiglu_flops(inter, dim) + 2 * dim)  # + the weighted combine
     return Cost(flops, experts_touched(e, k, d.batch) * per_expert) + _io(node, d, node.inputs[:3])
 
