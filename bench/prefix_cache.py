@@ -23,7 +23,7 @@ cached / prompt tokens looked up, the engine's counters behind ``/metrics``), wi
                                  [--cache-only]
 
 ``--cache-only`` runs the engine with the cache alone: the hit ratio and the cached TTFTs of a
-workload whose uncached prefills (~30 minutes for the default one on a 2-core VM) take too long.
+workload whose uncached prefills (20-35 minutes for the default one on a shared 2-core VM) take too long.
 
 Without ``--artifact`` it builds the flash slice (``bench/flash_slice.py``'s checkpoint and llvm
 compile) in ``--workdir`` (default: a temporary directory), or reuses the one there.
