@@ -266,7 +266,8 @@ class Engine:
         """Take pool rows for ``r``'s whole sequence, its cached prefix shared; False when they are
         not free (it waits)."""
         hit = []
-        if self.prefix_cache is not None and not r.wants_every_row:
+        looked_up = self.prefix_cache is not None and not r.wants_every_row
+        if looked_up:
             # At least one token is fed (its logits are sampled); with MTP, the whole window of
             # the prompt's end, which the MTP layer reads and a cached slot does not hold for it.
             keep = 1 + (self.config.sliding_window if self.speculative else 0)
@@ -280,6 +281,8 @@ class Engine:
         if hit:
             self.pool.copy_slot(hit[-1].slot, rows.slot, at_block_boundary=True)
             r.fed = len(hit) * BLOCK_TOKENS
+        if looked_up:
+            self.prefix_cache.count(len(r.sequence), len(hit) * BLOCK_TOKENS)
         self._admitted[r.rid] = next(self._admissions)
         return True
 

@@ -60,7 +60,8 @@ class PrefixCache:
         pool.reclaim = self.evict_one
 
     def lookup(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
-        """The cached blocks ``tokens`` start with (at most ``max_blocks``), marked recently used."""
+        """The cached blocks ``tokens`` start with (at most ``max_blocks``), marked recently used.
+        Not counted: ``count`` does that once the request is admitted."""
         found = []
         for key in block_keys(tokens, min(max_blocks, len(tokens) // BLOCK_TOKENS)):
             block = self.blocks.get(key)
@@ -69,9 +70,13 @@ class PrefixCache:
             found.append(block)
         for block in found:
             self.blocks.move_to_end(block.key)
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += len(found) * BLOCK_TOKENS
         return found
+
+    def count(self, looked_up: int, found: int) -> None:
+        """One admitted request's lookup: ``looked_up`` tokens, ``found`` of them cached. Counted at
+        admission, not at lookup, since a request that waits for rows looks up again every step."""
+        self.queried_tokens += looked_up
+        self.hit_tokens += found
 
     @contextlib.contextmanager
     def pinned(self, blocks: list[CachedBlock]):

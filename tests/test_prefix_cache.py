@@ -120,6 +120,26 @@ def test_speculative_decoding_with_the_cache(parity_artifacts):
     assert _all_rows_free(spec)
 
 
+def test_a_request_waiting_for_rows_counts_its_lookup_once(tiny_llvm):
+    # Room for one request of max_context: the second waits while the first runs, looking the
+    # cache up at every step; the counters behind /metrics (and the hit ratio) count it once.
+    g = Engine(tiny_llvm, max_requests=2, max_context=1024, prefix_caching=False).pool.geometry
+    engine = Engine(tiny_llvm, max_requests=2, max_context=1024,
+                    kv_cache_memory=KVPool.nbytes_for(g, 4 * g.rows_per_envelope + g.window_rows_per_request))
+    refusals = []
+    admit = engine._admit
+
+    def counting(r):
+        refusals.append(not admit(r))
+        return not refusals[-1]
+
+    engine._admit = counting
+    prompts = [_prompt(50 + i, 300, engine.config.vocab_size) for i in range(2)]
+    _run(engine, prompts)
+    assert sum(refusals) > 1 and engine.preemptions == 0
+    assert engine.prefix_cache.queried_tokens == sum(map(len, prompts))
+
+
 def test_the_pool_is_sized_by_memory(tiny_llvm):
     engine = Engine(tiny_llvm, max_requests=2, max_context=512)
     g = engine.pool.geometry
