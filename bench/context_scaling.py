@@ -25,16 +25,19 @@ the checkpoint, FP8 as Q8_0 and FP4 as MXFP4, both made in CACHE when missing). 
 llama.cpp's pool cannot be filled with random rows, so this prefill takes minutes at long
 contexts) runs between two halves of our ``--decode-steps`` at the same context, so the
 machine's drift between the two systems is that of one bracket, and the ratio of their ms per
-token is printed per context. The question: llama.cpp's lightning indexer scores every
-compressed key and masks all but the top-k where ours gathers the top-k rows, so does its
-cost grow faster with context than ours?
+token is printed per context (medians, and bests: with another process on one of 2 cores a
+thread pool of 2 waits a time slice at many barriers, llama.cpp's ggml pool far more often than
+ours, so ``--llama-threads 1`` may be its faster setting there). The question: llama.cpp's
+lightning indexer scores every compressed key and masks all but the top-k where ours gathers
+the top-k rows, so does its cost grow faster with context than ours?
 
 The default artifact is the flash slice of ``flash_slice.py`` (hidden 4096, 64 heads x 512, 2
 layers: HCA + CSA), made and compiled in ``--workdir`` when missing.
 
     python bench/context_scaling.py [--artifact DIR --checkpoint DIR | --workdir DIR]
                                     [--contexts 1024 ... 65536] [--decode-steps 16] [--prefill 512]
-                                    [--families] [--llama-cpp CACHE [--llama-tokens 32]]
+                                    [--families] [--llama-cpp CACHE [--llama-tokens 32] [--llama-reps 3]
+                                                               [--llama-threads N]]
                                     [--json out.json]
 """
 
@@ -133,6 +136,8 @@ def main() -> None:
                    help="the checkpoint the artifact was compiled from, for llama.cpp (default: the flash slice's)")
     p.add_argument("--llama-tokens", type=int, default=32, help="llama-bench's decode tokens per repetition")
     p.add_argument("--llama-reps", type=int, default=3, help="llama-bench's repetitions per context")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count(),
+                   help="llama-bench's threads (default: this machine's cores, as ours use)")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = p.parse_args()
     if min(args.contexts) < 1 or args.decode_steps < 1:
@@ -184,14 +189,15 @@ def main() -> None:
     if args.llama_cpp:
         from llama_cpp_bench import decode_ms
 
-        report["llama_cpp"] = {"gguf": str(gguf), "tokens": args.llama_tokens, "reps": args.llama_reps}
+        report["llama_cpp"] = {"gguf": str(gguf), "tokens": args.llama_tokens, "reps": args.llama_reps,
+                               "threads": args.llama_threads}
         half = args.decode_steps // 2
         for context in contexts:
             print(f"llama-bench at depth {context} (its prefill of the depth is untimed and slow)", file=sys.stderr)
             # Each half after one untimed step, as llama-bench warms up with one: the first step
             # after the other process ran wakes our thread pool and refills caches.
             ours = decode_at(engine, [context], half + 1)[context][1:]
-            llama = decode_ms(bench_bin, gguf, context, args.llama_tokens, os.cpu_count(), args.llama_reps)
+            llama = decode_ms(bench_bin, gguf, context, args.llama_tokens, args.llama_threads, args.llama_reps)
             ours += decode_at(engine, [context], args.decode_steps - half + 1)[context][1:]
             llama_ms = llama.pop("ms_per_rep")
             report["llama_cpp"]["build"] = llama
@@ -238,8 +244,9 @@ def main() -> None:
         build = report["llama_cpp"]["build"]
         print(f"beside llama.cpp (build {build['build_number']} {build['build_commit']}, {build['model_type']}, "
               f"KV {build['type_k']}/{build['type_v']}, flash attention {build['flash_attn']}), "
-              f"{os.cpu_count()} threads each: ours the median of {args.decode_steps} steps around llama-bench's "
-              f"{args.llama_reps} x {args.llama_tokens} tokens at the same context; medians (bests)")
+              f"threads ours {os.cpu_count()}, llama.cpp {args.llama_threads}: ours the median of "
+              f"{args.decode_steps} steps around llama-bench's {args.llama_reps} x {args.llama_tokens} tokens "
+              "at the same context; medians (bests)")
         print(f"{'context':>8} {'ours ms (best)':>16} {'llama.cpp ms (best)':>20} {'llama.cpp / ours (best)':>24}")
         for context in contexts:
             row = rows[str(context)]

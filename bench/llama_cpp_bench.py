@@ -117,5 +117,5 @@ def decode_ms(bench: Path, gguf: Path, depth: int, tokens: int, threads: int, re
                          check=True, capture_output=True, text=True)
     (test,) = json.loads(run.stdout)
     return {"ms_per_rep": [ns / tokens / 1e6 for ns in test["samples_ns"]],
-            **{k: test.get(k) for k in ("build_commit", "build_number", "cpu_info", "type_k", "type_v",
-                                        "flash_attn", "n_batch", "n_ubatch", "poll", "repack", "model_type", "model_size")}}
+            **{k: test.get(k) for k in ("build_commit", "build_number", "cpu_info", "type_k", "type_v", "flash_attn",
+                                        "n_batch", "n_ubatch", "poll", "repack", "model_type", "model_size")}}
