@@ -18,11 +18,26 @@ With ``--families`` a second engine, profiled (``runtime.profile``), decodes the
 the measured kernel time by op family is printed beside the predicted one per context (the
 profiler's instrument adds VM overhead, so those steps are not the timed ones).
 
+With ``--llama-cpp CACHE`` llama.cpp decodes the same slice too (``llama_cpp_bench.py``: its
+``llama-bench``, built from the source bundled in ``llama-cpp-python``, and its own conversion of
+the checkpoint, FP8 as Q8_0 and FP4 as MXFP4, both made in CACHE when missing). Per context,
+``llama-bench -p 0 -n TOKENS -d CONTEXT`` (decode after an untimed prefill of CONTEXT tokens:
+llama.cpp's pool cannot be filled with random rows, so this prefill takes minutes at long
+contexts) runs between two halves of our ``--decode-steps`` at the same context, so the
+machine's drift between the two systems is that of one bracket, and the ratio of their ms per
+token is printed per context (medians, and bests: with another process on one of 2 cores a
+thread pool of 2 waits a time slice at many barriers, llama.cpp's ggml pool far more often than
+ours, so ``--llama-threads 1`` may be its faster setting there). The question: llama.cpp's
+lightning indexer scores every compressed key and masks all but the top-k where ours gathers
+the top-k rows, so does its cost grow faster with context than ours?
+
 The default artifact is the flash slice of ``flash_slice.py`` (hidden 4096, 64 heads x 512, 2
 layers: HCA + CSA), made and compiled in ``--workdir`` when missing.
 
-    python bench/context_scaling.py [--artifact DIR | --workdir DIR] [--contexts 1024 ... 65536]
-                                    [--decode-steps 16] [--prefill 512] [--families]
+    python bench/context_scaling.py [--artifact DIR --checkpoint DIR | --workdir DIR]
+                                    [--contexts 1024 ... 65536] [--decode-steps 16] [--prefill 512]
+                                    [--families] [--llama-cpp CACHE [--llama-tokens 32] [--llama-reps 3]
+                                                               [--llama-threads N]]
                                     [--json out.json]
 """
 
@@ -30,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -114,10 +130,22 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=0, help="also time a real prefill of this many tokens")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--families", action="store_true", help="also profile the steps by op family")
+    p.add_argument("--llama-cpp", type=Path, metavar="CACHE",
+                   help="also decode with llama.cpp, its build and GGUF made in this folder when missing")
+    p.add_argument("--checkpoint", type=Path,
+                   help="the checkpoint the artifact was compiled from, for llama.cpp (default: the flash slice's)")
+    p.add_argument("--llama-tokens", type=int, default=32, help="llama-bench's decode tokens per repetition")
+    p.add_argument("--llama-reps", type=int, default=3, help="llama-bench's repetitions per context")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count(),
+                   help="llama-bench's threads (default: this machine's cores, as ours use)")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = p.parse_args()
     if min(args.contexts) < 1 or args.decode_steps < 1:
         p.error("contexts and --decode-steps must be positive")
+    if args.llama_cpp and args.artifact and not args.checkpoint:
+        p.error("--llama-cpp with --artifact needs --checkpoint")
+    if args.llama_cpp and args.decode_steps < 2:
+        p.error("--llama-cpp needs --decode-steps of 2 or more (half before, half after llama-bench)")
 
     from dsv4c.ir.cost import FAMILIES
     from dsv4c.runtime.engine import Engine
@@ -125,6 +153,11 @@ def main() -> None:
     from dsv4c.targets import host_cpu, host_cpu_flags
 
     artifact = args.artifact or ensure_flash_slice(args.workdir)
+    if args.llama_cpp:  # built and converted before our engine holds memory and timings start
+        from llama_cpp_bench import gguf_of, llama_bench
+
+        bench_bin = llama_bench(args.llama_cpp)
+        gguf = gguf_of(args.llama_cpp, args.checkpoint or args.workdir / "fp8")
     contexts = sorted(args.contexts)
     longest = contexts[-1] + args.decode_steps + 1
 
@@ -153,6 +186,27 @@ def main() -> None:
         rows[str(context)] = {"measured_ms": 1e3 * statistics.median(times[context]),
                               "steps_ms": [1e3 * t for t in times[context]],
                               "predicted_ms": sum(predicted.values()), "predicted_families_ms": predicted}
+    if args.llama_cpp:
+        from llama_cpp_bench import decode_ms
+
+        report["llama_cpp"] = {"gguf": str(gguf), "tokens": args.llama_tokens, "reps": args.llama_reps,
+                               "threads": args.llama_threads}
+        half = args.decode_steps // 2
+        for context in contexts:
+            print(f"llama-bench at depth {context} (its prefill of the depth is untimed and slow)", file=sys.stderr)
+            # Each half after one untimed step, as llama-bench warms up with one: the first step
+            # after the other process ran wakes our thread pool and refills caches.
+            ours = decode_at(engine, [context], half + 1)[context][1:]
+            llama = decode_ms(bench_bin, gguf, context, args.llama_tokens, args.llama_threads, args.llama_reps)
+            ours += decode_at(engine, [context], args.decode_steps - half + 1)[context][1:]
+            llama_ms = llama.pop("ms_per_rep")
+            report["llama_cpp"]["build"] = llama
+            # Medians, and bests: on a loaded machine a thread pool of 2 on 2 cores waits a time
+            # slice at many of its barriers, so steps fall into a fast and a slow mode.
+            rows[str(context)].update(
+                beside_llama_ms=1e3 * statistics.median(ours), beside_llama_best_ms=1e3 * min(ours),
+                beside_llama_steps_ms=[1e3 * t for t in ours], llama_cpp_ms=statistics.median(llama_ms),
+                llama_cpp_best_ms=min(llama_ms), llama_cpp_reps_ms=llama_ms)
     del engine
     if args.families:
         profiled = engine_for(True)
@@ -186,6 +240,20 @@ def main() -> None:
             print(f"context {context}: family ms measured (profiled) / predicted: " + ", ".join(
                 f"{FAMILIES[f]} {row['measured_families_ms'].get(f, 0.0):.1f} / {row['predicted_families_ms'][f]:.1f}"
                 for f in FAMILIES if row['measured_families_ms'].get(f) or row['predicted_families_ms'][f] > 0.05))
+    if args.llama_cpp:
+        build = report["llama_cpp"]["build"]
+        print(f"beside llama.cpp (build {build['build_number']} {build['build_commit']}, {build['model_type']}, "
+              f"KV {build['type_k']}/{build['type_v']}, flash attention {build['flash_attn']}), "
+              f"threads ours {os.cpu_count()}, llama.cpp {args.llama_threads}: ours the median of "
+              f"{args.decode_steps} steps around llama-bench's {args.llama_reps} x {args.llama_tokens} tokens "
+              "at the same context; medians (bests)")
+        print(f"{'context':>8} {'ours ms (best)':>16} {'llama.cpp ms (best)':>20} {'llama.cpp / ours (best)':>24}")
+        for context in contexts:
+            row = rows[str(context)]
+            print(f"{context:>8} {row['beside_llama_ms']:>8.1f} ({row['beside_llama_best_ms']:>5.1f}) "
+                  f"{row['llama_cpp_ms']:>12.1f} ({row['llama_cpp_best_ms']:>5.1f}) "
+                  f"{row['llama_cpp_ms'] / row['beside_llama_ms']:>16.2f} "
+                  f"({row['llama_cpp_best_ms'] / row['beside_llama_best_ms']:>5.2f})")
     if "prefill_tok_s" in report:
         print(f"prefill of {args.prefill} tokens in chunks of {args.prefill_chunk}: {report['prefill_tok_s']:.1f} tok/s")
     if args.json:
