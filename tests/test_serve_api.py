@@ -378,3 +378,12 @@ def test_a_resent_prompt_hits_the_prefix_cache(server):
     assert after["dsv4c_prefix_cache_queries_total"] - before.get("dsv4c_prefix_cache_queries_total", 0) == 1200
     assert after["dsv4c_prefix_cache_hits_total"] - before.get("dsv4c_prefix_cache_hits_total", 0) == 512
     assert 0 < after["dsv4c_kv_pool_cached_ratio"] < 1 and after["dsv4c_preemptions_total"] == 0
+
+
+def test_refused_choices_give_their_places_back(server):
+    # The server holds 4 running + 12 waiting: refused requests of 8 choices must not keep theirs.
+    for _ in range(3):
+        refused = _post(server, "/v1/completions", {"prompt": PROMPT, "n": 8, "max_tokens": CONTEXT})
+        assert refused.status_code == 400 and "max_context" in refused.json()["error"]["message"]
+    full = _post(server, "/v1/completions", {"prompt": PROMPT, "n": 16, "max_tokens": 1})
+    assert full.status_code == 200 and len(full.json()["choices"]) == 16

@@ -222,17 +222,17 @@ class Server:
                     choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
             for c in choices:
                 await c.gen.submitted
-        except QueueFull as e:
-            raise APIError(503, f"the server is full ({e}); retry later", "server_error", "queue_full",
-                           headers={"Retry-After": "1"}) from None
-        except EngineStopped as e:
-            raise APIError(503, str(e), "server_error", "engine_stopped") from None
-        except UsageError as e:
-            raise bad_request(str(e)) from None
-        finally:
-            if sys.exc_info()[0] is not None:
-                for c in choices:
-                    self.loop.close(c.gen)
+        except BaseException as e:  # none of the request's generations goes on
+            for c in choices:
+                self.loop.close(c.gen)
+            if isinstance(e, QueueFull):
+                raise APIError(503, f"the server is full ({e}); retry later", "server_error", "queue_full",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineStopped):
+                raise APIError(503, str(e), "server_error", "engine_stopped") from None
+            if isinstance(e, UsageError):
+                raise bad_request(str(e)) from None
+            raise
         return choices
 
     async def generate(self, request: Request, endpoint: Endpoint, prompts: list[list[int]],
