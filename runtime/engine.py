@@ -29,7 +29,7 @@ from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
 from dsv4c.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
 from dsv4c.runtime.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from dsv4c.runtime.speculative import METHODS, Draft, SpecStats, accept, propose
-from dsv4c.runtime.weights import check_weights_mode
+from dsv4c.runtime.weights import available_memory, check_weights_mode
 from dsv4c.targets import target_info
 
 TokenCallback = Callable[[int, int], None]  # (request id, token id)
@@ -105,18 +105,6 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_m
     return TvmBackend(artifact, manifest, pool, device, weights_mode)
 
 
-def available_memory() -> int | None:
-    """The host's available memory (MemAvailable), when the system says."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
@@ -183,7 +171,7 @@ class Engine:
         if kv_cache_memory is None:
             rows = 2 * max_requests * one
             host = available_memory()
-            if target_info(self.manifest["target"]).kind in ("reference", "cpu") and host is not None:
+            if target_info(self.manifest["target"]).kind in ("reference", "cpu") and host:  # 0: not reported
                 rows = max(min(rows, KVPool.rows_for_bytes(g, host // 2)), one)
         else:
             rows = KVPool.rows_for_bytes(g, kv_cache_memory)

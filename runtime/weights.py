@@ -53,10 +53,10 @@ def reads_weights(artifact: str | Path, manifest: dict[str, Any], mode: str, on_
     files = (manifest.get("weights") or {}).get("files")
     if not files:
         return False  # a --no-weights artifact: open_weights says so
-    return sum((Path(artifact) / f).stat().st_size for f in files) <= READ_SHARE * _available_memory()
+    return sum((Path(artifact) / f).stat().st_size for f in files) <= READ_SHARE * available_memory()
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     """Bytes the kernel reports available (MemAvailable), or 0 where it does not say."""
     try:
         with open("/proc/meminfo") as f:

@@ -370,14 +370,14 @@ def test_weights_mode_reads_on_the_cpu_when_they_fit(artifacts, monkeypatch):
     size = sum((art / f).stat().st_size for f in manifest["weights"]["files"])
     assert weights.reads_weights(art, manifest, "read", on_host=False)
     assert not weights.reads_weights(art, manifest, "map", on_host=True)
-    monkeypatch.setattr(weights, "_available_memory", lambda: int(size / weights.READ_SHARE))
+    monkeypatch.setattr(weights, "available_memory", lambda: int(size / weights.READ_SHARE))
     assert weights.reads_weights(art, manifest, "auto", on_host=True)
     assert not weights.reads_weights(art, manifest, "auto", on_host=False)  # a GPU copies them anyway
-    monkeypatch.setattr(weights, "_available_memory", lambda: int(size / weights.READ_SHARE) - 1)
+    monkeypatch.setattr(weights, "available_memory", lambda: int(size / weights.READ_SHARE) - 1)
     assert not weights.reads_weights(art, manifest, "auto", on_host=True)
     with pytest.raises(UsageError, match="'mmap' is not one of auto, read, map"):
         weights.reads_weights(art, manifest, "mmap", on_host=True)
-    assert weights._available_memory() > 0  # this Linux reports MemAvailable
+    assert weights.available_memory() > 0  # this Linux reports MemAvailable
     assert not weights.reads_weights(art, {**manifest, "weights": None}, "auto", on_host=True)  # --no-weights
 
 
