@@ -22,12 +22,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from dsv4c import __version__
-from dsv4c.artifact.manifest import WEIGHTS_INDEX, staging, write_manifest
+from dsv4c.artifact.manifest import staging, write_manifest
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
-from dsv4c.artifact.sharding import ShardingPlan
+from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, write_checkpoint
 from dsv4c.frontend.config import resolve_model
@@ -74,6 +74,29 @@ def step_constants(program: Program) -> dict:
     return out
 
 
+def rank_sources(program: Program, sharding: ShardingPlan, rank: int, checkpoint: dict) -> dict:
+    """The row sources of rank ``rank``'s weights by the program's names: its part of each
+    checkpoint weight (``frontend.checkpoint.ShardRows``), merged projections of those parts,
+    and the rank's ``tp.*`` values."""
+    from dsv4c.frontend.checkpoint import ConstantRows, ShardRows
+
+    base = {name: ShardRows(source, sharding.shard(name, source.shape, rank)) for name, source in checkpoint.items()}
+    if sharding.tensor_parallel > 1:
+        base.update((name, ConstantRows([value])) for name, value in sharding.rank_values(rank).items())
+    return weight_sources(program, base)
+
+
+def weights_entry(reports: list) -> dict | None:
+    """The manifest's ``weights``: the index and files of the one device, or with several ranks
+    every rank's (``ranks``, in rank order) and all their files (``files``)."""
+    if not reports:
+        return None
+    if len(reports) == 1:
+        return {"index": reports[0].index, "files": reports[0].files}
+    return {"files": [f for r in reports for f in r.files],
+            "ranks": [{"index": r.index, "files": r.files} for r in reports]}
+
+
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
@@ -99,17 +122,17 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
     in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
     caps each weight file (default 4 GiB); ``cpu`` (llvm only) is the LLVM CPU name to build
-    for, or native (the default: this machine's). ``tensor_parallel`` is checked against the
-    model's sharding plan; only 1 builds today."""
+    for, or native (the default: this machine's). ``tensor_parallel`` N > 1 builds one library
+    every rank runs and each rank's weights (``rank<r>-weights*.safetensors``), per the model's
+    sharding plan (``artifact.sharding``; a model that does not split so is refused)."""
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
-    if ShardingPlan.build(cfg, tensor_parallel).tensor_parallel > 1:
-        raise UsageError(f"--tensor-parallel {tensor_parallel}: {cfg.name} splits across {tensor_parallel} devices, "
-                         "but multi-rank artifacts are not built yet; compile with --tensor-parallel 1 (one device, "
-                         f"every weight) and see `dsv4c inspect {model} --tensor-parallel {tensor_parallel}` for "
-                         "what each device would hold")
-    program = run_pipeline(trace(cfg, numerics), passes)
+    sharding = ShardingPlan.build(cfg, tensor_parallel)
+    if tensor_parallel > 1 and not info.compiled:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: the {target} target runs one process on one device; "
+                         "compile for llvm or a GPU target to split the model")
+    program = run_pipeline(trace(cfg, numerics, tensor_parallel=tensor_parallel), passes)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
     from dsv4c.codegen.convert import SHARD_BYTES, convert_weights
@@ -120,7 +143,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
         if not no_weights:
             ckpt = stack.enter_context(Checkpoint(_checkpoint_dir(cfg, model, stack)))
             # Every tensor's storage and shape is checked here, before anything is written.
-            sources = weight_sources(program, ir_sources(cfg, ckpt, base_weight_names(program)))
+            sources = ir_sources(cfg, ckpt, {n for n in base_weight_names(program) if n not in RANK_VALUES})
         with staging(out, log) as tmp:
             (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
             # tokenizer_config.json carries the chat template `dsv4c serve` renders chat requests with.
@@ -139,10 +162,13 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                     # which release the GIL. Only one progress bar: the weights' when there are any.
                     building = builder.submit(build_step, program, plan, geometry, tmp, info,
                                               progress=progress and sources is None)
-                report = None
+                reports = []
                 if sources is not None:
                     layouts = weight_layouts(program, target, plan.fp8_format)
-                    report = convert_weights(layouts, sources, tmp, shard_bytes or SHARD_BYTES, progress=progress)
+                    for rank in range(tensor_parallel):  # each rank's parts, read from the checkpoint alone
+                        reports.append(convert_weights(layouts, rank_sources(program, sharding, rank, sources), tmp,
+                                                       shard_bytes or SHARD_BYTES, progress=progress,
+                                                       prefix=f"rank{rank}-" if tensor_parallel > 1 else ""))
                 kernels, vm = building.result() if building is not None else ({}, None)
             import tvm
 
@@ -154,8 +180,9 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 "kv_cache_dtype": kv_cache_dtype,
                 "model_name": cfg.name,
                 "model": cfg.to_json_dict("hf"),
-                "has_weights": report is not None,
-                "weights": {"index": WEIGHTS_INDEX, "files": report.files} if report is not None else None,
+                "has_weights": bool(reports),
+                "weights": weights_entry(reports),
+                **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}),
                 "quant_plan": plan.to_json(),
                 "pool_geometry": geometry.summary(),
                 "entry_points": entry_points,
@@ -163,9 +190,11 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 **({"vm": {**vm, "constants": CONSTANTS}} if vm else {}),
             })
     built_for = f"{kernels['mcpu']}, " if "mcpu" in kernels else ""
-    summary = f"compiled {cfg.name} for {target} ({built_for}{numerics}) -> {out}"
-    if report is not None:
-        summary += (f": weights {report.bytes_written / 1e9:.2f} GB in {len(report.files)} file(s), "
-                    f"{report.seconds:.1f} s ({report.bytes_written / 1e9 / max(report.seconds, 1e-9):.2f} GB/s)")
+    ranks = f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    summary = f"compiled {cfg.name} for {target} ({built_for}{numerics}{ranks}) -> {out}"
+    if reports:
+        written, seconds = sum(r.bytes_written for r in reports), sum(r.seconds for r in reports)
+        summary += (f": weights {written / 1e9:.2f} GB in {sum(len(r.files) for r in reports)} file(s), "
+                    f"{seconds:.1f} s ({written / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
     log(f"{summary}; peak RSS {_peak_rss_gib():.2f} GiB")
     return Path(out)

@@ -39,6 +39,12 @@ from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import FP8_BLOCK, WeightFormat
 from dsv4c.errors import ShardingError
 
+# Per-rank int weights (rank_values), not from a checkpoint: a rank's first vocab row and expert.
+VOCAB_FIRST, EXPERT_FIRST = RANK_VALUES = ("tp.vocab_first", "tp.expert_first")
+# The collectives a multi-rank step calls as packed functions (input, output), registered by the
+# runtime (runtime.tensor_parallel): the sum of every rank's tensor, and the ranks' columns side
+# by side (the vocab-split logits).
+ALL_REDUCE, ALL_GATHER = "dsv4c.all_reduce", "dsv4c.all_gather"
 MIN_DEVICES_CONTEXT = 131072  # the one request `inspect --memory` sizes min_devices for
 
 # What a split weight is cut by.
@@ -124,6 +130,13 @@ class ShardingPlan:
         extent = -(-size // self.tensor_parallel)
         start = min(size, rank * extent)
         return WeightShard(axis, start, min(size, start + extent), extent)
+
+    def rank_values(self, rank: int) -> dict[str, int]:
+        """What tells rank ``rank``'s step which vocab rows and experts it holds (the program's
+        ``tp.*`` int weights, read by its ``shard_ids``): the first of each."""
+        vocab = self.shard("embed.weight", (self.cfg.vocab_size, 1), rank)
+        experts = self.shard("ffn.experts.w1", (self.cfg.n_routed_experts, 1, 1), rank)
+        return dict(zip(RANK_VALUES, (vocab.start, experts.start)))
 
     def device_weight_bytes(self, weights: list[tuple[str, tuple[int, ...], WeightFormat]]) -> int:
         """Bytes of weights the fullest rank holds, given every stored weight as (name, shape,

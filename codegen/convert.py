@@ -32,14 +32,15 @@ class ConversionReport:
     files: list[str]  # the weight files, in order
     bytes_written: int
     seconds: float
+    index: str  # the file naming which weight file holds which tensor
 
 
-def shard_names(count: int) -> list[str]:
+def shard_names(count: int, prefix: str = "") -> list[str]:
     """``weights.safetensors`` when one file holds every weight, else ``weights-00001-of-0000N.safetensors``
-    (the Hugging Face convention)."""
+    (the Hugging Face convention); a rank's of a multi-rank artifact start with ``prefix``."""
     if count == 1:
-        return ["weights.safetensors"]
-    return [f"weights-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        return [f"{prefix}weights.safetensors"]
+    return [f"{prefix}weights-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def _nbytes(entry: tuple[str, tuple[int, ...]]) -> int:
@@ -59,10 +60,11 @@ def _convert_rows(layout: WeightLayout, source: RowSource, writer: SafetensorsWr
 
 def convert_weights(layouts: dict[str, WeightLayout], sources: dict[str, RowSource], out_dir: Path,
                     shard_bytes: int = SHARD_BYTES, workers: int | None = None,
-                    progress: bool = False) -> ConversionReport:
+                    progress: bool = False, prefix: str = "") -> ConversionReport:
     """Write the weights of ``layouts`` (read from ``sources``, same names) into ``out_dir``
-    as safetensors shards of at most ``shard_bytes`` plus the index :data:`WEIGHTS_INDEX`
-    (``{"metadata": {"total_size"}, "weight_map": {tensor: file}}``)."""
+    as safetensors shards of at most ``shard_bytes`` plus the index ``prefix`` + :data:`WEIGHTS_INDEX`
+    (``{"metadata": {"total_size"}, "weight_map": {tensor: file}}``); ``prefix`` names one rank's
+    files of a multi-rank artifact (``rank1-``)."""
     start_time = time.perf_counter()
     shards: list[list[WeightLayout]] = [[]]
     size = 0
@@ -73,13 +75,13 @@ def convert_weights(layouts: dict[str, WeightLayout], sources: dict[str, RowSour
             size = 0
         shards[-1].append(layout)
         size += nbytes
-    files = shard_names(len(shards))
+    files = shard_names(len(shards), prefix)
     total = sum(_nbytes(e) for layout in layouts.values() for e in layout.stored().values())
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc="converting weights", unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+        bar = tqdm(total=total, desc=f"converting {prefix}weights", unit="B", unit_scale=True, unit_divisor=1024, leave=False)
     writers: list[SafetensorsWriter] = []
     try:
         weight_map = {}
@@ -102,5 +104,5 @@ def convert_weights(layouts: dict[str, WeightLayout], sources: dict[str, RowSour
         if bar is not None:
             bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-    return ConversionReport(files, total, time.perf_counter() - start_time)
+    (out_dir / (prefix + WEIGHTS_INDEX)).write_text(json.dumps(index, indent=2))
+    return ConversionReport(files, total, time.perf_counter() - start_time, prefix + WEIGHTS_INDEX)

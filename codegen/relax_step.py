@@ -91,6 +91,11 @@ class _Emitter:
         outs = [relax.TensorType(list(s), d) for s, d in (out if isinstance(out, list) else [out])]
         return self.bb.emit(relax.call_tir(self._callee(kernel), args, outs if isinstance(out, list) else outs[0]))
 
+    def call_packed(self, function: str, args: list, out) -> relax.Var:
+        """A global function the runtime registers (a collective), destination-passing: it
+        writes its one output ``out`` (shape, dtype). Not a kernel: profiles leave it out."""
+        return self.bb.emit(relax.call_dps_packed(relax.ExternFunc(function), args, relax.TensorType(list(out[0]), out[1])))
+
     def _callee(self, kernel: KernelSpec | str):
         """The kernel's global var, for a call emitted now (recorded with the node's families)."""
         self.call_families.append(self.families)
@@ -202,16 +207,13 @@ class _Emitter:
                                  ([t, width], F32))
                 env[id(fn.inputs[0])] = self.view(rows, [t, cfg.hc_mult, cfg.hidden_size])
                 env[id(fn.inputs[1])], env[id(fn.inputs[2])] = inputs["tokens"], inputs["positions"]
-            logits = None
             for node, roles in zip(fn.nodes, self.per_node[source]):
-                lowering = lowering_of(node.op)
                 self.families = node_families(node)
-                outs = lowering.emit(self, node, roles, [env.get(id(v)) for v in node.inputs])
+                outs = lowering_of(node.op).emit(self, node, roles, [env.get(id(v)) for v in node.inputs])
                 for o, val in zip(node.outputs, outs):
                     env[id(o)] = val
-                if lowering.gives_logits:
-                    logits = outs[0]
-            bb.emit_func_output(relax.Tuple([logits, env[id(fn.outputs[1])]]))
+            # The logits: of the rows logit_rows names only (the head gathers them first).
+            bb.emit_func_output(relax.Tuple([env[id(fn.outputs[0])], env[id(fn.outputs[1])]]))
 
 
 def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple, str]]:

@@ -239,8 +239,10 @@ def attention_rows(window: int, window_rows_per_request: int, ratio: int, compre
 def moe_group(k: int, n_experts: int):
     """Routed (token, slot) pairs grouped by expert: ``offsets[e]`` .. ``offsets[e + 1]`` are
     expert e's pairs, in token order; ``pair_token[p]`` is pair p's token and ``token_pair[t,
-    j]`` the pair of token t's slot j. A counting sort, in order on one thread (it is O(pairs +
-    experts) integer work)."""
+    j]`` the pair of token t's slot j. An id of -1 is an expert another rank holds
+    (``shard_ids``, expert parallel): its pairs follow ``offsets[n_experts]``, where no expert
+    computes them, and their ``token_pair`` is -1. A counting sort, in order on one thread (it
+    is O(pairs + experts) integer work)."""
     @T.prim_func
     def f(ids: T.handle, offsets: T.handle, pair_token: T.handle, token_pair: T.handle):
         n = T.int32()
@@ -249,26 +251,35 @@ def moe_group(k: int, n_experts: int):
         PAIR_TOKEN = T.match_buffer(pair_token, (n * k,), "int32")
         TOKEN_PAIR = T.match_buffer(token_pair, (n, k), "int32")
         filled = T.alloc_buffer((n_experts,), "int32", scope="local", annotations=ON_STACK)
+        foreign = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
         for e in range(n_experts + 1):
             OFFSETS[e] = 0
         for t in range(n):
             for j in range(k):
-                OFFSETS[IDS[t, j] + 1] = OFFSETS[IDS[t, j] + 1] + 1
+                if IDS[t, j] >= 0:
+                    OFFSETS[IDS[t, j] + 1] = OFFSETS[IDS[t, j] + 1] + 1
         for e in range(n_experts):
             OFFSETS[e + 1] = OFFSETS[e + 1] + OFFSETS[e]
             filled[e] = 0
+        foreign[0] = 0
         for t in range(n):
             for j in range(k):
-                PAIR_TOKEN[OFFSETS[IDS[t, j]] + filled[IDS[t, j]]] = t
-                TOKEN_PAIR[t, j] = OFFSETS[IDS[t, j]] + filled[IDS[t, j]]
-                filled[IDS[t, j]] = filled[IDS[t, j]] + 1
+                if IDS[t, j] >= 0:
+                    PAIR_TOKEN[OFFSETS[IDS[t, j]] + filled[IDS[t, j]]] = t
+                    TOKEN_PAIR[t, j] = OFFSETS[IDS[t, j]] + filled[IDS[t, j]]
+                    filled[IDS[t, j]] = filled[IDS[t, j]] + 1
+                else:
+                    PAIR_TOKEN[OFFSETS[n_experts] + foreign[0]] = t
+                    TOKEN_PAIR[t, j] = -1
+                    foreign[0] = foreign[0] + 1
     return f
 
 
 def moe_combine(dim: int, k: int):
     """out[t] = sum of weight[t, j] * down[token_pair[t, j]] over t's slots in ascending pair
     order, i.e. ascending expert id (pairs are grouped by expert), the order the reference
-    adds experts in; so a token's sum does not depend on the batch it ran in."""
+    adds experts in; so a token's sum does not depend on the batch it ran in. Slots of -1
+    (another rank's experts) add nothing."""
     @T.prim_func
     def f(down: T.handle, token_pair: T.handle, weights: T.handle, out: T.handle):
         n = T.int32()
@@ -290,8 +301,26 @@ def moe_combine(dim: int, k: int):
             for d in range(dim):
                 OUT[t, d] = T.float32(0)
             for j in range(k):
-                for d in range(dim):
-                    OUT[t, d] = OUT[t, d] + DOWN[TOKEN_PAIR[t, order[j]], d] * W[t, order[j]]
+                if TOKEN_PAIR[t, order[j]] >= 0:
+                    for d in range(dim):
+                        OUT[t, d] = OUT[t, d] + DOWN[TOKEN_PAIR[t, order[j]], d] * W[t, order[j]]
+    return f
+
+
+def shard_ids(size: int):
+    """out = ids - first where that lies in [0, size), else -1: global vocab rows or expert ids
+    as one rank's (tensor parallel; ``first`` is the rank's first, a [1] tensor of its weights)."""
+    @T.prim_func
+    def f(ids: T.handle, first: T.handle, out: T.handle):
+        n = T.int32()
+        w = T.int32()
+        IDS = T.match_buffer(ids, (n, w), "int32")
+        FIRST = T.match_buffer(first, (1,), "int32")
+        OUT = T.match_buffer(out, (n, w), "int32")
+        for i in T.parallel(n):
+            for j in range(w):
+                OUT[i, j] = T.if_then_else((IDS[i, j] >= FIRST[0]) & (IDS[i, j] < FIRST[0] + size),
+                                           IDS[i, j] - FIRST[0], -1)
     return f
 
 

@@ -264,6 +264,53 @@ class ConcatRows(RowSource):
         return out
 
 
+class ShardRows(RowSource):
+    """One rank's part of a weight (an ``artifact.sharding.WeightShard`` of ``base``'s shape),
+    read as only those bytes: a range along the first axis (whole experts of a stack ``[E, out,
+    in]``) padded with zero rows up to the shard's extent (a vocab the ranks do not divide), or a
+    range of columns (the last axis; FP8 / FP4 ranges start on their scale blocks, which the
+    plan ensures)."""
+
+    def __init__(self, base: RowSource, shard):
+        self.base, self.shard = base, shard
+        self.shape = shard.held_shape(base.shape)
+        self.columns = shard.axis is not None and shard.axis == len(base.shape) - 1
+        inner = math.prod(base.shape[1:-1])  # matrix rows per index of the first axis
+        self.first_row, self.real_rows = shard.start * inner, (shard.stop - shard.start) * inner
+
+    def read(self, start: int, stop: int) -> list[Rows]:
+        if self.shard.axis is None:
+            return self.base.read(start, stop)
+        if self.columns:
+            return [_columns(rows, self.shard.start, self.shard.stop) for rows in self.base.read(start, stop)]
+        real = min(stop, self.real_rows)
+        out = self.base.read(self.first_row + start, self.first_row + real) if start < real else []
+        pad = stop - max(start, self.real_rows)
+        if pad > 0:
+            out.append(Rows("F32", np.zeros((pad, self.shape[-1]), np.float32)))
+        return out
+
+
+def _columns(rows: Rows, start: int, stop: int) -> Rows:
+    """Columns ``[start, stop)`` of some rows, in their storage."""
+    if rows.storage == "FP8":
+        return Rows("FP8", rows.values[:, start:stop], rows.scales[:, start // 128:-(-stop // 128)])
+    if rows.storage == "FP4":
+        return Rows("FP4", rows.values[:, start // 2:stop // 2], rows.scales[:, start // 32:stop // 32])
+    return Rows(rows.storage, rows.values[:, start:stop])
+
+
+class ConstantRows(RowSource):
+    """A small integer tensor the compiler supplies (a rank's ``tp.*`` offsets), not the checkpoint."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = np.asarray(values, np.int64).reshape(-1, np.shape(values)[-1])
+        self.shape = tuple(np.shape(values))
+
+    def read(self, start: int, stop: int) -> list[Rows]:
+        return [Rows("INT", self.values[start:stop])]
+
+
 class Checkpoint:
     """A single ``.safetensors`` file or a directory of shards, read tensor by tensor."""
 

@@ -8,11 +8,21 @@ experts appear as one stacked logical weight per projection (``layers.3.ffn.expe
 
 The traced ``step`` function runs T tokens of any number of requests: token ``t`` belongs
 to request ``seq_ids[t]`` at absolute position ``positions[t]``.
+
+Traced for ``tensor_parallel`` N > 1, the program is what every one of N ranks runs
+(docs/tensor_parallel.md): each weight has the shape of one rank's part under the sharding plan
+(``artifact.sharding``; the same on every rank, the last vocab part padded), head, group, expert
+and intermediate counts are the local ones, and collectives join the parts: ``all_reduce`` after
+the attention output projection, after routed + shared experts and after the vocab-split
+embedding, ``all_gather`` of the head's vocab columns. Which vocab rows and experts a rank
+holds is data, not structure (``artifact.sharding.RANK_VALUES``, one int each per rank, read by
+``shard_ids``), so one compiled library serves every rank.
 """
 
 from __future__ import annotations
 
 from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, SLIDING, LayerSpec, ModelConfig
+from dsv4c.artifact.sharding import EXPERT_FIRST, VOCAB_FIRST, ShardingPlan
 from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.ir.core import Builder, Function, Program, Value
 from dsv4c.ir.ops import f32, i32
@@ -23,7 +33,9 @@ NUMERICS = ("exact", "qat")
 class Model:
     """Emits the step and MTP programs of one configuration."""
 
-    def __init__(self, cfg: ModelConfig, numerics: str = "exact"):
+    def __init__(self, cfg: ModelConfig, numerics: str = "exact", tensor_parallel: int = 1):
+        self.plan = ShardingPlan.build(cfg, tensor_parallel)
+        self.tp = tensor_parallel
         if numerics not in NUMERICS:
             raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.cfg, self.numerics = cfg, numerics
@@ -43,7 +55,27 @@ class Model:
 
     # ------------------------------------------------------------------ helpers
     def _w(self, b: Builder, name: str, *shape: int) -> Value:
-        return b.weight(name, f32(*shape))
+        """Weight ``name`` of full ``shape``, as one rank holds it (all of it on one device)."""
+        return b.weight(name, f32(*self.plan.shard(name, shape, 0).held_shape(shape)))
+
+    def _local(self, count: int) -> int:
+        """A head / group / expert / intermediate count split across the ranks (the plan checked it divides)."""
+        return count // self.tp
+
+    def _reduce(self, b: Builder, x: Value, hint: str) -> Value:
+        """The sum over ranks of each rank's partial ``x``: nothing to add on one device."""
+        return b.emit("all_reduce", [x], {}, f"{hint}.reduced") if self.tp > 1 else x
+
+    def _embed(self, b: Builder, tokens: Value, hint: str) -> Value:
+        """Token embeddings; across ranks each looks up the ids in its vocab rows (zeros for the
+        others') and the sum is every token's row."""
+        c = self.cfg
+        table = self._w(b, "embed.weight", c.vocab_size, c.hidden_size)
+        if self.tp == 1:
+            return b.emit("embed", [tokens, table], {}, hint)
+        rows = b.emit("shard_ids", [tokens, b.weight(VOCAB_FIRST, i32(1))], {"size": table.type.shape[0]},
+                      f"{hint}.rows")
+        return self._reduce(b, b.emit("embed", [rows, table], {}, hint), hint)
 
     def _linear(self, b: Builder, x: Value, name: str, out: int, inp: int, quant: str, hint: str) -> Value:
         return b.emit("linear", [x, self._w(b, name, out, inp)], {"quant": quant}, hint)
@@ -121,9 +153,10 @@ class Model:
         rope = {"rope": "compress" if layer.is_compressed else "main", "rope_dim": c.rope_dim}
         q_res = self._linear(b, x, f"{p}wq_a.weight", c.q_lora_rank, c.hidden_size, self.dense_quant, f"{tag}.q_a")
         q_res = self._norm(b, q_res, f"{p}q_norm.weight", c.q_lora_rank, f"{tag}.q_res")
+        heads, groups = self._local(c.num_heads), self._local(c.o_groups)
         q = self._linear(b, q_res, f"{p}wq_b.weight", c.num_heads * c.head_dim, c.q_lora_rank, self.dense_quant,
                          f"{tag}.q")
-        q = b.emit("reshape", [q], {"shape": ["T", c.num_heads, c.head_dim]}, f"{tag}.q_heads")
+        q = b.emit("reshape", [q], {"shape": ["T", heads, c.head_dim]}, f"{tag}.q_heads")
         q = self._norm(b, q, None, c.head_dim, f"{tag}.q_normed")
         q = b.emit("rope", [q, pos], {**rope, "inverse": False}, f"{tag}.q_rope")
         kv = self._linear(b, x, f"{p}wkv.weight", c.head_dim, c.hidden_size, self.dense_quant, f"{tag}.kv_a")
@@ -146,12 +179,13 @@ class Model:
         b.emit("kv_write", [kv, pos, seq], {"layer": layer.index, "window": c.sliding_window}, f"{tag}.window")
         o = b.emit("rope", [o, pos], {**rope, "inverse": True}, f"{tag}.attn_derope")
         group_in = c.num_heads * c.head_dim // c.o_groups
-        o = b.emit("reshape", [o], {"shape": ["T", c.o_groups, group_in]}, f"{tag}.attn_groups")
+        o = b.emit("reshape", [o], {"shape": ["T", groups, group_in]}, f"{tag}.attn_groups")
         wo_a = self._w(b, f"{p}wo_a.weight", c.o_groups * c.o_lora_rank, group_in)
-        o = b.emit("grouped_linear", [o, wo_a], {"groups": c.o_groups, "quant": self.dense_quant}, f"{tag}.o_a")
-        o = b.emit("reshape", [o], {"shape": ["T", c.o_groups * c.o_lora_rank]}, f"{tag}.o_a_flat")
-        return self._linear(b, o, f"{p}wo_b.weight", c.hidden_size, c.o_groups * c.o_lora_rank, self.dense_quant,
-                            f"{tag}.attn_out")
+        o = b.emit("grouped_linear", [o, wo_a], {"groups": groups, "quant": self.dense_quant}, f"{tag}.o_a")
+        o = b.emit("reshape", [o], {"shape": ["T", groups * c.o_lora_rank]}, f"{tag}.o_a_flat")
+        o = self._linear(b, o, f"{p}wo_b.weight", c.hidden_size, c.o_groups * c.o_lora_rank, self.dense_quant,
+                         f"{tag}.attn_out")
+        return self._reduce(b, o, f"{tag}.attn_out")
 
     def moe(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, tokens: Value) -> Value:
         c, tag, p = self.cfg, f"l{layer.index}", f"{prefix}ffn."
@@ -164,6 +198,9 @@ class Model:
             table = self._w(b, f"{p}gate.bias", e)
             route = {"mode": "topk", "k": k, "scale": c.routed_scaling_factor}
         weights, ids = b.emit("moe_route", [x, gate, table, tokens], route, [f"{tag}.route_w", f"{tag}.route_ids"])
+        if self.tp > 1:  # every rank routes every token; each runs the pairs of its own experts
+            ids = b.emit("shard_ids", [ids, b.weight(EXPERT_FIRST, i32(1))], {"size": self._local(e)},
+                         f"{tag}.local_ids")
         ex = [self._w(b, f"{p}experts.{w}", e, *shape) for w, shape in
               (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d)))]
         routed = b.emit("experts", [x, weights, ids] + ex, {"limit": c.swiglu_limit, "quant": self.expert_quant},
@@ -172,7 +209,7 @@ class Model:
               (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d)))]
         shared = b.emit("shared_expert", [x] + sh, {"limit": c.swiglu_limit, "quant": self.dense_quant},
                         f"{tag}.shared")
-        return b.emit("add", [routed, shared], {}, f"{tag}.moe_out")
+        return self._reduce(b, b.emit("add", [routed, shared], {}, f"{tag}.moe_out"), f"{tag}.moe_out")
 
     def head(self, b: Builder, h: Value, prefix: str) -> Value:
         c = self.cfg
@@ -183,7 +220,11 @@ class Model:
         y = b.emit("hc_head", [h, fn, base, scale], {"hc_mult": n, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps},
                    f"{prefix}y")
         y = self._norm(b, y, f"{prefix}norm.weight", d, f"{prefix}y_normed")
-        return b.emit("lm_head", [y, self._w(b, "head.weight", c.vocab_size, d)], {"quant": self.bf16_quant}, "logits")
+        logits = b.emit("lm_head", [y, self._w(b, "head.weight", c.vocab_size, d)], {"quant": self.bf16_quant},
+                        "logits")
+        if self.tp == 1:
+            return logits
+        return b.emit("all_gather", [logits], {"size": c.vocab_size}, "logits.gathered")
 
     # ------------------------------------------------------------------ functions
     def step(self) -> Function:
@@ -191,7 +232,7 @@ class Model:
         fn = Function("step")
         b = Builder(fn)
         tokens, pos, seq = b.input("tokens", i32("T")), b.input("positions", i32("T")), b.input("seq_ids", i32("T"))
-        x = b.emit("embed", [tokens, self._w(b, "embed.weight", c.vocab_size, c.hidden_size)], {}, "x")
+        x = self._embed(b, tokens, "x")
         h = b.emit("hc_expand", [x], {"hc_mult": c.hc_mult}, "h0")
         for layer in c.layers:
             h = self.block(b, layer, f"layers.{layer.index}.", h, tokens, pos, seq)
@@ -210,7 +251,7 @@ class Model:
         nxt = b.input("next_tokens", i32("T"))
         pos, seq = b.input("positions", i32("T")), b.input("seq_ids", i32("T"))
         d = c.hidden_size
-        e = b.emit("embed", [nxt, self._w(b, "embed.weight", c.vocab_size, d)], {}, "mtp.e")
+        e = self._embed(b, nxt, "mtp.e")
         e = self._norm(b, e, f"{prefix}enorm.weight", d, "mtp.e_normed")
         e = self._linear(b, e, f"{prefix}e_proj.weight", d, d, self.dense_quant, "mtp.e_proj")
         e = b.emit("hc_expand", [e], {"hc_mult": c.hc_mult}, "mtp.e_streams")
@@ -222,11 +263,12 @@ class Model:
         return fn
 
 
-def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True) -> Program:
-    """The step program of ``cfg`` (plus one function per MTP layer), verified."""
+def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_parallel: int = 1) -> Program:
+    """The step program of ``cfg`` (plus one function per MTP layer), verified; for
+    ``tensor_parallel`` > 1 the program each rank runs (see the module docstring)."""
     from dsv4c.ir.verify import verify
 
-    model = Model(cfg, numerics)
+    model = Model(cfg, numerics, tensor_parallel)
     functions = {"step": model.step()}
     if mtp:
         for i in range(len(cfg.mtp_layers)):

@@ -244,6 +244,12 @@ def _add(node: Node, d: Decode):
     return "other", Cost(numel(node.outputs[0], d)) + _io(node, d)
 
 
+@rule("shard_ids", "all_reduce", "all_gather")
+def _tensor_parallel(node: Node, d: Decode):
+    # What a rank reads and writes; a collective's time on the wire is not modelled (one device).
+    return "other", _io(node, d, [node.inputs[0]])
+
+
 @rule("reshape")
 def _reshape(node: Node, d: Decode):
     return "other", Cost()  # a view: no data moves

@@ -19,6 +19,7 @@ import numpy as np
 
 from dsv4c.artifact import lowbit
 from dsv4c.artifact.step_requests import request_groups
+from dsv4c.errors import UsageError
 
 F32 = np.float32
 
@@ -133,7 +134,7 @@ def swiglu(x, w1, w2, w3, limit: float):
 
 def experts(y, weights, ids, w1, w2, w3, limit: float):
     out = np.zeros_like(y, dtype=F32)
-    for e in np.unique(ids):
+    for e in np.unique(ids[ids >= 0]):  # -1: an expert another rank holds (shard_ids)
         tok, slot = np.nonzero(ids == e)
         out_e = swiglu(y[tok], w1[e], w2[e], w3[e], limit) * weights[tok, slot][:, None]
         np.add.at(out, tok, out_e)
@@ -282,8 +283,14 @@ def sparse_attn(store: KVStore, q, kv, sink, positions, seq_ids, topk=None, *, l
 def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
     """Execute one op. ``ctx`` provides ``store`` (KVStore) and ``inv_freq(table)``."""
     a = attrs
-    if op == "embed":
-        return args[1][args[0]]
+    if op == "embed":  # an id of -1 (another rank's vocab row, shard_ids) embeds as zeros
+        return np.where(args[0][:, None] >= 0, args[1][np.maximum(args[0], 0)], F32(0)).astype(F32)
+    if op == "shard_ids":
+        local = args[0] - args[1][0]
+        return np.where((local >= 0) & (local < a["size"]), local, -1).astype(np.int32)
+    if op in ("all_reduce", "all_gather"):
+        raise UsageError(f"{op} joins the ranks of a tensor-parallel program, which runs compiled, one process "
+                         "per rank; the reference interpreter runs single-device programs")
     if op == "hc_expand":
         return np.repeat(args[0][:, None, :], a["hc_mult"], axis=1)
     if op == "mhc_pre":

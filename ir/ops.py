@@ -359,6 +359,35 @@ def _shared_expert(ins, attrs):
     return [y]
 
 
+# ----------------------------------------------------------------------------- tensor parallel
+# (frontend.trace traces them for N > 1 ranks; docs/tensor_parallel.md)
+
+
+@_op("shard_ids", attrs=("size",), arity=(2,))
+def _shard_ids(ins, attrs):
+    """Global ids (vocab rows, experts) -> this rank's: ``id - first`` where that is in
+    ``[0, size)``, else -1 (another rank's)."""
+    ids = _t(ins[0], "shard_ids ids")
+    if ids.dtype != "i32":
+        raise IRError(f"shard_ids ids must be i32, got {ids}")
+    _same(_ints(ins[1], "shard_ids first", 1).shape, (1,), "shard_ids first shape")
+    return [ids]
+
+
+@_op("all_reduce", arity=(1,))
+def _all_reduce(ins, attrs):
+    """The sum of every rank's ``x`` (each rank's partial product), on every rank."""
+    return [_float(ins[0], "all_reduce input")]
+
+
+@_op("all_gather", attrs=("size",), arity=(1,))
+def _all_gather(ins, attrs):
+    """``[n, cols]`` on each rank -> ``[n, size]``: the ranks' columns side by side in rank
+    order, the first ``size`` kept (the last rank's padding dropped)."""
+    x = _float(ins[0], "all_gather input", 2)
+    return [f32(x.shape[0], attrs["size"])]
+
+
 def infer_types(op: str, in_types: list[Type], attrs: dict[str, Any]) -> list[Type]:
     d = OPS.get(op)
     if d is None:

@@ -26,7 +26,9 @@ from dsv4c.runtime.weights import open_weights, reads_weights
 
 
 class TvmBackend:
-    def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto"):
+    def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto",
+                 rank: int = 0):
+        """``rank``: which rank's weights of a multi-rank artifact to bind (``runtime.tensor_parallel``)."""
         self.device = device
         self.on_host = rt.on_host(device)
         vm = manifest["vm"]
@@ -44,7 +46,7 @@ class TvmBackend:
         # Weights mapped from their shards or read into memory (``weights_mode``, see
         # runtime.weights); on the CPU shared with the kernels as they are. Constants from theirs.
         self.reads_weights = reads_weights(artifact, manifest, weights_mode, self.on_host)
-        weights = dict(open_weights(artifact, manifest, read=self.reads_weights))
+        weights = dict(open_weights(artifact, manifest, read=self.reads_weights, rank=rank))
         with SafetensorsFile(artifact / vm["constants"]) as st:
             weights.update((name, st.read_raw(name)) for name in st.names())
         missing = [name for name in vm["params"] if name not in weights]
@@ -78,9 +80,8 @@ class TvmBackend:
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None, extra: tuple = ()):
-        """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; (logits of ``logit_rows``,
-        the streams it returns, left on the device)."""
+             logit_rows: np.ndarray | None, stream_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
+        """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; the logits of ``logit_rows``."""
         n = len(tokens)
         if n > self.max_step_tokens:
             raise UsageError(f"a step of {n} tokens exceeds the artifact's max_step_tokens ({self.max_step_tokens})")
@@ -91,18 +92,33 @@ class TvmBackend:
         arrays = [np.asarray(tokens, np.int32), positions, *inputs[:3], rows if len(rows) else np.array([n - 1], np.int32)]
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
-        fn = self.functions[prefix + ("decode" if n <= self.decode_max_tokens else "prefill")]
-        logits, streams = fn(*(self._upload(a) for a in arrays), rt.Shape(inputs[3]), *extra,
-                             self.params, self.pool_tensors)
-        logits = rt.to_numpy(logits)[:len(rows)]
+        name = prefix + ("decode" if n <= self.decode_max_tokens else "prefill")
+        logits = rt.to_numpy(self.call(name, arrays, inputs[3], stream_rows, chain))[:len(rows)]
         self.read_back = logits.size
-        return logits, streams
+        return logits
+
+    def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
+             chain: bool = False):
+        """One call of entry function ``name`` on the step inputs ``arrays`` (``STEP_INPUTS`` but the
+        entry extents) and ``extents``; an MTP function also reads rows ``stream_rows`` of the last
+        step's streams (``chain``: of the last draft's). The logits, left on the device; the streams
+        it returns are kept for the next draft. Every rank of a multi-rank artifact makes the same
+        calls (``runtime.tensor_parallel``)."""
+        extra = ()
+        if stream_rows is not None:
+            extra = (self.draft_streams if chain else self.step_streams, self._upload(np.asarray(stream_rows, np.int32)))
+        logits, streams = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
+                                               self.params, self.pool_tensors)
+        if stream_rows is None:
+            self.step_streams = streams
+        else:
+            self.draft_streams = streams
+        return logits
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logit_rows: np.ndarray | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
-        logits, self.step_streams = self._run("", tokens, positions, seq_ids, logit_rows)
-        return logits
+        return self._run("", tokens, positions, seq_ids, logit_rows)
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
@@ -113,12 +129,9 @@ class TvmBackend:
         if not self.has_mtp:
             raise UsageError("this artifact has no MTP layer (num_nextn_predict_layers is 0); "
                              "speculative decoding with mtp needs one")
-        streams = self.draft_streams if chain else self.step_streams
-        if streams is None:
+        if (self.draft_streams if chain else self.step_streams) is None:
             raise UsageError("draft() needs the streams of a step (or of a draft, to chain) first")
-        extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
-        logits, self.draft_streams = self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, extra)
-        return logits
+        return self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, stream_rows, chain)
 
 
 def check_cpu(artifact: Path, kernels: dict) -> None:

@@ -87,7 +87,8 @@ class RequestFailed(RuntimeError):
     and its other requests went on."""
 
 
-def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_mode: str = "auto"):
+def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_mode: str = "auto",
+                 distributed_timeout: float | None = None):
     info = target_info(manifest["target"])
     if not info.compiled:
         from dsv4c.ir.serialize import program_from_json
@@ -102,6 +103,11 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_m
     if device is None:
         raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
                             "there, or compile with --target llvm for this CPU")
+    if manifest.get("tensor_parallel", 1) > 1:
+        from dsv4c.runtime.tensor_parallel import DEFAULT_TIMEOUT_S, TensorParallelBackend
+
+        return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
+                                     DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout)
     return TvmBackend(artifact, manifest, pool, device, weights_mode)
 
 
@@ -110,7 +116,7 @@ class Engine:
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
                  speculative: str | None = None, num_draft_tokens: int = 1, weights: str = "auto",
                  kv_cache_memory: int | None = None, prefix_caching: bool = True,
-                 profile: bool = False):
+                 profile: bool = False, distributed_timeout: float | None = None):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
@@ -125,7 +131,10 @@ class Engine:
         cached prefixes, at most half the host's available memory when the pool lives there.
         ``prefix_caching``: requests share the pool rows of whole 256-token blocks their prompts
         start with (``runtime.prefix_cache``); CPU pools only for now.
-        ``profile`` times every step's kernels by op family (``self.profiler``, ``runtime.profile``)."""
+        ``profile`` times every step's kernels by op family (``self.profiler``, ``runtime.profile``).
+        An artifact compiled with ``--tensor-parallel N`` runs as N processes, one per rank, that
+        this engine starts (or joins, under torchrun) and stops (:meth:`close`, or at exit);
+        ``distributed_timeout`` (seconds, default 60) bounds a collective's wait for a rank."""
         check_weights_mode(weights)
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
@@ -141,7 +150,7 @@ class Engine:
         if limit is not None and max_step_tokens > limit:
             raise UsageError(f"max_step_tokens {max_step_tokens} exceeds what {self.path} was compiled for ({limit}); "
                              "lower it")
-        self.backend = load_backend(self.path, manifest, self.config, self.pool, weights)
+        self.backend = load_backend(self.path, manifest, self.config, self.pool, weights, distributed_timeout)
         self.profiler = None
         if profile:
             from dsv4c.runtime.profile import StepProfiler
@@ -170,7 +179,8 @@ class Engine:
         one = -(-self.max_context // ENVELOPE_TOKENS) * g.rows_per_envelope + g.window_rows_per_request
         if kv_cache_memory is None:
             rows = 2 * max_requests * one
-            host = available_memory()
+            # Ranks this engine starts share the host: each holds a whole pool (runtime.tensor_parallel).
+            host = available_memory() // self.manifest.get("tensor_parallel", 1)
             if target_info(self.manifest["target"]).kind in ("reference", "cpu") and host:  # 0: not reported
                 rows = max(min(rows, KVPool.rows_for_bytes(g, host // 2)), one)
         else:
@@ -472,6 +482,18 @@ class Engine:
     def run(self) -> None:
         while self.step():
             pass
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-rank artifact (they also stop when this process ends)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _request(self, rid: int) -> Request:
         if rid not in self.requests:

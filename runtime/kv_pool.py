@@ -79,6 +79,9 @@ class KVPool:
         # Called when rows run out: frees rows nobody needs (cached blocks no request uses) and says
         # whether it freed any; the prefix cache installs it.
         self.reclaim: Callable[[], bool] = lambda: False
+        # What changes the tensors outside the compiled step, for the other ranks of a multi-rank
+        # artifact to change theirs alike (``runtime.tensor_parallel.PoolJournal``); None alone.
+        self.journal = None
 
     @staticmethod
     def _counts(g: PoolGeometry, total_rows: int) -> dict[str, int]:
@@ -180,6 +183,8 @@ class KVPool:
         for kv, score in self.state.values():
             kv[slot] = 0.0
             score[slot] = -np.inf  # an empty ring gives zero softmax weight
+        if self.journal is not None:
+            self.journal.clear_slot(slot)
 
     def hold(self, envelope: int) -> None:
         """One more holder of an envelope in use."""
@@ -218,6 +223,8 @@ class KVPool:
                 continue  # non-overlapping: its next window starts at the boundary
             for array in self.state[(s.layer, s.stream)]:
                 array[target] = array[source]
+        if self.journal is not None:
+            self.journal.copy_slot(source, target, at_block_boundary)
 
     def ensure(self, seq: int, tokens: int) -> None:
         """Grow the block table so that positions ``< tokens`` have envelopes."""
@@ -298,10 +305,11 @@ class KVPool:
         """A copy of the ``position_state`` rows, for :meth:`restore`."""
         return [(array, index, array[index].copy()) for array, index in state]
 
-    @staticmethod
-    def restore(saved: list[tuple[np.ndarray, tuple, np.ndarray]]) -> None:
+    def restore(self, saved: list[tuple[np.ndarray, tuple, np.ndarray]]) -> None:
         for array, index, values in saved:
             array[index] = values
+        if self.journal is not None:
+            self.journal.restore(saved)
 
     def read_main(self, rows: np.ndarray) -> np.ndarray:
         return self._main.read(self.planes, rows)

@@ -93,9 +93,11 @@ def _read_file(st: SafetensorsFile, bar) -> dict[str, np.ndarray]:
     return arrays
 
 
-def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = False) -> Mapping[str, np.ndarray]:
+def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = False,
+                 rank: int = 0) -> Mapping[str, np.ndarray]:
     """Every weight of the artifact by name (read-only arrays), memory-mapped from its shards,
-    or with ``read`` read from them into 64-byte aligned memory.
+    or with ``read`` read from them into 64-byte aligned memory; of a multi-rank artifact, rank
+    ``rank``'s (``weights.ranks``).
 
     ``manifest`` is :func:`~dsv4c.artifact.manifest.read_manifest`'s, which has checked that
     every file is there with its size. Here each shard's header is parsed and checked
@@ -106,6 +108,11 @@ def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = Fa
     if not manifest.get("has_weights"):
         raise ArtifactError(f"{d}: compiled with --no-weights, so there are no weights to load; compile it again "
                             "from a model directory")
+    if isinstance(weights, dict) and "ranks" in weights:
+        ranks = weights["ranks"]
+        if not (isinstance(ranks, list) and 0 <= rank < len(ranks) and isinstance(ranks[rank], dict)):
+            raise ArtifactError(f"{d / 'manifest.json'}: manifest has no weights for rank {rank}; recompile")
+        weights = ranks[rank]
     files = weights.get("files") if isinstance(weights, dict) else None
     if not (isinstance(files, list) and all(isinstance(f, str) for f in files) and isinstance(weights.get("index"), str)):
         raise ArtifactError(f"{d / 'manifest.json'}: manifest has no weight file list; recompile")

@@ -19,8 +19,8 @@ def embed(vocab: int, dim: int):
         TAB = T.match_buffer(tab, (vocab, dim), F32)
         OUT = T.match_buffer(out, (n, dim), F32)
         for i in T.parallel(n):
-            for j in range(dim):
-                OUT[i, j] = TAB[TOK[i], j]
+            for j in range(dim):  # a token of -1 is another rank's vocab row (shard_ids): zeros
+                OUT[i, j] = T.if_then_else(TOK[i] >= 0, TAB[T.max(TOK[i], 0), j], T.float32(0))
     return f
 
 

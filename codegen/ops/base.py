@@ -55,7 +55,6 @@ class OpLowering:
 
     weights = slice(0)  # the node inputs its matmul kernels read
     weight_role = ""  # the role of the kernel that reads them: its format is theirs (weight_quant)
-    gives_logits = False  # its output is what the entry function returns as logits
 
     def kernels(self, node, cfg, plan) -> dict[str, KernelSpec]:
         raise NotImplementedError

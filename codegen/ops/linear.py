@@ -47,8 +47,6 @@ class LmHead(Linear):
     the head once per GEMV_ROWS rows, where the GEMM would decode it into panels for a block of
     8 rows, 7 of them padding."""
 
-    gives_logits = True
-
     def kernels(self, node, cfg, plan):
         return {"gemv": kernel("linear", *input_shapes(node)[1], dense_quant(node, plan), True, 0)}
 

@@ -13,7 +13,7 @@ class Embed(OpLowering):
 
     def emit(self, em, node, roles, args):
         table = node.inputs[1]
-        return [em.call(roles["main"], [em.inputs["tokens"], em.param(table.name)], ([em.t, table.type.shape[1]], F32))]
+        return [em.call(roles["main"], [args[0], em.param(table.name)], ([em.t, table.type.shape[1]], F32))]
 
 
 class Add(OpLowering):

@@ -9,6 +9,7 @@ from dsv4c.codegen.ops.mhc import HcExpand, Mhc, MhcPost
 from dsv4c.codegen.ops.misc import Add, Embed, Reshape
 from dsv4c.codegen.ops.moe import Experts, MoeRoute, SharedExpert
 from dsv4c.codegen.ops.norm import RmsNorm, RmsNormRope, Rope
+from dsv4c.codegen.ops.tensor_parallel import AllGather, AllReduce, ShardIds
 from dsv4c.errors import UsageError
 
 
@@ -46,6 +47,9 @@ LOWERINGS: dict[str, OpLowering] = {
     "moe_route": MoeRoute(),
     "experts": Experts(),
     "shared_expert": SharedExpert(),
+    "shard_ids": ShardIds(),
+    "all_reduce": AllReduce(),
+    "all_gather": AllGather(),
     **{op: Unsupported() for op in ("fp8_roundtrip", "fp4_roundtrip", "hadamard")},
 }
 

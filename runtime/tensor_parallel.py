@@ -1,0 +1,437 @@
+"""Running a multi-rank artifact (``compile --tensor-parallel N``): one process per rank.
+
+Rank 0 is the engine's own process: it schedules, samples and keeps the pool's bookkeeping.
+Every rank binds its own weights (``weights.ranks[r]``) and holds a whole pool (V4 has one KV
+head: each rank computes and stores all of it) and runs the same compiled step. Before each
+call of an entry function rank 0 broadcasts the call (which function, its compact step
+inputs, and what changed in the pool outside the compiled step since the last call: a
+:class:`PoolJournal`), and every other rank makes the same call. Inside the step the ranks meet
+in the collectives (``all_reduce``, ``all_gather``), which are ``torch.distributed`` calls
+registered as the packed functions the compiled step calls in destination-passing style
+(``codegen.ops.tensor_parallel``); tensors pass between TVM and torch through DLPack, without
+copies. Gloo carries them on the CPU (and the control messages everywhere), NCCL / RCCL the
+collectives on GPUs.
+
+Rank 0 starts the other ranks itself (:class:`RankGroup`, on this host, each pinned to its
+share of the CPU cores), or joins ranks ``torchrun`` started (``WORLD_SIZE`` / ``RANK`` set: the
+other ranks run :func:`serve_rank` from the same command line, ``cli``). A rank that dies ends
+the collectives of the others: rank 0 raises :class:`TensorParallelError` naming it, workers
+whose rank 0 is gone exit, and workers of a local group also die with their parent (Linux
+``PR_SET_PDEATHSIG``). A rank that hangs is found by the collective timeout
+(``--distributed-timeout``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+from dsv4c.artifact.sharding import ALL_GATHER, ALL_REDUCE
+from dsv4c.errors import DsvError
+from dsv4c.runtime import tvm_runtime as rt
+from dsv4c.runtime.backend_tvm import TvmBackend
+
+DEFAULT_TIMEOUT_S = 60.0  # --distributed-timeout
+# A broadcast call: [op, function, T, R, B, L, stream rows (-1: none), chain, journal bytes, extents].
+HEADER_WORDS = 10
+OP_CALL, OP_STOP = 1, 2
+
+
+class TensorParallelError(DsvError):
+    """A rank of a multi-rank artifact failed, died or could not start: the step cannot complete."""
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def register_collectives(world: int) -> None:
+    """The packed functions the compiled step calls to join the ranks: (input, output) tensors."""
+    import torch
+    import torch.distributed as dist
+
+    def all_reduce(x, out):
+        o = torch.from_dlpack(out)
+        o.copy_(torch.from_dlpack(x))
+        dist.all_reduce(o)
+
+    def all_gather(x, out):
+        t, o = torch.from_dlpack(x), torch.from_dlpack(out)
+        n, cols = t.shape
+        parts = torch.empty((world, n, cols), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(parts.unbind(0)), t.contiguous())
+        o.copy_(parts.permute(1, 0, 2).reshape(n, world * cols)[:, :o.shape[1]])
+
+    rt.tvm_ffi.register_global_func(ALL_REDUCE, all_reduce, override=True)
+    rt.tvm_ffi.register_global_func(ALL_GATHER, all_gather, override=True)
+
+
+def _init_group(init_method: str, rank: int, world: int, timeout: float, gpu: bool):
+    """Join the process group; the group that carries the control messages (gloo)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    return dist.new_group(backend="gloo") if gpu else None
+
+
+# --------------------------------------------------------------------------- pool changes
+
+
+class PoolJournal:
+    """What rank 0's engine changes in its pool outside the compiled step (a slot cleared for a
+    new request, a cached slot copied, rows of rejected drafts put back), for the other ranks
+    to change theirs alike before the next call. Every rank's pool holds the same bytes: the
+    step computes the KV rows from the same all-reduced activations everywhere."""
+
+    def __init__(self, pool):
+        self.names = {id(array): name for name, array in pool.tensors.items()}
+        self.ops: list[list] = []
+        self.blobs: list[bytes] = []
+        self.size = 0
+
+    def clear_slot(self, slot: int) -> None:
+        self.ops.append(["clear_slot", int(slot)])
+
+    def copy_slot(self, source: int, target: int, at_block_boundary: bool) -> None:
+        self.ops.append(["copy_slot", int(source), int(target), bool(at_block_boundary)])
+
+    def restore(self, saved) -> None:
+        for array, index, values in saved:
+            values = np.ascontiguousarray(values)
+            self.ops.append(["write", self.names[id(array)], [np.asarray(i).tolist() for i in index],
+                             values.dtype.str, list(values.shape), self.size])
+            self.blobs.append(values.tobytes())
+            self.size += values.nbytes
+
+    def take(self) -> bytes:
+        """The changes since the last ``take``, encoded (empty: none), and forget them."""
+        if not self.ops:
+            return b""
+        head = json.dumps(self.ops).encode()
+        data = len(head).to_bytes(8, "little") + head + b"".join(self.blobs)
+        self.ops, self.blobs, self.size = [], [], 0
+        return data
+
+
+def apply_journal(pool, data: bytes) -> None:
+    """Make the changes a :class:`PoolJournal` recorded on another rank's pool in ``pool``."""
+    if not data:
+        return
+    n = int.from_bytes(data[:8], "little")
+    blob = memoryview(data)[8 + n:]
+    for op in json.loads(data[8:8 + n]):
+        if op[0] == "clear_slot":
+            pool.clear_slot(op[1])
+        elif op[0] == "copy_slot":
+            pool.copy_slot(op[1], op[2], op[3])
+        else:
+            _, name, index, dtype, shape, offset = op
+            count = int(np.prod(shape, dtype=np.int64))
+            values = np.frombuffer(blob, np.dtype(dtype), count, offset).reshape(shape)
+            pool.tensors[name][tuple(np.asarray(i) if isinstance(i, list) else i for i in index)] = values
+
+
+# --------------------------------------------------------------------------- calls
+
+
+class StepChannel:
+    """Rank 0's calls to the other ranks over the control group: a header, the step inputs as one
+    int32 tensor, the pool journal."""
+
+    def __init__(self, group=None):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.group = torch, dist, group
+
+    def _broadcast(self, array: np.ndarray) -> np.ndarray:
+        tensor = self.torch.from_numpy(array)
+        self.dist.broadcast(tensor, src=0, group=self.group)
+        return tensor.numpy()
+
+    def send_call(self, function: int, arrays: list[np.ndarray], extents, stream_rows, chain: bool,
+                  journal: bytes) -> None:
+        tokens, _, _, requests, blocks, logit_rows = arrays
+        streams = -1 if stream_rows is None else len(stream_rows)
+        header = [OP_CALL, function, len(tokens), len(requests), blocks.shape[1], len(logit_rows), streams, int(chain),
+                  len(journal), len(extents)]
+        self._broadcast(np.array(header, np.int64))
+        parts = [np.asarray(a, np.int32).reshape(-1) for a in arrays] + [np.asarray(extents, np.int32)]
+        if stream_rows is not None:
+            parts.append(np.asarray(stream_rows, np.int32))
+        self._broadcast(np.concatenate(parts))
+        if journal:
+            self._broadcast(np.frombuffer(journal, np.uint8).copy())
+
+    def send_stop(self) -> None:
+        self._broadcast(np.array([OP_STOP] + [0] * (HEADER_WORDS - 1), np.int64))
+
+    def send_setup(self, values: list[int]) -> None:
+        self._broadcast(np.array(values, np.int64))
+
+    def receive_setup(self, count: int) -> list[int]:
+        return self._broadcast(np.zeros(count, np.int64)).tolist()
+
+    def receive(self):
+        """(function index, arrays, extents, stream rows or None, chain, journal bytes), or None at stop."""
+        op, function, t, r, b, lr, s, chain, journal, e = self._broadcast(np.zeros(HEADER_WORDS, np.int64)).tolist()
+        if op == OP_STOP:
+            return None
+        sizes = [t, t, t, r * 4, r * b, lr, e, max(s, 0)]
+        ints = self._broadcast(np.zeros(sum(sizes), np.int32))
+        cut = np.split(ints, np.cumsum(sizes)[:-1])
+        arrays = cut[:3] + [cut[3].reshape(r, 4), cut[4].reshape(r, b), cut[5]]
+        data = self._broadcast(np.zeros(journal, np.uint8)).tobytes() if journal else b""
+        return function, arrays, cut[6].tolist(), cut[7] if s >= 0 else None, bool(chain), data
+
+
+# --------------------------------------------------------------------------- rank 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def core_shares(world: int) -> list[list[int]]:
+    """This process's CPUs cut into ``world`` contiguous shares (one per rank; ranks share CPUs
+    when there are fewer CPUs than ranks)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < world:
+        return [[cpus[r % len(cpus)]] for r in range(world)]
+    per = len(cpus) // world
+    return [cpus[r * per:(r + 1) * per] for r in range(world)]
+
+
+def pin_to(cpus: list[int]) -> None:
+    """Run this process's kernels on ``cpus``, one TVM thread each (a user's TVM_NUM_THREADS wins)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(cpus)))
+
+
+class RankGroup:
+    """The other ranks, seen from rank 0: started here (a process each) or by torchrun."""
+
+    def __init__(self, artifact: Path, world: int, gpu: bool, timeout: float, weights_mode: str):
+        self.world, self.timeout, self.procs = world, timeout, {}
+        self.stopped = False
+        self.in_call = False  # a call is under way: the others may be inside its collectives
+        launched = os.environ.get("WORLD_SIZE")
+        if launched is not None:  # torchrun started every rank: join it
+            if int(launched) != world:
+                raise TensorParallelError(f"{artifact} is compiled for {world} ranks, but WORLD_SIZE is {launched}; "
+                                          f"launch {world} processes (torchrun --nproc-per-node {world} ...)")
+            self.control = self._wait(lambda: _init_group("env://", 0, world, timeout, gpu), "joining the ranks")
+        else:
+            shares = core_shares(world)
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            for rank in range(1, world):
+                self.procs[rank] = subprocess.Popen(
+                    [sys.executable, "-m", "dsv4c.runtime.tensor_parallel", str(artifact), "--rank", str(rank),
+                     "--world-size", str(world), "--init-method", init, "--timeout", str(timeout),
+                     "--weights", weights_mode, "--parent", str(os.getpid()),
+                     "--cpus", ",".join(map(str, shares[rank]))],
+                    start_new_session=True)  # a terminal's Ctrl-C reaches rank 0, which stops them
+            atexit.register(self.close)
+            if not gpu:
+                pin_to(shares[0])
+            self.control = self._wait(lambda: _init_group(init, 0, world, timeout, gpu), "starting the ranks")
+        register_collectives(world)
+        self.channel = StepChannel(self.control)
+
+    def _dead(self) -> str | None:
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) died ({how})"
+        return None
+
+    def _wait(self, work, what: str):
+        """Run ``work`` (a collective) while watching the ranks started here: the first that dies
+        ends the wait with a TensorParallelError."""
+        result, error = [], []
+        thread = threading.Thread(target=lambda: _capture(work, result, error), daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.05)
+            dead = self._dead()
+            if dead and thread.is_alive():
+                self.close()
+                raise TensorParallelError(f"{dead} while {what}")
+        if error:
+            raise self.failure(error[0], what) from None
+        return result[0]
+
+    def loaded(self) -> None:
+        """Wait until every rank has loaded its weights."""
+        import torch.distributed as dist
+
+        self._wait(lambda: dist.barrier(group=self.control), "loading the weights")
+
+    def failure(self, error: BaseException, what: str = "running a step") -> TensorParallelError:
+        """The one-line error for a collective that failed: the rank that died, if one did."""
+        time.sleep(0.2)  # a rank that dies ends the others' collectives a moment before it is reaped
+        dead = self._dead()
+        self.close()
+        if dead:
+            return TensorParallelError(f"{dead} while {what}")
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return TensorParallelError(f"tensor parallel: {what} failed on rank 0: {first}")
+
+    def close(self) -> None:
+        """Stop every rank started here (told to stop, then killed if they do not within 5 s)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.procs and self._dead() is None and not self.in_call:
+            try:
+                self.channel.send_stop()
+            except Exception:  # noqa: BLE001 - the group is broken: the ranks are killed below
+                pass
+        deadline = time.monotonic() + (0 if self.in_call else 5)
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class TensorParallelBackend(TvmBackend):
+    """Rank 0 of a multi-rank artifact: a :class:`TvmBackend` over rank 0's weights whose every
+    call is first broadcast to the other ranks (:class:`RankGroup`), with the pool's changes."""
+
+    def __init__(self, artifact: Path, manifest: dict, pool, device, weights_mode: str = "auto",
+                 timeout: float = DEFAULT_TIMEOUT_S):
+        self.ranks = RankGroup(artifact, manifest["tensor_parallel"], not rt.on_host(device), timeout, weights_mode)
+        try:
+            self.ranks.channel.send_setup([pool.total_rows])
+            super().__init__(artifact, manifest, pool, device, weights_mode, rank=0)
+            self.ranks.loaded()
+        except BaseException:
+            self.ranks.close()
+            raise
+        pool.journal = PoolJournal(pool)
+        self.function_index = {name: i for i, name in enumerate(self.functions)}
+
+    def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
+             chain: bool = False):
+        if self.ranks.stopped:
+            raise TensorParallelError("the tensor-parallel ranks have stopped; start the engine again")
+        self.ranks.in_call = True
+        try:
+            self.ranks.channel.send_call(self.function_index[name], arrays, extents, stream_rows, chain,
+                                         self.pool.journal.take())
+            out = super().call(name, arrays, extents, stream_rows, chain)
+        except Exception as e:  # a collective failed: a rank died or timed out
+            raise self.ranks.failure(e) from None
+        self.ranks.in_call = False
+        return out
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+def _capture(work, result: list, error: list) -> None:
+    try:
+        result.append(work())
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+        error.append(e)
+
+
+# --------------------------------------------------------------------------- ranks > 0
+
+
+def serve_rank(artifact: Path, rank: int, world: int, init_method: str, timeout: float, weights_mode: str) -> None:
+    """A rank other than 0: join the group, load this rank's weights and a pool like rank 0's,
+    then make every call rank 0 broadcasts until it says stop."""
+    from dsv4c.artifact.manifest import read_manifest
+    from dsv4c.artifact.model_config import ModelConfig
+    from dsv4c.artifact.pool import PoolGeometry
+    from dsv4c.runtime.kv_pool import KVPool
+    from dsv4c.targets import target_info
+
+    manifest = read_manifest(artifact)
+    info = target_info(manifest["target"])
+    if manifest.get("tensor_parallel", 1) != world:
+        raise TensorParallelError(f"{artifact} is compiled for {manifest.get('tensor_parallel', 1)} ranks, not {world}")
+    control = _init_group(init_method, rank, world, timeout, info.kind != "cpu")
+    register_collectives(world)
+    channel = StepChannel(control)
+    (rows,) = channel.receive_setup(1)
+    config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], str(artifact))
+    pool = KVPool(PoolGeometry.from_summary(manifest["pool_geometry"], config, str(artifact)), rows)
+    device = rt.CPU if info.kind == "cpu" else rt.tvm_ffi.device(info.device().dlpack_device_type(), rank)
+    backend = TvmBackend(artifact, manifest, pool, device, weights_mode, rank=rank)
+    functions = list(backend.functions)
+    import torch.distributed as dist
+
+    dist.barrier(group=control)
+    while (call := channel.receive()) is not None:
+        function, arrays, extents, stream_rows, chain, journal = call
+        apply_journal(pool, journal)
+        backend.call(functions[function], arrays, extents, stream_rows, chain)
+    dist.destroy_process_group()
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker started by rank 0 ends when rank 0's process does, however it ends (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it ended before the line above
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dsv4c.runtime.tensor_parallel ARTIFACT --rank R ...``: a rank RankGroup starts."""
+    p = argparse.ArgumentParser(prog="dsv4c-rank")
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--cpus", default="")
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent)
+    if args.cpus:
+        pin_to([int(c) for c in args.cpus.split(",")])
+    return run_rank(args.artifact, args.rank, args.world_size, args.init_method, args.timeout, args.weights)
+
+
+def run_rank(artifact: Path, rank: int, world: int, init_method: str, timeout: float, weights_mode: str) -> int:
+    """:func:`serve_rank` with its failures as one line on stderr and an exit code."""
+    try:
+        serve_rank(artifact, rank, world, init_method, timeout, weights_mode)
+    except DsvError as e:
+        print(f"dsv4c rank {rank}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a collective failed: rank 0 (or another rank) is gone
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"dsv4c rank {rank}: stopped: {first}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
