@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -219,6 +220,19 @@ def _pool_args(p: argparse.ArgumentParser) -> None:
                         "their prompts start with)")
 
 
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-tp", "--tensor-parallel", type=int, metavar="N",
+                   help="ranks the artifact runs on (it was compiled with --tensor-parallel N: one process per rank "
+                        "is started; checked against the artifact when given)")
+    p.add_argument("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="with several ranks: how long a collective waits for a rank before the engine stops with "
+                        "an error (default 60)")
+
+
+def _engine_ranks(args) -> dict:
+    return {"tensor_parallel": args.tensor_parallel, "distributed_timeout": args.distributed_timeout}
+
+
 def _cmd_generate(args) -> int:
     import numpy as np
 
@@ -243,7 +257,7 @@ def _cmd_generate(args) -> int:
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
                     speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights,
                     profile=args.profile, kv_cache_memory=args.kv_cache_memory,
-                    prefix_caching=args.prefix_caching)
+                    prefix_caching=args.prefix_caching, **_engine_ranks(args))
     if messages is not None:
         prompt = _chat_prompt(engine, messages, args.thinking)
     else:
@@ -320,7 +334,7 @@ def _cmd_serve(args) -> int:
                  shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
                  num_draft_tokens=args.num_draft_tokens, weights=args.weights,
                  served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
-                 prefix_caching=args.prefix_caching,
+                 prefix_caching=args.prefix_caching, **_engine_ranks(args),
                  limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
                                                                          ("body_timeout", args.request_body_timeout)]
                                          if value is not None}))
@@ -371,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-pass", action="append", metavar="PASS", help="skip this pass")
     p.add_argument("--verbose", action="store_true", help="per-pass timing and op counts")
     p.add_argument("-tp", "--tensor-parallel", type=int, default=1, metavar="N",
-                   help="devices to split the model across: checked against the model's sharding plan; only 1 "
-                        "builds today (`dsv4c inspect --tensor-parallel N` sizes the others)")
+                   help="devices to split the model across (a power of two the model's heads, output groups, experts "
+                        "and expert width divide; `dsv4c inspect --tensor-parallel N` says what each holds): one "
+                        "library every rank runs, each rank's weights (default 1)")
     p.set_defaults(run=_cmd_compile)
 
     p = sub.add_parser("export", help="write the program (step + MTP) as an ONNX graph for Netron and ONNX tooling")
@@ -408,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     _speculative_args(p)
     _pool_args(p)
     _weights_arg(p)
+    _distributed_args(p)
     p.add_argument("--stats", action="store_true",
                    help="print speculative decoding's acceptance rate and tokens per step on stderr")
     p.add_argument("--profile", action="store_true",
@@ -439,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     _speculative_args(p)
     _pool_args(p)
     _weights_arg(p)
+    _distributed_args(p)
     p.set_defaults(run=_cmd_serve)
 
     p = sub.add_parser("verify", help="check every file of an artifact against the sha256 in its manifest")
@@ -466,10 +483,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_rank(args) -> int | None:
+    """Under torchrun (``WORLD_SIZE`` > 1), ``generate`` / ``serve`` run the engine on rank 0 and
+    only a rank's share of each step on the others (``runtime.tensor_parallel``)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.command not in ("generate", "serve") or world <= 1 or rank == 0:
+        return None
+    from dsv4c.runtime.tensor_parallel import run_rank
+
+    return run_rank(Path(args.artifact), rank, world, "env://", args.distributed_timeout, args.weights)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        code = _torchrun_rank(args)
+        if code is not None:
+            return code
         return args.run(args)
     except DsvError as e:
         print(f"dsv4c: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

@@ -116,7 +116,8 @@ class Engine:
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
                  speculative: str | None = None, num_draft_tokens: int = 1, weights: str = "auto",
                  kv_cache_memory: int | None = None, prefix_caching: bool = True,
-                 profile: bool = False, distributed_timeout: float | None = None):
+                 profile: bool = False, tensor_parallel: int | None = None,
+                 distributed_timeout: float | None = None):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
@@ -134,7 +135,8 @@ class Engine:
         ``profile`` times every step's kernels by op family (``self.profiler``, ``runtime.profile``).
         An artifact compiled with ``--tensor-parallel N`` runs as N processes, one per rank, that
         this engine starts (or joins, under torchrun) and stops (:meth:`close`, or at exit);
-        ``distributed_timeout`` (seconds, default 60) bounds a collective's wait for a rank."""
+        ``tensor_parallel``, when given, must be that N; ``distributed_timeout`` (seconds, default
+        60) bounds a collective's wait for a rank."""
         check_weights_mode(weights)
         self.path = Path(artifact)
         manifest = read_manifest(self.path, verify=verify)
@@ -142,6 +144,13 @@ class Engine:
         # The model and the pool as the compiler recorded them (read, not re-derived).
         self.config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], f"{self.path / MANIFEST}")
         geometry = PoolGeometry.from_summary(manifest["pool_geometry"], self.config, f"{self.path / MANIFEST}")
+        ranks = manifest.get("tensor_parallel", 1)
+        if tensor_parallel is not None and tensor_parallel != ranks:
+            raise UsageError(f"--tensor-parallel {tensor_parallel}: {self.path} is compiled for {ranks} rank(s); "
+                             f"run it with --tensor-parallel {ranks}, or compile it again with --tensor-parallel "
+                             f"{tensor_parallel}")
+        if distributed_timeout is not None and not distributed_timeout > 0:
+            raise UsageError(f"--distributed-timeout must be positive, got {distributed_timeout}")
         self.max_context = max_context
         self.pool = KVPool(geometry, self._pool_rows(geometry, max_requests, kv_cache_memory))
         if max_step_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):

@@ -56,6 +56,10 @@ class TensorParallelError(DsvError):
 # --------------------------------------------------------------------------- collectives
 
 
+# Set when Ctrl-C lands inside a collective: TVM hands the step's caller a plain RuntimeError.
+_interrupted = threading.Event()
+
+
 def register_collectives(world: int) -> None:
     """The packed functions the compiled step calls to join the ranks: (input, output) tensors."""
     import torch
@@ -73,8 +77,17 @@ def register_collectives(world: int) -> None:
         dist.all_gather(list(parts.unbind(0)), t.contiguous())
         o.copy_(parts.permute(1, 0, 2).reshape(n, world * cols)[:, :o.shape[1]])
 
-    rt.tvm_ffi.register_global_func(ALL_REDUCE, all_reduce, override=True)
-    rt.tvm_ffi.register_global_func(ALL_GATHER, all_gather, override=True)
+    def noting_interrupts(collective):
+        def run(x, out):
+            try:
+                collective(x, out)
+            except KeyboardInterrupt:
+                _interrupted.set()
+                raise
+        return run
+
+    rt.tvm_ffi.register_global_func(ALL_REDUCE, noting_interrupts(all_reduce), override=True)
+    rt.tvm_ffi.register_global_func(ALL_GATHER, noting_interrupts(all_gather), override=True)
 
 
 def _init_group(init_method: str, rank: int, world: int, timeout: float, gpu: bool):
@@ -338,7 +351,10 @@ class TensorParallelBackend(TvmBackend):
             self.ranks.channel.send_call(self.function_index[name], arrays, extents, stream_rows, chain,
                                          self.pool.journal.take())
             out = super().call(name, arrays, extents, stream_rows, chain)
-        except Exception as e:  # a collective failed: a rank died or timed out
+        except Exception as e:  # a collective failed: a rank died or timed out, or Ctrl-C
+            if _interrupted.is_set():
+                self.ranks.close()
+                raise KeyboardInterrupt from None
             raise self.ranks.failure(e) from None
         self.ranks.in_call = False
         return out

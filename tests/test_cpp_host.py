@@ -180,6 +180,20 @@ def test_host_refuses_a_gpu_artifact_here_like_python(cpp, tmp_path, capsys):
     assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
 
 
+def test_host_refuses_a_multi_rank_artifact_in_one_line(cpp, tmp_path):
+    """A --tensor-parallel artifact runs as a process per rank (``dsv4c generate``); the C++ host
+    stays one process and says so before it allocates anything."""
+    build, art = cpp
+    target = tmp_path / "art"
+    shutil.copytree(art, target)
+    _set_manifest(target, tensor_parallel=2)
+    done = _host(build, target, "--token-ids", "1,2", "--max-new-tokens", "2")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"dsv4c: error: {target}: compiled with --tensor-parallel 2; the C++ runtime runs one-device "
+                           "artifacts: run it with `dsv4c generate` or `dsv4c serve` (a process per rank), or compile "
+                           "it with --tensor-parallel 1\n")
+
+
 def test_host_runs_an_fp8_pool_artifact_like_dsv4c_generate(cpp, tmp_path, capsys):
     """One executor: the FP8 / E8M0 / BF16 pool rows are the compiled step's, whoever calls it."""
     build, art = cpp

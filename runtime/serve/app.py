@@ -537,7 +537,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1,
           weights: str = "auto", served_model_name: str | None = None,
           limits: RequestLimits = RequestLimits(), kv_cache_memory: int | None = None,
-          prefix_caching: bool = True) -> int:
+          prefix_caching: bool = True, tensor_parallel: int | None = None,
+          distributed_timeout: float | None = None) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
     fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
@@ -551,7 +552,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
         raise UsageError("--max-request-bytes and --request-body-timeout must be positive")
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
                     num_draft_tokens=num_draft_tokens, weights=weights, kv_cache_memory=kv_cache_memory,
-                    prefix_caching=prefix_caching)
+                    prefix_caching=prefix_caching, tensor_parallel=tensor_parallel,
+                    distributed_timeout=distributed_timeout)
 
     def engine_failed():
         http.should_exit = True
@@ -583,6 +585,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{', prefix caching' if engine.prefix_cache else ''}{server.chat.summary}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
+    engine.close()
     if server.loop.failure is not None:
         print(f"dsv4c serve: stopped because the engine failed ({server.loop.failure!r})", file=sys.stderr,
               flush=True)

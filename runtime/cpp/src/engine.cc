@@ -113,6 +113,14 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
   m.path = python_path(artifact);
   m.options = options;
   m.config = model_config(manifest);
+  // A multi-rank artifact (Python twin: runtime.tensor_parallel) needs a process per rank and the
+  // collectives torch.distributed provides: the host stays one process on one device.
+  if (std::optional<json::Value> ranks = manifest.get("tensor_parallel")) {
+    std::optional<int64_t> n = json::as_int(*ranks);
+    throw ArtifactError(m.path + ": compiled with --tensor-parallel " + (n ? std::to_string(*n) : "?") +
+                        "; the C++ runtime runs one-device artifacts: run it with `dsv4c generate` or `dsv4c serve` "
+                        "(a process per rank), or compile it with --tensor-parallel 1");
+  }
   PoolGeometry geometry = pool_geometry(manifest, m.config);
   m.pool = std::make_unique<KVPool>(geometry, geometry.rows_for(options.max_requests, options.max_context));
   if (manifest.string("target") == "reference") {
