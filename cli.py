@@ -489,9 +489,9 @@ def _torchrun_rank(args) -> int | None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.command not in ("generate", "serve") or world <= 1 or rank == 0:
         return None
-    from dsv4c.runtime.tensor_parallel import run_rank
+    from dsv4c.runtime.tensor_parallel import run_rank, torchrun_address
 
-    return run_rank(Path(args.artifact), rank, world, "env://", args.distributed_timeout, args.weights)
+    return run_rank(Path(args.artifact), rank, world, torchrun_address(), args.distributed_timeout, args.weights)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,24 +58,48 @@ class TensorParallelError(DsvError):
 
 # Set when Ctrl-C lands inside a collective: TVM hands the step's caller a plain RuntimeError.
 _interrupted = threading.Event()
+# The ranks the calling thread's step joins: process groups are objects of their own (not torch's
+# one default group), so several engines of multi-rank artifacts can live in one process.
+_active = threading.local()
 
 
-def register_collectives(world: int) -> None:
-    """The packed functions the compiled step calls to join the ranks: (input, output) tensors."""
+class Group:
+    """One engine's ranks: ``data`` carries the collectives inside the step (gloo on the CPU,
+    NCCL / RCCL on GPUs), ``control`` the calls rank 0 broadcasts (gloo)."""
+
+    def __init__(self, address: str, rank: int, world: int, timeout: float, gpu: bool):
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        # Under torchrun the agent already serves a store at MASTER_PORT: every rank is its client.
+        serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        wait = timedelta(seconds=timeout)
+        store = dist.PrefixStore("dsv4c", dist.TCPStore(host, int(port), world, is_master=serves, timeout=wait))
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, wait)
+        self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world) if gpu else self.control
+        self.rank, self.world = rank, world
+
+    def barrier(self) -> None:
+        self.control.barrier().wait()
+
+
+def register_collectives() -> None:
+    """The packed functions the compiled step calls to join the ranks of the calling thread's
+    active :class:`Group`: (input, output) tensors."""
     import torch
-    import torch.distributed as dist
 
     def all_reduce(x, out):
         o = torch.from_dlpack(out)
         o.copy_(torch.from_dlpack(x))
-        dist.all_reduce(o)
+        _active.group.data.allreduce([o]).wait()
 
     def all_gather(x, out):
-        t, o = torch.from_dlpack(x), torch.from_dlpack(out)
+        group = _active.group
+        t, o = torch.from_dlpack(x).contiguous(), torch.from_dlpack(out)
         n, cols = t.shape
-        parts = torch.empty((world, n, cols), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(parts.unbind(0)), t.contiguous())
-        o.copy_(parts.permute(1, 0, 2).reshape(n, world * cols)[:, :o.shape[1]])
+        parts = torch.empty((group.world, n, cols), dtype=t.dtype, device=t.device)
+        group.data.allgather([list(parts.unbind(0))], [t]).wait()
+        o.copy_(parts.permute(1, 0, 2).reshape(n, group.world * cols)[:, :o.shape[1]])
 
     def noting_interrupts(collective):
         def run(x, out):
@@ -88,15 +112,6 @@ def register_collectives(world: int) -> None:
 
     rt.tvm_ffi.register_global_func(ALL_REDUCE, noting_interrupts(all_reduce), override=True)
     rt.tvm_ffi.register_global_func(ALL_GATHER, noting_interrupts(all_gather), override=True)
-
-
-def _init_group(init_method: str, rank: int, world: int, timeout: float, gpu: bool):
-    """Join the process group; the group that carries the control messages (gloo)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
-    return dist.new_group(backend="gloo") if gpu else None
 
 
 # --------------------------------------------------------------------------- pool changes
@@ -163,15 +178,17 @@ class StepChannel:
     """Rank 0's calls to the other ranks over the control group: a header, the step inputs as one
     int32 tensor, the pool journal."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: Group):
         import torch
         import torch.distributed as dist
 
-        self.torch, self.dist, self.group = torch, dist, group
+        self.torch, self.group = torch, group.control
+        self.options = dist.BroadcastOptions()
+        self.options.rootRank = 0
 
     def _broadcast(self, array: np.ndarray) -> np.ndarray:
         tensor = self.torch.from_numpy(array)
-        self.dist.broadcast(tensor, src=0, group=self.group)
+        self.group.broadcast([tensor], self.options).wait()
         return tensor.numpy()
 
     def send_call(self, function: int, arrays: list[np.ndarray], extents, stream_rows, chain: bool,
@@ -248,23 +265,24 @@ class RankGroup:
             if int(launched) != world:
                 raise TensorParallelError(f"{artifact} is compiled for {world} ranks, but WORLD_SIZE is {launched}; "
                                           f"launch {world} processes (torchrun --nproc-per-node {world} ...)")
-            self.control = self._wait(lambda: _init_group("env://", 0, world, timeout, gpu), "joining the ranks")
+            address = torchrun_address()
+            self.group = self._wait(lambda: Group(address, 0, world, timeout, gpu), "joining the ranks")
         else:
             shares = core_shares(world)
-            init = f"tcp://127.0.0.1:{_free_port()}"
+            address = f"127.0.0.1:{_free_port()}"
             for rank in range(1, world):
                 self.procs[rank] = subprocess.Popen(
                     [sys.executable, "-m", "dsv4c.runtime.tensor_parallel", str(artifact), "--rank", str(rank),
-                     "--world-size", str(world), "--init-method", init, "--timeout", str(timeout),
+                     "--world-size", str(world), "--address", address, "--timeout", str(timeout),
                      "--weights", weights_mode, "--parent", str(os.getpid()),
                      "--cpus", ",".join(map(str, shares[rank]))],
                     start_new_session=True)  # a terminal's Ctrl-C reaches rank 0, which stops them
             atexit.register(self.close)
             if not gpu:
                 pin_to(shares[0])
-            self.control = self._wait(lambda: _init_group(init, 0, world, timeout, gpu), "starting the ranks")
-        register_collectives(world)
-        self.channel = StepChannel(self.control)
+            self.group = self._wait(lambda: Group(address, 0, world, timeout, gpu), "starting the ranks")
+        register_collectives()
+        self.channel = StepChannel(self.group)
 
     def _dead(self) -> str | None:
         for rank, proc in self.procs.items():
@@ -292,9 +310,7 @@ class RankGroup:
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its weights."""
-        import torch.distributed as dist
-
-        self._wait(lambda: dist.barrier(group=self.control), "loading the weights")
+        self._wait(self.group.barrier, "loading the weights")
 
     def failure(self, error: BaseException, what: str = "running a step") -> TensorParallelError:
         """The one-line error for a collective that failed: the rank that died, if one did."""
@@ -347,6 +363,7 @@ class TensorParallelBackend(TvmBackend):
         if self.ranks.stopped:
             raise TensorParallelError("the tensor-parallel ranks have stopped; start the engine again")
         self.ranks.in_call = True
+        _active.group = self.ranks.group
         try:
             self.ranks.channel.send_call(self.function_index[name], arrays, extents, stream_rows, chain,
                                          self.pool.journal.take())
@@ -363,6 +380,11 @@ class TensorParallelBackend(TvmBackend):
         self.ranks.close()
 
 
+def torchrun_address() -> str:
+    """Where torchrun's ranks meet (MASTER_ADDR / MASTER_PORT)."""
+    return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '29500')}"
+
+
 def _capture(work, result: list, error: list) -> None:
     try:
         result.append(work())
@@ -373,7 +395,7 @@ def _capture(work, result: list, error: list) -> None:
 # --------------------------------------------------------------------------- ranks > 0
 
 
-def serve_rank(artifact: Path, rank: int, world: int, init_method: str, timeout: float, weights_mode: str) -> None:
+def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str) -> None:
     """A rank other than 0: join the group, load this rank's weights and a pool like rank 0's,
     then make every call rank 0 broadcasts until it says stop."""
     from dsv4c.artifact.manifest import read_manifest
@@ -386,23 +408,21 @@ def serve_rank(artifact: Path, rank: int, world: int, init_method: str, timeout:
     info = target_info(manifest["target"])
     if manifest.get("tensor_parallel", 1) != world:
         raise TensorParallelError(f"{artifact} is compiled for {manifest.get('tensor_parallel', 1)} ranks, not {world}")
-    control = _init_group(init_method, rank, world, timeout, info.kind != "cpu")
-    register_collectives(world)
-    channel = StepChannel(control)
+    group = _active.group = Group(address, rank, world, timeout, info.kind != "cpu")
+    register_collectives()
+    channel = StepChannel(group)
     (rows,) = channel.receive_setup(1)
     config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], str(artifact))
     pool = KVPool(PoolGeometry.from_summary(manifest["pool_geometry"], config, str(artifact)), rows)
-    device = rt.CPU if info.kind == "cpu" else rt.tvm_ffi.device(info.device().dlpack_device_type(), rank)
+    index = int(os.environ.get("LOCAL_RANK", rank))  # this host's GPU of the rank
+    device = rt.CPU if info.kind == "cpu" else rt.tvm_ffi.device(info.device().dlpack_device_type(), index)
     backend = TvmBackend(artifact, manifest, pool, device, weights_mode, rank=rank)
     functions = list(backend.functions)
-    import torch.distributed as dist
-
-    dist.barrier(group=control)
+    group.barrier()
     while (call := channel.receive()) is not None:
         function, arrays, extents, stream_rows, chain, journal = call
         apply_journal(pool, journal)
         backend.call(functions[function], arrays, extents, stream_rows, chain)
-    dist.destroy_process_group()
 
 
 def _die_with_parent(parent: int) -> None:
@@ -423,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("artifact", type=Path)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--init-method", required=True)
+    p.add_argument("--address", required=True, help="host:port of rank 0's store")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--weights", default="auto")
     p.add_argument("--parent", type=int, required=True)
@@ -432,13 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent)
     if args.cpus:
         pin_to([int(c) for c in args.cpus.split(",")])
-    return run_rank(args.artifact, args.rank, args.world_size, args.init_method, args.timeout, args.weights)
+    return run_rank(args.artifact, args.rank, args.world_size, args.address, args.timeout, args.weights)
 
 
-def run_rank(artifact: Path, rank: int, world: int, init_method: str, timeout: float, weights_mode: str) -> int:
+def run_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str) -> int:
     """:func:`serve_rank` with its failures as one line on stderr and an exit code."""
     try:
-        serve_rank(artifact, rank, world, init_method, timeout, weights_mode)
+        serve_rank(artifact, rank, world, address, timeout, weights_mode)
     except DsvError as e:
         print(f"dsv4c rank {rank}: error: {e}", file=sys.stderr)
         return 2
