@@ -168,7 +168,7 @@ def apply_journal(pool, data: bytes) -> None:
             _, name, index, dtype, shape, offset = op
             count = int(np.prod(shape, dtype=np.int64))
             values = np.frombuffer(blob, np.dtype(dtype), count, offset).reshape(shape)
-            pool.tensors[name][tuple(np.asarray(i) if isinstance(i, list) else i for i in index)] = values
+            pool.tensors[name][tuple(np.asarray(i, np.int64) if isinstance(i, list) else i for i in index)] = values
 
 
 # --------------------------------------------------------------------------- calls
@@ -470,4 +470,8 @@ def run_rank(artifact: Path, rank: int, world: int, address: str, timeout: float
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    # Not sys.exit: interpreter shutdown with gloo's threads still up aborts the process (SIGABRT),
+    # which rank 0 would report instead of this exit code.
+    os._exit(code)

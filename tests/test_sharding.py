@@ -155,7 +155,8 @@ def test_memory_report_subtracts_the_weights(capsys):
     (["inspect", "pro", "-tp", "3"], "power of two"),
     (["inspect", "flash", "--tensor-parallel", "16"], "o_groups = 8"),
     (["compile", "--model", "flash", "--target", "llvm", "-tp", "16"], "o_groups = 8"),
-    (["compile", "--model", "flash", "--target", "llvm", "--tensor-parallel", "2"], "not built yet"),
+    (["compile", "--model", "tiny", "--target", "llvm", "--tensor-parallel", "2"], "inside its FP8 128-column"),
+    (["compile", "--model", "flash", "--target", "reference", "-tp", "2"], "compile for llvm or a GPU target"),
 ])
 def test_cli_refuses_in_one_line(capsys, tmp_path, argv, says):
     out = tmp_path / "artifact"

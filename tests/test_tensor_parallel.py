@@ -1,0 +1,156 @@
+"""Tensor parallel on the CPU: ``compile --tensor-parallel 2`` runs as two processes joined by gloo
+(runtime/tensor_parallel.py) and computes what one device computes: the same greedy tokens,
+logits within 1e-5 (the all-reduces add the ranks' partial sums in another order). A dead rank
+ends generation with one line, quickly, and leaves no process behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsv4c
+from dsv4c.compile import compile_model
+from dsv4c.errors import ShardingError
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.sampling import SamplingParams
+
+TOLERANCE = 1e-5
+# The parity configs whose heads, output groups, experts and expert width split in two.
+SPLIT_IN_TWO = ("mixed_hc4", "official_hc2", "csa_only_hc4")
+
+
+def _compile_tp2(ckpt: Path, out: Path) -> Path:
+    return compile_model(str(ckpt), "llvm", out, progress=False, log=lambda *_: None, tensor_parallel=2)
+
+
+def _run(engine: Engine, prompts: list[list[int]], new_tokens: list[int]):
+    """Every prompt submitted at once (one ragged batch), run to the end: tokens and logits."""
+    ids = [engine.submit(p, SamplingParams(max_new_tokens=n), record_logits=True) for p, n in zip(prompts, new_tokens)]
+    engine.run()
+    return [engine.result(i) for i in ids]
+
+
+def _assert_same(got, expected) -> None:
+    for g, e in zip(got, expected, strict=True):
+        assert g.tokens == e.tokens
+        assert g.logits.shape == e.logits.shape
+        np.testing.assert_allclose(g.logits, e.logits, rtol=0, atol=TOLERANCE)
+
+
+def test_two_ranks_compute_what_one_device_does(parity_artifacts, tmp_path):
+    """On every parity config that splits in two: one long prompt (past the window and the
+    compressed windows), then a ragged batch of 8 with chunked prefill. A config that does not
+    split (3 heads) is refused at compile time in one line, before anything is written."""
+    cfg, ckpt, _ref, one_device = parity_artifacts
+    if cfg.name not in SPLIT_IN_TWO:
+        with pytest.raises(ShardingError, match="num_attention_heads = 3 is not a multiple of 2"):
+            _compile_tp2(ckpt, tmp_path / "tp2")
+        assert not (tmp_path / "tp2").exists()
+        return
+    two = _compile_tp2(ckpt, tmp_path / "tp2")
+    rng = np.random.default_rng(len(cfg.name))
+    long = [rng.integers(0, cfg.vocab_size, 70).tolist()]
+    ragged = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (1, 5, 9, 17, 23, 31, 40, 47)]
+    new = [3, 8, 5, 1, 7, 4, 6, 2]
+    options = {"max_requests": 8, "max_context": 512, "prefill_chunk": 7, "max_step_tokens": 48}
+    with Engine(two, **options) as split:
+        got_long, got_ragged = _run(split, long, [16]), _run(split, ragged, new)
+        if cfg.name == "mixed_hc4":
+            _speculation_and_prefix_cache(split, one_device, cfg, rng)
+    with Engine(one_device, **options) as whole:
+        _assert_same(got_long, _run(whole, long, [16]))
+        _assert_same(got_ragged, _run(whole, ragged, new))
+
+
+def _speculation_and_prefix_cache(split: Engine, one_device: Path, cfg, rng) -> None:
+    """The pool changes rank 0 makes outside the step reach the other rank (runtime.tensor_parallel
+    PoolJournal): a cached prefix's slot copy and the restored rows of rejected drafts. Wrong rows
+    on rank 1 would change its partial sums, so the tokens would differ from one device's."""
+    shared = rng.integers(0, cfg.vocab_size, 300).tolist()  # one whole 256-token block to cache
+    prompts = [shared + [5, 6, 7], shared + [9]]
+    params = SamplingParams(max_new_tokens=10)
+    cached = [split.generate(p, params).tokens for p in prompts]
+    assert split.prefix_cache.hit_tokens >= 256
+    with Engine(split.path, speculative="mtp", num_draft_tokens=2, max_context=512) as spec_split, \
+            Engine(one_device, speculative="mtp", num_draft_tokens=2, max_context=512) as spec_whole:
+        prompt = rng.integers(0, cfg.vocab_size, 40).tolist()
+        a, b = spec_split.generate(prompt, SamplingParams(max_new_tokens=24)), \
+            spec_whole.generate(prompt, SamplingParams(max_new_tokens=24))
+        assert a.tokens == b.tokens and a.speculative == b.speculative
+        assert a.speculative["draft_tokens"] > a.speculative["accepted_tokens"]  # some drafts were put back
+    with Engine(one_device, max_context=512) as whole:
+        assert cached == [whole.generate(p, params).tokens for p in prompts]
+
+
+def _dsv4c(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dsv4c.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "dsv4c", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, text=True)
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes a generate process started (its children running a rank)."""
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "dsv4c.runtime.tensor_parallel"], capture_output=True,
+                         text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.fixture(scope="module")
+def mixed_tp2(tmp_path_factory):
+    from parity_configs import PARITY_CONFIGS
+    from reference_harness import fp32_checkpoint
+
+    from dsv4c.frontend.config import config_from_dict
+
+    root = tmp_path_factory.mktemp("tp2")
+    fp32_checkpoint(config_from_dict(PARITY_CONFIGS["mixed_hc4"], "mixed_hc4"), root / "ckpt")
+    return _compile_tp2(root / "ckpt", root / "art")
+
+
+def test_a_dead_rank_ends_generate_in_one_line_and_leaves_nothing_behind(mixed_tp2):
+    """SIGKILL of rank 1 mid-generation: generate exits non-zero with one line naming the rank,
+    well within the 90 s the collective timeout allows, and no rank process is left."""
+    proc = _dsv4c("generate", str(mixed_tp2), "--token-ids", "1,2,3,4,5", "--max-new-tokens", "20000")
+    deadline = time.monotonic() + 60
+    while not (ranks := _ranks_of(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.1)
+    time.sleep(3)  # generating by now: the ranks meet in every step's collectives
+    killed = time.monotonic()
+    os.kill(ranks[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 2 and time.monotonic() - killed < 90
+    assert err == f"dsv4c: error: tensor-parallel rank 1 (pid {ranks[0]}) died (killed by SIGKILL) while running " \
+                  "a step\n"
+    assert not _ranks_of(proc.pid)
+
+
+def test_rank_0_stopped_by_a_signal_takes_its_ranks_with_it(mixed_tp2):
+    """SIGTERM ends rank 0 without Python's exit handlers; its ranks die with it (PR_SET_PDEATHSIG)."""
+    proc = _dsv4c("generate", str(mixed_tp2), "--token-ids", "1,2,3", "--max-new-tokens", "20000")
+    deadline = time.monotonic() + 60
+    while not (ranks := _ranks_of(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+              for pid in ranks):
+        assert time.monotonic() < deadline, f"rank processes {ranks} outlived rank 0"
+        time.sleep(0.1)
+
+
+def test_generate_checks_the_rank_count(mixed_tp2, capsys):
+    from dsv4c.cli import main as cli
+
+    assert cli(["generate", str(mixed_tp2), "--token-ids", "1,2", "--max-new-tokens", "2", "-tp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dsv4c: error: --tensor-parallel 4: {mixed_tp2} is compiled for 2 rank(s); run it with " \
+                  "--tensor-parallel 2, or compile it again with --tensor-parallel 4\n"
