@@ -38,6 +38,27 @@ def tiny_llvm(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def serve_artifacts_tp2(tmp_path_factory):
+    """``serve_artifacts`` with the llvm artifact at ``--tensor-parallel 2``: the tiny model with
+    BF16 weights (its FP8 output projection has fewer columns than two 128-column scale blocks, so
+    it does not split), the same tokenizer and chat template."""
+    import json
+    from pathlib import Path
+
+    import dsv4c
+
+    root = tmp_path_factory.mktemp("serve_tp2")
+    config = json.loads((Path(dsv4c.__file__).parent / "frontend" / "presets" / "tiny.json").read_text())
+    del config["quantization_config"], config["expert_dtype"]
+    (root / "config.json").write_text(json.dumps(config))
+    assert cli(["make-tiny", "--config", str(root / "config.json"), "--out", str(root / "model")]) == 0
+    assert cli(["compile", "--model", str(root / "model"), "--target", "reference", "-o", str(root / "ref")]) == 0
+    write_tokenizer(root / "model")
+    assert cli(["compile", "--model", str(root / "model"), "--target", "llvm", "-tp", "2", "-o", str(root / "cpu")]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
 def serve_artifacts(tmp_path_factory):
     """The tiny model compiled for the reference interpreter (without a tokenizer) and for llvm (with
     the word-level tokenizer and chat template)."""

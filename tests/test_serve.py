@@ -24,9 +24,11 @@ from dsv4c.runtime.serve.text import TextAssembler
 from serving import CONTEXT, EOS, KEY, SPECIALS, Served, serving
 
 
-@pytest.fixture(scope="module")
-def artifacts(serve_artifacts):
-    return serve_artifacts
+@pytest.fixture(scope="module", params=["one_device", "tensor_parallel_2"])
+def artifacts(request):
+    """The tiny model served from one process, and (BF16 weights) from two ranks: every test here
+    holds for both (runtime/tensor_parallel.py)."""
+    return request.getfixturevalue("serve_artifacts" if request.param == "one_device" else "serve_artifacts_tp2")
 
 
 @pytest.fixture(scope="module")
