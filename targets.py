@@ -70,12 +70,13 @@ class TargetInfo:
 
     def library_facts(self, target) -> dict:
         """What the manifest records of a built library: the CPU it was built for and the
-        instruction-set extensions that lets it use, or its device code."""
+        instruction-set extensions that lets it use, or its device code: the format TVM's device
+        module records (a fatbin of sm_90a machine code, an AMDGPU code object) and its ISA."""
         if self.kind == "cpu":
             return {"mcpu": str(target.attrs["mcpu"]), "cpu_features": cpu_features(target)}
-        if self.kind == "cuda":
-            return {"device_code": f"cuda {self.tvm['arch']}"}
-        return {"device_code": f"amdgcn {self.tvm['mcpu']}"}
+        if self.kind == "cuda":  # compiled by nvcc at build time (codegen/gpu.py: export_options)
+            return {"device_code": f"fatbin {self.tvm['arch']}"}
+        return {"device_code": f"hsaco {self.tvm['mcpu']}"}
 
 
 TARGETS: dict[str, TargetInfo] = {t.name: t for t in (

@@ -10,7 +10,7 @@ from pathlib import Path
 import tvm
 from tvm import relax, tirx
 
-from dsv4c.codegen.gpu import toolchain
+from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.lowering import kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
@@ -85,7 +85,7 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
     config = CPU_PASS_CONFIG if info.kind == "cpu" else {}
     with toolchain(info), tvm.transform.PassContext(config=config):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
-        executable.export_library(str(out_dir / LIBRARY))
+        executable.export_library(str(out_dir / LIBRARY), **export_options(info, target))
     symbols = list(kernel_table(program, plan)[0])
     kernels = {"count": len(symbols), "build_seconds": round(time.perf_counter() - start, 2),
                **info.library_facts(target)}

@@ -4,24 +4,27 @@ Every kernel of ``codegen.kernels`` is either a compute definition (matmuls, exp
 TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
 independent rows (tokens, windows, pool rows). For the latter, that loop is mapped onto
 blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
-uses. The kernels and the Relax entry functions that call them are one library: for sm90 it
-holds the kernels as CUDA C++ that TVM's CUDA runtime compiles for the GPU at load; for gfx942 /
-gfx950 AMDGPU code objects from TVM's LLVM backend, linked by ``ld.lld`` >= 19 against the ROCm
-device bitcode.
+uses. The kernels and the Relax entry functions that call them are one library holding machine
+code for the GPU: for sm90 a fatbin of sm_90a code that nvcc compiles from TVM's CUDA C++ at
+build time (:func:`export_options`); for gfx942 / gfx950 AMDGPU code objects from TVM's LLVM
+backend, linked by ``ld.lld`` >= 19 against the ROCm device bitcode.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import tvm
 from tvm import tirx
 
+from dsv4c.artifact.device_code import device_module, unpack_imports
 from dsv4c.errors import DsvError
 
 THREADS = 64
@@ -121,6 +124,28 @@ def rocm_environment() -> dict[str, str]:
     return {"PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "ROCM_PATH": rocm}
 
 
+CUDA_FOR_SM90A = (12, 0)  # the first CUDA release whose nvcc targets sm_90a
+
+
+def nvcc_environment() -> dict[str, str]:
+    """PATH led by an nvcc that compiles sm_90a (CUDA >= 12.0), found on PATH or under $CUDA_HOME /
+    $CUDA_PATH / /usr/local/cuda, and TVM's switch that keeps its CUDA codegen from compiling at
+    all (see :func:`export_options`); or a ToolchainError saying what to install."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    candidates = [shutil.which("nvcc"), *(str(Path(h) / "bin" / "nvcc") for h in homes if h)]
+    for path in dict.fromkeys(c for c in candidates if c and os.access(c, os.X_OK)):
+        m = re.search(r"release (\d+)\.(\d+)", _version([path, "--version"]))
+        if m and (int(m[1]), int(m[2])) >= CUDA_FOR_SM90A:
+            # Without this TVM compiles the CUDA C++ during tvm.compile where its CUDA runtime is
+            # loaded (a machine with a driver; NVRTC by default) and leaves it to the load
+            # otherwise: the same build would differ by machine. Forced, it never compiles, and
+            # export_options compiles with nvcc everywhere.
+            return {"PATH": f"{Path(path).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                    "TVM_COMPILE_FORCE_FALLBACK": "1"}
+    raise ToolchainError("sm90 needs nvcc from CUDA >= 12.0 (for sm_90a) on PATH or under $CUDA_HOME; "
+                         "install NVIDIA's CUDA toolkit")
+
+
 @contextmanager
 def toolchain(info):
     """The environment a build for target ``info`` needs (nvcc, ld.lld + ROCm bitcode), checked
@@ -140,7 +165,52 @@ def toolchain(info):
 
 def toolchain_environment(info) -> dict[str, str]:
     """Environment variables a build for GPU target ``info`` needs, or a ToolchainError saying what
-    to install. sm90 needs none: the library keeps the kernels as CUDA C++ that TVM's CUDA
-    runtime compiles for the GPU at load. ROCm: TVM's LLVM backend links AMDGPU code objects
-    with ld.lld against the ROCm device bitcode."""
-    return {} if info.kind == "cuda" else rocm_environment()
+    to install. sm90: nvcc, which compiles the kernels to sm_90a machine code at build time.
+    ROCm: TVM's LLVM backend links AMDGPU code objects with ld.lld against the ROCm device
+    bitcode."""
+    return nvcc_environment() if info.kind == "cuda" else rocm_environment()
+
+
+# --------------------------------------------------------------------------- sm90 machine code
+
+
+def export_options(info, target: tvm.target.Target) -> dict:
+    """``export_library``'s options for target ``info``. sm90: TVM's CUDA codegen leaves CUDA C++
+    for TVM's CUDA runtime to compile when the library loads (NVRTC or nvcc, through a Python
+    callback of ``tvm.support.nvcc``; the C++ host has neither). Here the packer of the
+    library's imported modules compiles that module with nvcc to a fatbin of sm_90a machine code
+    instead, and the library keeps no CUDA source: TVM's loader hands a module whose format is
+    not ``cuda`` to the driver (``cuModuleLoadData``) as it is."""
+    return {"fpack_imports": functools.partial(_pack_compiled_cuda, target)} if info.kind == "cuda" else {}
+
+
+def _pack_compiled_cuda(target: tvm.target.Target, mod, is_system_lib: bool, prefix: str, workspace_dir: str) -> str:
+    """What export_library's default packer writes (``runtime.ModulePackImportsToLLVM``: the
+    serialized imports as one object file), with each CUDA module's code compiled."""
+    get = tvm.get_global_func
+    packed = unpack_imports(get("runtime.ModulePackImportsToTensor")(mod).numpy().tobytes())
+    modules = tuple(replace(m, payload=compile_cuda_module(m.payload, target)) if m.key == "cuda" else m
+                    for m in packed.modules)
+    host = next(m for m in mod._collect_dso_modules() if m.kind == "llvm")
+    obj = get("codegen.codegen_blob")(replace(packed, modules=modules).to_bytes(), is_system_lib,
+                                      host["_get_target_string"](), prefix)
+    path = os.path.join(workspace_dir, f"{prefix}devc.o")
+    obj.write_to_file(path)
+    return path
+
+
+def compile_cuda_module(payload: bytes, target: tvm.target.Target) -> bytes:
+    """A serialized CUDA module of CUDA C++, as a fatbin of the target's machine code only (no
+    PTX, so no driver JIT either), with the same function table. TVM's nvcc flags: -O3 and
+    --use_fast_math, as its load-time compile used (``TVM_CUDA_*`` variables still apply)."""
+    from tvm.support import nvcc
+
+    module = device_module(payload)
+    if module.fmt != "cuda":
+        raise ToolchainError(f"TVM's CUDA codegen gave a {module.fmt} module, expected CUDA C++ "
+                             "(TVM_COMPILE_FORCE_FALLBACK unset?)")
+    arch = target.attrs["arch"]  # sm_90a
+    with target:  # compile_cuda reads the compute version from the current target
+        fatbin = nvcc.compile_cuda(module.code.decode(), target_format="fatbin", compiler="nvcc",
+                                   arch=["-gencode", f"arch=compute_{arch[3:]},code={arch}"])
+    return module.with_code("fatbin", bytes(fatbin)).to_bytes()

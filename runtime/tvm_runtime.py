@@ -3,9 +3,9 @@
 
 ``import tvm`` imports the compiler's whole Python side (Relax, TIR, TVMScript, the backends)
 and costs seconds before any work; an llvm artifact needs none of it. GPU artifacts still
-import it (:func:`device`): its backends load the device runtime library, and an sm90 library
-keeps its kernels as CUDA C++ that TVM's CUDA runtime compiles at load through a Python
-callback of ``tvm.support.nvcc``.
+import it (:func:`device`): its backends load the device runtime library
+(``libtvm_runtime_cuda.so`` for sm90; an sm90 library holds sm_90a machine code, which that
+runtime hands to the CUDA driver as it is).
 
 ``tvm_ffi`` imports torch and ml_dtypes when they are installed, only to map their dtype
 objects, and they take most of its import time (bench/RESULTS.md). The runtime uses neither, so

@@ -1,7 +1,8 @@
 """Device check for the sm90 target (run by `scripts/device_check` on a machine with an H200).
 
 1. Builds the sm90 artifacts of the tiny model and of the flash slice (bench/flash_slice.py's
-   config with random FP8 / FP4 weights) and checks that each holds sm_90a device code.
+   config with random FP8 / FP4 weights; nvcc >= 12.0 on PATH or under $CUDA_HOME) and says
+   what device code each holds: a fatbin of sm_90a machine code.
 2. When a CUDA GPU of that architecture is present: runs both artifacts on the GPU through the
    engine and compares their logits and greedy tokens with the reference backend (the IR
    interpreter in numpy) on a KV pool of the same format (FP8 rows), then prints prefill and
@@ -55,8 +56,11 @@ def build(work: Path, target: str, models: list[str]) -> None:
         seconds = _compile(work / label, target, work / f"{label}-{target}")
         note = ""
         if target == "sm90":
+            from dsv4c.artifact.device_code import device_modules
+
             library = json.loads((work / f"{label}-sm90" / "manifest.json").read_text())["vm"]["library"]
-            note = f"; holds sm_90a code: {b'sm_90a' in (work / f'{label}-sm90' / library).read_bytes()}"
+            (_, module), = device_modules(work / f"{label}-sm90" / library)
+            note = f"; device code: {module.fmt} of {len(module.functions)} kernels (nvcc, sm_90a)"
         print(f"{label}: checkpoint in {time.perf_counter() - start - seconds:.1f} s, {target} artifact in "
               f"{seconds:.1f} s{note}")
 

@@ -1,11 +1,17 @@
 """GPU targets, cross-compiled on a machine without a GPU: device code, weight formats, geometry.
 
 gfx942 / gfx950 need ld.lld >= 19 + the ROCm device bitcode, which `make test` installs
-(Debian lld-19, rocm-device-libs); sm90 needs no toolchain. Where a toolchain is missing the
-test skips and says which one; nothing here needs a GPU to run."""
+(Debian lld-19, rocm-device-libs); sm90 needs nvcc (CUDA >= 12.0), and reading its machine code
+NVIDIA's cuobjdump (the test extra's nvidia-cuda-cuobjdump). Where a tool is missing the test
+skips and says which one; nothing here needs a GPU to run."""
 
+import importlib.util
 import json
+import shutil
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -15,18 +21,25 @@ from dsv4c.codegen import gpu
 from dsv4c.compile import compile_model
 from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
 from dsv4c.frontend.config import preset
+from dsv4c.artifact.device_code import device_modules
 from dsv4c.artifact.manifest import ArtifactError, read_manifest
+from dsv4c.errors import DsvError
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.weights import open_weights
 
 EF_AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}
 EM_AMDGPU = 224
+FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+_spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPTS / "kernel_resources.py")
+kernel_resources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernel_resources)
 
 
 def _require(target):
     try:
-        if target != "sm90":  # sm90 keeps CUDA C++: building it needs no toolchain
-            gpu.rocm_environment()
+        gpu.nvcc_environment() if target == "sm90" else gpu.rocm_environment()
     except gpu.ToolchainError as e:
         pytest.skip(f"toolchain missing for {target}: {e}")
 
@@ -55,22 +68,61 @@ def _embedded_elfs(blob: bytes):
 
 
 def test_artifact_carries_device_code(artifact):
-    """The compiled step's library holds device code for the target: every kernel as CUDA C++
-    for sm90 (TVM's CUDA runtime compiles it for the GPU at load), AMDGPU code objects for
-    gfx942 / gfx950."""
+    """The compiled step's library holds machine code for the target and no kernel source: a
+    fatbin compiled by nvcc at build time for sm90, AMDGPU code objects for gfx942 / gfx950."""
     target, path = artifact
     manifest = json.loads((path / "manifest.json").read_text())
-    blob = (path / manifest["vm"]["library"]).read_bytes()
+    library = path / manifest["vm"]["library"]
+    blob = library.read_bytes()
+    (key, module), = device_modules(library)
+    assert key == ("cuda" if target == "sm90" else "hip")
+    assert manifest["kernels"]["device_code"] == f"{module.fmt} {'sm_90a' if target == 'sm90' else target}"
     if target == "sm90":
-        assert blob.count(b'extern "C" __global__') >= manifest["kernels"]["count"]
-        assert manifest["kernels"]["device_code"] == "cuda sm_90a"
+        assert module.fmt == "fatbin" and module.code[:4] == FATBIN_MAGIC
+        # TVM's CUDA C++ declares every kernel `extern "C" __global__`; none of it is left.
+        assert b"__global__" not in blob and b"#include" not in blob
     else:
+        assert module.fmt == "hsaco"
         machs = {flags & 0xFF for _, machine, flags in _embedded_elfs(blob) if machine == EM_AMDGPU}
         assert machs == {EF_AMDGPU_MACH[target]}, f"code objects for {machs}"
     assert manifest["target"] == target
     assert manifest["vm"]["functions"] == ["decode", "prefill", "mtp0_decode", "mtp0_prefill"]
     assert manifest["vm"]["cuda_graph"] == (target == "sm90")
     assert manifest["target"] == target and manifest["kernels"]["count"] > 10
+
+
+def _cuobjdump() -> str:
+    try:
+        return kernel_resources.cuobjdump()
+    except DsvError as e:
+        pytest.skip(f"cannot run NVIDIA's cuobjdump ({e})")
+
+
+@pytest.mark.parametrize("artifact", ["sm90"], indirect=True)
+def test_sm90_library_holds_sm90a_machine_code_only(artifact, tmp_path):
+    """The library's CUDA module, taken out of model.so without TVM or a GPU, is what cuobjdump
+    calls one sm_90a ELF and no PTX, with an entry point for every kernel of its function table:
+    the driver loads it as it is, and neither NVRTC nor a driver JIT runs at load."""
+    _, path = artifact
+    (_, module), = device_modules(path / "model.so")
+    fatbin = tmp_path / "kernels.fatbin"
+    fatbin.write_bytes(module.code)
+    tool = _cuobjdump()
+    run = lambda *args: subprocess.run([tool, *args, str(fatbin)], capture_output=True, text=True)  # noqa: E731
+    elfs = run("--list-elf")
+    assert elfs.returncode == 0, elfs.stderr
+    assert [line.split()[-1].split(".")[-2] for line in elfs.stdout.splitlines()] == ["sm_90a"]
+    ptx = run("--list-ptx")
+    assert ptx.stdout.strip() == "" and "No PTX" in ptx.stderr
+    symbols = run("--dump-elf-symbols").stdout
+    entries = {line.split()[-1] for line in symbols.splitlines() if line.startswith("FUNC") and " ENTRY " in line}
+    assert entries == set(module.functions) and len(entries) > 10
+
+
+def test_nvcc_too_old_is_a_one_line_toolchain_error(monkeypatch):
+    monkeypatch.setattr(gpu, "_version", lambda cmd: "Cuda compilation tools, release 11.8, V11.8.89")
+    with pytest.raises(gpu.ToolchainError, match=r"^sm90 needs nvcc from CUDA >= 12\.0 [^\n]*$"):
+        gpu.nvcc_environment()
 
 
 def test_pool_geometry_per_target(artifact):
@@ -82,12 +134,7 @@ def test_pool_geometry_per_target(artifact):
     # The pool format the manifest declares is the one the artifact's pool kernels were built for.
     assert geometry["pool_fp8_format"] == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
     assert geometry["index_layout"] == ("gfx950_fp4_preshuffled" if target == "gfx950" else "row-major")
-    from dsv4c.codegen.lowering import kernel_table
-    from dsv4c.frontend.trace import trace
-    from dsv4c.passes.pipeline import run_pipeline
-
-    program = run_pipeline(trace(preset("tiny")))
-    specs, _ = kernel_table(program, plan_for(preset("tiny"), target))
+    specs = _kernel_specs(target)
     assert manifest["kernels"]["count"] == len(specs)  # the artifact built this table
     pool_kernels = {symbol for symbol in specs
                     if symbol.startswith(("store_main_fp8", "store_rows", "index_score", "sparse_attn"))}
@@ -101,6 +148,56 @@ def test_pool_geometry_per_target(artifact):
     flash = {"gfx950": 68, "gfx942": 132, "sm90": 132}[target]
     from dsv4c.artifact.pool import PoolGeometry
     assert PoolGeometry.build(preset("flash"), plan_for(preset("flash"), target)).index_row_bytes == flash
+
+
+def _kernel_specs(target):
+    from dsv4c.codegen.lowering import kernel_table
+    from dsv4c.frontend.trace import trace
+    from dsv4c.passes.pipeline import run_pipeline
+    from dsv4c.passes.quant_plan import plan_for
+
+    return kernel_table(run_pipeline(trace(preset("tiny"))), plan_for(preset("tiny"), target))[0]
+
+
+@pytest.mark.parametrize("artifact", ["sm90", "gfx950"], indirect=True)
+def test_kernel_resources_reports_every_kernel(artifact):
+    """scripts/kernel_resources.py gives every kernel of the library its registers, and the
+    decode step's hot kernels (GEMVs, sparse attention) spill nothing."""
+    target, path = artifact
+    if target == "sm90":
+        _cuobjdump()
+    done = subprocess.run([sys.executable, str(SCRIPTS / "kernel_resources.py"), str(path), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    rows = {row["kernel"]: row for row in report["kernels"]}
+    (_, module), = device_modules(path / "model.so")
+    assert report["target"] == target and set(rows) == set(module.functions)
+    assert all(row["registers"] > 0 for row in rows.values())
+    # The library holds the manifest's kernel table but one kernel: tiny has 4 query heads, so
+    # prefill's 64-head block of sparse_attn is decode's kernel, and TVM keeps one of the two.
+    manifest = json.loads((path / "manifest.json").read_text())
+    absent = [s for s in manifest["vm"]["profile"]["kernels"] if f"{s}_kernel" not in rows]
+    assert len(absent) == 1 and absent[0].startswith("sparse_attn") and absent[0].endswith("_64")
+    hot = [f"{symbol}_kernel" for symbol, spec in _kernel_specs(target).items()
+           if spec.factory == "sparse_attn" or (spec.factory == "linear" and spec.params[3])]  # params[3]: gemv
+    hot = [name for name in hot if name in rows]
+    assert len(hot) >= 8 and any(name.startswith("sparse_attn") for name in hot)
+    assert {name: rows[name] for name in hot if rows[name]["spills"] != 0} == {}
+
+
+@pytest.mark.parametrize("artifact", ["sm90"], indirect=True)
+def test_kernel_resources_refuses_a_cpu_artifact(artifact, tmp_path):
+    _, path = artifact
+    cpu = tmp_path / "art"
+    shutil.copytree(path, cpu)
+    manifest = json.loads((cpu / "manifest.json").read_text())
+    (cpu / "manifest.json").write_text(json.dumps({**manifest, "target": "llvm"}))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "kernel_resources.py"), str(cpu)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"kernel_resources: error: {cpu} is an artifact for llvm: it holds no GPU kernels (only " \
+                          "sm90, gfx942, gfx950 artifacts do)\n"
 
 
 @pytest.mark.parametrize("artifact", ["gfx942"], indirect=True)

@@ -4,6 +4,8 @@
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/string.h>
 
+#include <dlfcn.h>
+#include <limits.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -124,6 +126,17 @@ void use_physical_cores() {
   }
 }
 
+// TVM's CUDA runtime (the CUDA device API and the loader of the library's CUDA module) is a
+// library of its own beside libtvm_runtime.so, linked against the CUDA driver (libcuda.so.1);
+// `import tvm` loads it for Python, and nothing else would here. It registers itself when
+// loaded. False where it cannot be: no driver, so no CUDA GPU either.
+bool load_cuda_runtime() {
+  void* runtime = dlopen("libtvm_runtime.so", RTLD_NOW | RTLD_NOLOAD);
+  char dir[PATH_MAX];
+  if (runtime == nullptr || dlinfo(runtime, RTLD_DI_ORIGIN, dir) != 0) return false;
+  return dlopen((std::string(dir) + "/libtvm_runtime_cuda.so").c_str(), RTLD_NOW | RTLD_LOCAL) != nullptr;
+}
+
 // The device an artifact's target runs on (Python: TargetInfo.device, and on the CPU
 // backend_tvm.check_cpu and check_subnormals), or an ArtifactError.
 DLDevice device_for(const std::string& path, const json::Fields& manifest) {
@@ -136,7 +149,8 @@ DLDevice device_for(const std::string& path, const json::Fields& manifest) {
   }
   DLDevice device{target == "sm90" ? kDLCUDA : kDLROCM, 0};
   bool exists = false;
-  if (auto attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr")) {
+  auto attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr");
+  if (attr && (target != "sm90" || load_cuda_runtime())) {
     try {
       exists = (*attr)(static_cast<int>(device.device_type), 0, 0).cast<int64_t>() != 0;  // kExist
     } catch (const ffi::Error&) {  // a TVM runtime built without that device's API
