@@ -112,27 +112,29 @@ def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
         print(f"compile: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
-def _step_weights(artifact: Path):
+def _step_weights(artifact: Path, rank: int = 0):
     """(name, array, part, share) of every tensor the compiled step takes (the manifest's
     ``vm.params``, constants included; memory-mapped, only headers are read): ``share`` is the
     fraction a token reads, 1 except for the embedding and hash-routing tables (one row) and
-    the routed experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``). The
-    MTP layer's own weights (which only its draft function reads) are part ``mtp``."""
+    the routed experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``; a rank
+    of a ``--tensor-parallel`` artifact holds a share of the experts and reads as large a share of
+    the token's). The MTP layer's own weights (which only its draft function reads) are part
+    ``mtp``. Of a multi-rank artifact, rank ``rank``'s."""
     from dsv4c.artifact.safetensors_io import SafetensorsFile
     from dsv4c.artifact.manifest import read_manifest
     from dsv4c.runtime.weights import open_weights
 
     manifest = read_manifest(artifact)
     model, vm = manifest["model"], manifest["vm"]
-    tensors = dict(open_weights(artifact, manifest))
+    tensors = dict(open_weights(artifact, manifest, rank=rank))
     with SafetensorsFile(artifact / vm["constants"]) as st:
         tensors.update((name, st.read_raw(name)) for name in st.names())
     for name in vm["params"]:
         a = tensors[name]
         part = _param_part(name)
         if part == "routed_experts":
-            assert a.shape[0] == model["n_routed_experts"], (name, a.shape)
-            share = model["num_experts_per_tok"] / a.shape[0]
+            assert a.shape[0] == model["n_routed_experts"] // manifest.get("tensor_parallel", 1), (name, a.shape)
+            share = model["num_experts_per_tok"] / model["n_routed_experts"]
         else:
             share = 1 / a.shape[0] if part == "embedding_rows" else 1.0
         yield name, a, "mtp" if name.startswith("mtp.") else part, share
@@ -149,11 +151,11 @@ def _param_part(name: str) -> str:
     return "head" if name.startswith("head.") else "dense"
 
 
-def decode_weight_bytes(artifact: Path) -> dict[str, float]:
-    """Bytes of weights one decode token reads, by part (``_step_weights``); KV pool reads,
-    which grow with context, are not weights and not counted. ``mtp`` is outside ``total``."""
+def decode_weight_bytes(artifact: Path, rank: int = 0) -> dict[str, float]:
+    """Bytes of weights one decode token reads (on rank ``rank``), by part (``_step_weights``); KV
+    pool reads, which grow with context, are not weights and not counted. ``mtp`` is outside ``total``."""
     parts = dict.fromkeys(("dense", "head", "routed_experts", "embedding_rows", "mtp"), 0.0)
-    for _, a, part, share in _step_weights(artifact):
+    for _, a, part, share in _step_weights(artifact, rank):
         parts[part] += a.nbytes * share
     return {"total": sum(v for k, v in parts.items() if k != "mtp"), **parts}
 

@@ -46,6 +46,7 @@ from dsv4c.runtime.backend_tvm import TvmBackend
 DEFAULT_TIMEOUT_S = 60.0  # --distributed-timeout
 # A broadcast call: [op, function, T, R, B, L, stream rows (-1: none), chain, journal bytes, extents].
 HEADER_WORDS = 10
+MESSAGE_WORDS = 4096  # a call's first broadcast (StepChannel)
 OP_CALL, OP_STOP = 1, 2
 
 
@@ -175,8 +176,11 @@ def apply_journal(pool, data: bytes) -> None:
 
 
 class StepChannel:
-    """Rank 0's calls to the other ranks over the control group: a header, the step inputs as one
-    int32 tensor, the pool journal."""
+    """Rank 0's calls to the other ranks over the control group, each one int32 message: a header,
+    the step inputs, the pool journal's bytes. A broadcast costs a round trip whatever its size up
+    to tens of KiB, so every message starts with one of :data:`MESSAGE_WORDS` words (a decode
+    step's whole message) and only a larger one (a long prefill chunk, a large journal) takes a
+    second broadcast for the rest."""
 
     def __init__(self, group: Group):
         import torch
@@ -191,22 +195,28 @@ class StepChannel:
         self.group.broadcast([tensor], self.options).wait()
         return tensor.numpy()
 
+    def _send(self, message: np.ndarray) -> None:
+        first = np.zeros(MESSAGE_WORDS, np.int32)
+        first[:min(len(message), MESSAGE_WORDS)] = message[:MESSAGE_WORDS]
+        self._broadcast(first)
+        if len(message) > MESSAGE_WORDS:
+            self._broadcast(np.ascontiguousarray(message[MESSAGE_WORDS:]))
+
     def send_call(self, function: int, arrays: list[np.ndarray], extents, stream_rows, chain: bool,
                   journal: bytes) -> None:
         tokens, _, _, requests, blocks, logit_rows = arrays
         streams = -1 if stream_rows is None else len(stream_rows)
         header = [OP_CALL, function, len(tokens), len(requests), blocks.shape[1], len(logit_rows), streams, int(chain),
                   len(journal), len(extents)]
-        self._broadcast(np.array(header, np.int64))
-        parts = [np.asarray(a, np.int32).reshape(-1) for a in arrays] + [np.asarray(extents, np.int32)]
+        parts = [np.array(header, np.int32)] + [np.asarray(a, np.int32).reshape(-1) for a in arrays] + \
+            [np.asarray(extents, np.int32)]
         if stream_rows is not None:
             parts.append(np.asarray(stream_rows, np.int32))
-        self._broadcast(np.concatenate(parts))
-        if journal:
-            self._broadcast(np.frombuffer(journal, np.uint8).copy())
+        parts.append(np.frombuffer(journal + b"\0" * (-len(journal) % 4), np.int32))
+        self._send(np.concatenate(parts))
 
     def send_stop(self) -> None:
-        self._broadcast(np.array([OP_STOP] + [0] * (HEADER_WORDS - 1), np.int64))
+        self._send(np.array([OP_STOP], np.int32))
 
     def send_setup(self, values: list[int]) -> None:
         self._broadcast(np.array(values, np.int64))
@@ -216,15 +226,18 @@ class StepChannel:
 
     def receive(self):
         """(function index, arrays, extents, stream rows or None, chain, journal bytes), or None at stop."""
-        op, function, t, r, b, lr, s, chain, journal, e = self._broadcast(np.zeros(HEADER_WORDS, np.int64)).tolist()
+        message = self._broadcast(np.zeros(MESSAGE_WORDS, np.int32))
+        op, function, t, r, b, lr, s, chain, journal, e = message[:HEADER_WORDS].tolist()
         if op == OP_STOP:
             return None
-        sizes = [t, t, t, r * 4, r * b, lr, e, max(s, 0)]
-        ints = self._broadcast(np.zeros(sum(sizes), np.int32))
-        cut = np.split(ints, np.cumsum(sizes)[:-1])
+        sizes = [t, t, t, r * 4, r * b, lr, e, max(s, 0), -(-journal // 4)]
+        total = HEADER_WORDS + sum(sizes)
+        if total > MESSAGE_WORDS:
+            message = np.concatenate([message, self._broadcast(np.zeros(total - MESSAGE_WORDS, np.int32))])
+        cut = np.split(message[HEADER_WORDS:total], np.cumsum(sizes)[:-1])
         arrays = cut[:3] + [cut[3].reshape(r, 4), cut[4].reshape(r, b), cut[5]]
-        data = self._broadcast(np.zeros(journal, np.uint8)).tobytes() if journal else b""
-        return function, arrays, cut[6].tolist(), cut[7] if s >= 0 else None, bool(chain), data
+        return function, arrays, cut[6].tolist(), cut[7] if s >= 0 else None, bool(chain), \
+            cut[8].tobytes()[:journal]
 
 
 # --------------------------------------------------------------------------- rank 0

@@ -1,0 +1,126 @@
+"""Benchmark: the flash slice's decode step on one process (2 threads) and on two ranks (2
+processes x 1 thread, ``compile --tensor-parallel 2``), same machine, same run.
+
+Each configuration runs in a child process of its own, alternating, ``--rounds`` times: the
+engine feeds a ``--context``-token prompt, then times ``--steps`` decode steps of one request
+(``Engine.step``, the whole step: both ranks' kernels, the broadcast of the step's inputs and the
+collectives). Each round keeps its median step, each configuration its best round; the ratio
+TP 2 / TP 1 is the figure to compare (the goal: at most 1.25). The ranks are pinned one per
+core (``runtime.tensor_parallel.core_shares``), the one-process engine runs 2 threads.
+
+It also prints what a decode step moves: the collectives' payload (every ``all_reduce`` /
+``all_gather`` of the step program at one token, from the artifact's ``program.json``) and the
+bytes each rank sends over gloo's ring for it, beside the weight bytes each rank reads per token
+(``flash_slice.decode_weight_bytes``: dense weights whole, the routed experts' top-k share).
+
+    python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--context 1024] [--steps 32]
+                                    [--rounds 3] [--json out.json]
+
+Both artifacts are the flash slice (``bench/flash_slice.py`` builds the checkpoint; compile it with
+``dsv4c compile --model CKPT --target llvm [-tp 2]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from flash_slice import decode_weight_bytes  # noqa: E402
+
+
+def child(artifact: str, context: int, steps: int) -> dict:
+    """Decode ``steps`` tokens after a ``context``-token prompt; the seconds of each decode step."""
+    import numpy as np
+
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.sampling import SamplingParams
+
+    with Engine(artifact, max_requests=1, max_context=context + steps + 8, max_step_tokens=512,
+                prefix_caching=False) as engine:
+        prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, context).tolist()
+        rid = engine.submit(prompt, SamplingParams(max_new_tokens=steps + 2))
+        request = engine.requests[rid]
+        while not request.generated:  # prefill
+            engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return {"decode_s": times}
+
+
+def collective_bytes(artifact: Path) -> dict:
+    """Payload of the step's collectives at one token, and what each rank sends for them over a
+    ring of N ranks (all-reduce: 2 (N-1) / N of the tensor; all-gather: (N-1) / N of the result)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    n = manifest.get("tensor_parallel", 1)
+    step = next(f for f in json.loads((artifact / "program.json").read_text())["functions"] if f["name"] == "step")
+    payload = wire = 0.0
+    counts = {"all_reduce": 0, "all_gather": 0}
+    for node in step["nodes"]:
+        if node["op"] in counts:
+            counts[node["op"]] += 1
+            size = 4
+            for d in node["outputs"][0]["type"]["shape"][1:]:
+                size *= d
+            payload += size
+            wire += size * (2 if node["op"] == "all_reduce" else 1) * (n - 1) / n
+    return {"calls": counts, "payload_bytes": payload, "sent_bytes_per_rank": wire}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("one_device", type=Path)
+    p.add_argument("tp2", type=Path)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]))))
+        return
+    from dsv4c.targets import host_cpu_flags
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    configs = {"tp1": (args.one_device, {**env, "TVM_NUM_THREADS": "2"}), "tp2": (args.tp2, env)}
+    rounds: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, (artifact, child_env) in configs.items():
+            out = subprocess.run([sys.executable, __file__, str(args.one_device), str(args.tp2),
+                                  "--child", str(artifact), str(args.context), str(args.steps)],
+                                 capture_output=True, text=True, env=child_env, check=True)
+            rounds[name].append(statistics.median(json.loads(out.stdout.splitlines()[-1])["decode_s"]))
+    host = host_cpu_flags()
+    best = {name: min(values) for name, values in rounds.items()}
+    weights = {"tp1": decode_weight_bytes(args.one_device)["total"],
+               "tp2": [decode_weight_bytes(args.tp2, rank)["total"] for rank in range(2)]}
+    report = {"cpu": host.model if host else None, "context": args.context, "steps": args.steps,
+              "rounds_median_s": rounds, "best_median_ms": {k: v * 1e3 for k, v in best.items()},
+              "tp2_over_tp1": best["tp2"] / best["tp1"], "weight_bytes_per_token": weights,
+              "collectives": collective_bytes(args.tp2)}
+    c = report["collectives"]
+    print(f"CPU: {report['cpu']}; flash slice, context {args.context}, {args.steps} decode steps x {args.rounds} rounds")
+    print(f"decode step  TP 1 (1 process x 2 threads) {best['tp1'] * 1e3:8.2f} ms   "
+          f"TP 2 (2 processes x 1 thread) {best['tp2'] * 1e3:8.2f} ms   TP 2 / TP 1 = {report['tp2_over_tp1']:.3f}")
+    print(f"weights read per token: TP 1 {weights['tp1'] / 2**20:.1f} MiB; TP 2 per rank "
+          f"{' / '.join(f'{w / 2**20:.1f}' for w in weights['tp2'])} MiB")
+    print(f"collectives per decode step: {c['calls']['all_reduce']} all-reduce + {c['calls']['all_gather']} "
+          f"all-gather, payload {c['payload_bytes'] / 2**10:.1f} KiB, each rank sends "
+          f"{c['sent_bytes_per_rank'] / 2**10:.1f} KiB ({c['sent_bytes_per_rank'] / weights['tp2'][0]:.2e} of its "
+          "weight reads)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
