@@ -4,6 +4,7 @@ logits within 1e-5 (the all-reduces add the ranks' partial sums in another order
 ends generation with one line, quickly, and leaves no process behind."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -108,20 +109,28 @@ def mixed_tp2(tmp_path_factory):
 
     from dsv4c.frontend.config import config_from_dict
 
+    from serving import write_tokenizer
+
     root = tmp_path_factory.mktemp("tp2")
     fp32_checkpoint(config_from_dict(PARITY_CONFIGS["mixed_hc4"], "mixed_hc4"), root / "ckpt")
+    write_tokenizer(root / "ckpt")  # so that generate --prompt streams text: the test sees decoding start
     return _compile_tp2(root / "ckpt", root / "art")
+
+
+def _generating(*args: str) -> tuple[subprocess.Popen, list[int]]:
+    """``dsv4c generate`` started and its rank processes, once it has streamed its first text."""
+    proc = _dsv4c("generate", *args, "--max-new-tokens", "20000")
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    assert ready and proc.stdout.read(1), proc.stderr.read()
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 1
+    return proc, ranks
 
 
 def test_a_dead_rank_ends_generate_in_one_line_and_leaves_nothing_behind(mixed_tp2):
     """SIGKILL of rank 1 mid-generation: generate exits non-zero with one line naming the rank,
     well within the 90 s the collective timeout allows, and no rank process is left."""
-    proc = _dsv4c("generate", str(mixed_tp2), "--token-ids", "1,2,3,4,5", "--max-new-tokens", "20000")
-    deadline = time.monotonic() + 60
-    while not (ranks := _ranks_of(proc.pid)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.1)
-    time.sleep(3)  # generating by now: the ranks meet in every step's collectives
+    proc, ranks = _generating(str(mixed_tp2), "--prompt", "w10 w20 w30")
     killed = time.monotonic()
     os.kill(ranks[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
@@ -133,11 +142,7 @@ def test_a_dead_rank_ends_generate_in_one_line_and_leaves_nothing_behind(mixed_t
 
 def test_rank_0_stopped_by_a_signal_takes_its_ranks_with_it(mixed_tp2):
     """SIGTERM ends rank 0 without Python's exit handlers; its ranks die with it (PR_SET_PDEATHSIG)."""
-    proc = _dsv4c("generate", str(mixed_tp2), "--token-ids", "1,2,3", "--max-new-tokens", "20000")
-    deadline = time.monotonic() + 60
-    while not (ranks := _ranks_of(proc.pid)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.1)
+    proc, ranks = _generating(str(mixed_tp2), "--prompt", "w40 w41")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
