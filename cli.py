@@ -483,24 +483,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _torchrun_rank(args) -> int | None:
+def _torchrun_rank(args) -> None:
     """Under torchrun (``WORLD_SIZE`` > 1), ``generate`` / ``serve`` run the engine on rank 0 and
-    only a rank's share of each step on the others (``runtime.tensor_parallel``)."""
+    only a rank's share of each step on the others (``runtime.tensor_parallel``; it ends the
+    process)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if args.command not in ("generate", "serve") or world <= 1 or rank == 0:
-        return None
-    from dsv4c.runtime.tensor_parallel import run_rank, torchrun_address
+    if args.command in ("generate", "serve") and world > 1 and rank > 0:
+        from dsv4c.runtime.tensor_parallel import run_rank, torchrun_address
 
-    return run_rank(Path(args.artifact), rank, world, torchrun_address(), args.distributed_timeout, args.weights)
+        run_rank(Path(args.artifact), rank, world, torchrun_address(), args.distributed_timeout, args.weights)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = _torchrun_rank(args)
-        if code is not None:
-            return code
+        _torchrun_rank(args)
         return args.run(args)
     except DsvError as e:
         print(f"dsv4c: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

@@ -12,6 +12,8 @@ It also prints what a decode step moves: the collectives' payload (every ``all_r
 ``all_gather`` of the step program at one token, from the artifact's ``program.json``) and the
 bytes each rank sends over gloo's ring for it, beside the weight bytes each rank reads per token
 (``flash_slice.decode_weight_bytes``: dense weights whole, the routed experts' top-k share).
+Last, the collective choice: two ranks time an all-reduce of a decode step's and a 512-token
+prefill chunk's partial sums against a reduce-scatter + all-gather and an all-to-all of them.
 
     python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--context 1024] [--steps 32]
                                     [--rounds 3] [--json out.json]
@@ -57,6 +59,52 @@ def child(artifact: str, context: int, steps: int) -> dict:
         return {"decode_s": times}
 
 
+def collectives_child(rank: int, port: int, hidden: int, tokens: list[int], repeats: int) -> dict:
+    """One of two ranks (pinned to core ``rank``, as the engine's are): microseconds per call of
+    the MoE / attention join at a step of ``tokens`` tokens of ``hidden`` floats, by the three ways
+    to do it: an all-reduce, a reduce-scatter then an all-gather (what a sequence-parallel split
+    would do), an all-to-all of the same bytes (what an expert dispatch sends)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, [rank % os.cpu_count()])
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+    out = {}
+    for t in tokens:
+        x, half, whole = torch.ones(t * hidden), torch.empty(t * hidden // 2), torch.empty(t * hidden)
+        ways = {"all_reduce": lambda: pg.allreduce([x]).wait(),
+                "reduce_scatter+all_gather": lambda: (pg._reduce_scatter_base(half, x).wait(),
+                                                      pg._allgather_base(whole, half).wait()),
+                "all_to_all": lambda: pg.alltoall_base(whole, x, [], []).wait()}
+        for name, call in ways.items():
+            for _ in range(3):
+                call()
+            pg.barrier().wait()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            out[f"{name} @ {t} tokens"] = (time.perf_counter() - start) / repeats * 1e6
+    return out
+
+
+def collective_choice(hidden: int, tokens: list[int], repeats: int) -> dict:
+    """Both ranks of :func:`collectives_child`; rank 0's figures."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [str(hidden), ",".join(map(str, tokens)), str(repeats)]
+    procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--collectives-child", str(rank), str(port), *args],
+                              stdout=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate()[0] for p in procs]
+    return json.loads(outs[0].splitlines()[-1])
+
+
 def collective_bytes(artifact: Path) -> dict:
     """Payload of the step's collectives at one token, and what each rank sends for them over a
     ring of N ranks (all-reduce: 2 (N-1) / N of the tensor; all-gather: (N-1) / N of the result)."""
@@ -85,7 +133,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--collectives-child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.collectives_child:
+        rank, port, hidden, tokens, repeats = args.collectives_child
+        print(json.dumps(collectives_child(int(rank), int(port), int(hidden), [int(t) for t in tokens.split(",")],
+                                           int(repeats))))
+        return
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), int(args.child[2]))))
         return
@@ -107,7 +161,8 @@ def main() -> None:
     report = {"cpu": host.model if host else None, "context": args.context, "steps": args.steps,
               "rounds_median_s": rounds, "best_median_ms": {k: v * 1e3 for k, v in best.items()},
               "tp2_over_tp1": best["tp2"] / best["tp1"], "weight_bytes_per_token": weights,
-              "collectives": collective_bytes(args.tp2)}
+              "collectives": collective_bytes(args.tp2),
+              "collective_choice_us": collective_choice(4096, [1, 512], 50)}
     c = report["collectives"]
     print(f"CPU: {report['cpu']}; flash slice, context {args.context}, {args.steps} decode steps x {args.rounds} rounds")
     print(f"decode step  TP 1 (1 process x 2 threads) {best['tp1'] * 1e3:8.2f} ms   "
@@ -118,6 +173,9 @@ def main() -> None:
           f"all-gather, payload {c['payload_bytes'] / 2**10:.1f} KiB, each rank sends "
           f"{c['sent_bytes_per_rank'] / 2**10:.1f} KiB ({c['sent_bytes_per_rank'] / weights['tp2'][0]:.2e} of its "
           "weight reads)")
+    print("joining two ranks' partial sums (hidden 4096, us per call):")
+    for name, us in report["collective_choice_us"].items():
+        print(f"  {name:<40} {us:10.1f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

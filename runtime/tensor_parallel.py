@@ -290,12 +290,12 @@ class RankGroup:
                      "--weights", weights_mode, "--parent", str(os.getpid()),
                      "--cpus", ",".join(map(str, shares[rank]))],
                     start_new_session=True)  # a terminal's Ctrl-C reaches rank 0, which stops them
-            atexit.register(self.close)
             if not gpu:
                 pin_to(shares[0])
             self.group = self._wait(lambda: Group(address, 0, world, timeout, gpu), "starting the ranks")
         register_collectives()
         self.channel = StepChannel(self.group)
+        atexit.register(self.close)
 
     def _dead(self) -> str | None:
         for rank, proc in self.procs.items():
@@ -340,7 +340,7 @@ class RankGroup:
         if self.stopped:
             return
         self.stopped = True
-        if self.procs and self._dead() is None and not self.in_call:
+        if self._dead() is None and not self.in_call:  # torchrun's ranks too: they have no other way to know
             try:
                 self.channel.send_stop()
             except Exception:  # noqa: BLE001 - the group is broken: the ranks are killed below
@@ -450,7 +450,7 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     """``python -m dsv4c.runtime.tensor_parallel ARTIFACT --rank R ...``: a rank RankGroup starts."""
     p = argparse.ArgumentParser(prog="dsv4c-rank")
     p.add_argument("artifact", type=Path)
@@ -465,26 +465,28 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent)
     if args.cpus:
         pin_to([int(c) for c in args.cpus.split(",")])
-    return run_rank(args.artifact, args.rank, args.world_size, args.address, args.timeout, args.weights)
+    run_rank(args.artifact, args.rank, args.world_size, args.address, args.timeout, args.weights)
 
 
-def run_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str) -> int:
-    """:func:`serve_rank` with its failures as one line on stderr and an exit code."""
+def run_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str):
+    """:func:`serve_rank`, then end the process: its failures as one line on stderr and exit code
+    2 (a user error) or 1 (a collective failed: another rank is gone). Not through ``sys.exit``:
+    interpreter shutdown with gloo's threads still up aborts the process (SIGABRT), which rank 0
+    (or torchrun) would report instead of the exit code."""
+    code = 0
     try:
         serve_rank(artifact, rank, world, address, timeout, weights_mode)
     except DsvError as e:
         print(f"dsv4c rank {rank}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except Exception as e:  # noqa: BLE001 - a collective failed: rank 0 (or another rank) is gone
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"dsv4c rank {rank}: stopped: {first}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stderr.flush()
-    # Not sys.exit: interpreter shutdown with gloo's threads still up aborts the process (SIGABRT),
-    # which rank 0 would report instead of this exit code.
-    os._exit(code)
+    main()

@@ -88,11 +88,11 @@ def _speculation_and_prefix_cache(split: Engine, one_device: Path, cfg, rng) -> 
         assert cached == [whole.generate(p, params).tokens for p in prompts]
 
 
-def _dsv4c(*args: str) -> subprocess.Popen:
+def _dsv4c(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dsv4c.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "dsv4c", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, text=True)
+    return subprocess.Popen([sys.executable, *launcher, "-m", "dsv4c", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=True)
 
 
 def _ranks_of(pid: int) -> list[int]:
@@ -159,3 +159,18 @@ def test_generate_checks_the_rank_count(mixed_tp2, capsys):
     err = capsys.readouterr().err
     assert err == f"dsv4c: error: --tensor-parallel 4: {mixed_tp2} is compiled for 2 rank(s); run it with " \
                   "--tensor-parallel 2, or compile it again with --tensor-parallel 4\n"
+
+
+def test_torchrun_runs_every_rank_from_one_command_line(mixed_tp2, capsys):
+    """``torchrun --nproc-per-node 2 -m dsv4c generate ...``: rank 0 runs the engine, rank 1 its
+    share of each step; the tokens are those rank 0 gets with the ranks it starts itself, and
+    every rank exits 0 (rank 0 tells rank 1 to stop)."""
+    from dsv4c.cli import main as cli
+
+    args = ["generate", str(mixed_tp2), "--token-ids", "7,8,9,10", "--max-new-tokens", "8"]
+    assert cli(args) == 0
+    expected = capsys.readouterr().out
+    proc = _dsv4c(*args, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert out == expected and len(expected.split()) == 8

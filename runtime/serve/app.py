@@ -583,6 +583,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{max_waiting} waiting, context {max_context}, KV pool "
           f"{pool.nbytes_for(pool.geometry, pool.total_rows) / 2**20:,.0f} MiB"
           f"{', prefix caching' if engine.prefix_cache else ''}{server.chat.summary}"
+          f"{f', tensor parallel {ranks}' if (ranks := engine.manifest.get('tensor_parallel', 1)) > 1 else ''}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
     engine.close()
