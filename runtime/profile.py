@@ -24,6 +24,7 @@ import numpy as np
 
 from dsv4c.artifact.manifest import ArtifactError
 from dsv4c.errors import UsageError
+from dsv4c.runtime import tvm_runtime as rt
 
 
 @dataclass
@@ -88,7 +89,7 @@ class StepProfiler:
 
     def _timed(self, name: str, fn):
         def run(*args):
-            positions = args[1].numpy()  # the step's inputs: tokens, positions, ...
+            positions = rt.to_numpy(args[1])  # the step's inputs: tokens, positions, ...
             self._step, self._call = StepTimes(name, len(positions), float(np.mean(positions)) + 1, 0.0), 0
             start = time.perf_counter()
             out = fn(*args)
