@@ -352,6 +352,13 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # The process groups' threads end with them, here: left to interpreter shutdown, their
+        # destruction aborts the process (a joinable std::thread destroyed), exit status 134.
+        group = getattr(self, "group", None)
+        self.group = self.channel = None
+        if getattr(_active, "group", None) is group:
+            _active.group = None
+        del group
 
 
 class TensorParallelBackend(TvmBackend):

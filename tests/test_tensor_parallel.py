@@ -103,18 +103,10 @@ def _ranks_of(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def mixed_tp2(tmp_path_factory):
-    from parity_configs import PARITY_CONFIGS
-    from reference_harness import fp32_checkpoint
-
-    from dsv4c.frontend.config import config_from_dict
-
-    from serving import write_tokenizer
-
-    root = tmp_path_factory.mktemp("tp2")
-    fp32_checkpoint(config_from_dict(PARITY_CONFIGS["mixed_hc4"], "mixed_hc4"), root / "ckpt")
-    write_tokenizer(root / "ckpt")  # so that generate --prompt streams text: the test sees decoding start
-    return _compile_tp2(root / "ckpt", root / "art")
+def tp2(serve_artifacts_tp2):
+    """The tiny model (BF16 weights) at --tensor-parallel 2, with a tokenizer: generate --prompt
+    streams text, so the tests below see decoding start."""
+    return serve_artifacts_tp2 / "cpu"
 
 
 def _generating(*args: str) -> tuple[subprocess.Popen, list[int]]:
@@ -127,10 +119,10 @@ def _generating(*args: str) -> tuple[subprocess.Popen, list[int]]:
     return proc, ranks
 
 
-def test_a_dead_rank_ends_generate_in_one_line_and_leaves_nothing_behind(mixed_tp2):
+def test_a_dead_rank_ends_generate_in_one_line_and_leaves_nothing_behind(tp2):
     """SIGKILL of rank 1 mid-generation: generate exits non-zero with one line naming the rank,
     well within the 90 s the collective timeout allows, and no rank process is left."""
-    proc, ranks = _generating(str(mixed_tp2), "--prompt", "w10 w20 w30")
+    proc, ranks = _generating(str(tp2), "--prompt", "w10 w20 w30")
     killed = time.monotonic()
     os.kill(ranks[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=90)
@@ -140,9 +132,9 @@ def test_a_dead_rank_ends_generate_in_one_line_and_leaves_nothing_behind(mixed_t
     assert not _ranks_of(proc.pid)
 
 
-def test_rank_0_stopped_by_a_signal_takes_its_ranks_with_it(mixed_tp2):
+def test_rank_0_stopped_by_a_signal_takes_its_ranks_with_it(tp2):
     """SIGTERM ends rank 0 without Python's exit handlers; its ranks die with it (PR_SET_PDEATHSIG)."""
-    proc, ranks = _generating(str(mixed_tp2), "--prompt", "w40 w41")
+    proc, ranks = _generating(str(tp2), "--prompt", "w40 w41")
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
@@ -152,22 +144,22 @@ def test_rank_0_stopped_by_a_signal_takes_its_ranks_with_it(mixed_tp2):
         time.sleep(0.1)
 
 
-def test_generate_checks_the_rank_count(mixed_tp2, capsys):
+def test_generate_checks_the_rank_count(tp2, capsys):
     from dsv4c.cli import main as cli
 
-    assert cli(["generate", str(mixed_tp2), "--token-ids", "1,2", "--max-new-tokens", "2", "-tp", "4"]) == 2
+    assert cli(["generate", str(tp2), "--token-ids", "1,2", "--max-new-tokens", "2", "-tp", "4"]) == 2
     err = capsys.readouterr().err
-    assert err == f"dsv4c: error: --tensor-parallel 4: {mixed_tp2} is compiled for 2 rank(s); run it with " \
+    assert err == f"dsv4c: error: --tensor-parallel 4: {tp2} is compiled for 2 rank(s); run it with " \
                   "--tensor-parallel 2, or compile it again with --tensor-parallel 4\n"
 
 
-def test_torchrun_runs_every_rank_from_one_command_line(mixed_tp2, capsys):
+def test_torchrun_runs_every_rank_from_one_command_line(tp2, capsys):
     """``torchrun --nproc-per-node 2 -m dsv4c generate ...``: rank 0 runs the engine, rank 1 its
     share of each step; the tokens are those rank 0 gets with the ranks it starts itself, and
     every rank exits 0 (rank 0 tells rank 1 to stop)."""
     from dsv4c.cli import main as cli
 
-    args = ["generate", str(mixed_tp2), "--token-ids", "7,8,9,10", "--max-new-tokens", "8"]
+    args = ["generate", str(tp2), "--token-ids", "7,8,9,10", "--max-new-tokens", "8"]
     assert cli(args) == 0
     expected = capsys.readouterr().out
     proc = _dsv4c(*args, launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
