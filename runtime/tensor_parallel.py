@@ -259,11 +259,22 @@ def core_shares(world: int) -> list[list[int]]:
     return [cpus[r * per:(r + 1) * per] for r in range(world)]
 
 
-def pin_to(cpus: list[int]) -> None:
-    """Run this process's kernels on ``cpus``, one TVM thread each (a user's TVM_NUM_THREADS wins)."""
-    if hasattr(os, "sched_setaffinity"):
+def pin_to(cpus: list[int]):
+    """Run this thread's kernels on ``cpus``, one TVM thread each (a user's TVM_NUM_THREADS wins;
+    TVM sizes its thread pool when it first runs a parallel kernel); a function that undoes it
+    (rank 0 may be part of a larger program, a test session)."""
+    before, threads = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
+                       os.environ.get("TVM_NUM_THREADS"))
+    if before is not None:
         os.sched_setaffinity(0, cpus)
     os.environ.setdefault("TVM_NUM_THREADS", str(len(cpus)))
+
+    def undo() -> None:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+        if threads is None:
+            os.environ.pop("TVM_NUM_THREADS", None)
+    return undo
 
 
 class RankGroup:
@@ -273,6 +284,7 @@ class RankGroup:
         self.world, self.timeout, self.procs = world, timeout, {}
         self.stopped = False
         self.in_call = False  # a call is under way: the others may be inside its collectives
+        self.unpin = lambda: None
         launched = os.environ.get("WORLD_SIZE")
         if launched is not None:  # torchrun started every rank: join it
             if int(launched) != world:
@@ -291,7 +303,7 @@ class RankGroup:
                      "--cpus", ",".join(map(str, shares[rank]))],
                     start_new_session=True)  # a terminal's Ctrl-C reaches rank 0, which stops them
             if not gpu:
-                pin_to(shares[0])
+                self.unpin = pin_to(shares[0])
             self.group = self._wait(lambda: Group(address, 0, world, timeout, gpu), "starting the ranks")
         register_collectives()
         self.channel = StepChannel(self.group)
@@ -340,6 +352,7 @@ class RankGroup:
         if self.stopped:
             return
         self.stopped = True
+        self.unpin()
         if self._dead() is None and not self.in_call:  # torchrun's ranks too: they have no other way to know
             try:
                 self.channel.send_stop()
