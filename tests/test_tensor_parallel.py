@@ -88,6 +88,38 @@ def _speculation_and_prefix_cache(split: Engine, one_device: Path, cfg, rng) -> 
         assert cached == [whole.generate(p, params).tokens for p in prompts]
 
 
+def test_the_pool_journal_makes_another_pool_the_same():
+    """What rank 0 changes outside the step (a new request's slot cleared, a cached slot copied,
+    drafted rows put back: fp32 and fp8 rows, -inf ring scores) replays on a copy of its pool."""
+    from dsv4c.artifact.pool import PoolGeometry
+    from dsv4c.frontend.config import preset
+    from dsv4c.passes.quant_plan import plan_for
+    from dsv4c.runtime.kv_pool import KVPool
+    from dsv4c.runtime.tensor_parallel import PoolJournal, apply_journal
+
+    cfg = preset("tiny")
+    for kv in ("fp32", "fp8"):
+        g = PoolGeometry.build(cfg, plan_for(cfg, "llvm", kv_cache_dtype=kv))
+        pools = [KVPool(g, 8 * g.rows_per_envelope + 6 * g.window_rows_per_request) for _ in range(2)]
+        rng = np.random.default_rng(0)
+        for name, a in pools[0].tensors.items():
+            a[...] = rng.integers(0, 200, a.shape) if a.dtype.kind == "u" else rng.standard_normal(a.shape)
+            pools[1].tensors[name][...] = a
+        source, pools[0].journal = pools[0], PoolJournal(pools[0])
+        source.admit(0, reserve_tokens=300)
+        saved = source.save(source.position_state(0, [257, 258]))
+        for array, index in source.position_state(0, [257, 258]):
+            array[index] = 0  # a step overwrote them
+            pools[1].tensors[next(n for n, t in source.tensors.items() if t is array)][index] = 0
+        source.restore(saved)
+        source.admit(1, reserve_tokens=10)
+        source.copy_slot(source.requests[0].slot, source.requests[1].slot, at_block_boundary=True)
+        apply_journal(pools[1], source.journal.take())
+        assert source.journal.take() == b""
+        for name, a in source.tensors.items():
+            np.testing.assert_array_equal(pools[1].tensors[name], a, err_msg=f"{kv} {name}")
+
+
 def _dsv4c(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dsv4c.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
