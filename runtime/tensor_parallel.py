@@ -47,6 +47,8 @@ DEFAULT_TIMEOUT_S = 60.0  # --distributed-timeout
 # A broadcast call: [op, function, T, R, B, L, stream rows (-1: none), chain, journal bytes, extents].
 HEADER_WORDS = 10
 MESSAGE_WORDS = 4096  # a call's first broadcast (StepChannel)
+IDLE_TIMEOUT = timedelta(days=365)  # waits that end when a rank does, not on a clock
+START_TIMEOUT = timedelta(minutes=5)  # for the ranks to start and meet
 OP_CALL, OP_STOP = 1, 2
 
 
@@ -74,14 +76,26 @@ class Group:
         host, port = address.rsplit(":", 1)
         # Under torchrun the agent already serves a store at MASTER_PORT: every rank is its client.
         serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        wait = timedelta(seconds=timeout)
-        store = dist.PrefixStore("dsv4c", dist.TCPStore(host, int(port), world, is_master=serves, timeout=wait))
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, wait)
+        # Meeting takes as long as the ranks take to start (imports, a loaded machine): the groups
+        # wait for that; each collective then waits ``timeout`` at most (its options).
+        meet = max(timedelta(seconds=timeout), START_TIMEOUT)
+        store = dist.PrefixStore("dsv4c", dist.TCPStore(host, int(port), world, is_master=serves, timeout=meet))
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, meet)
         self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world) if gpu else self.control
         self.rank, self.world = rank, world
+        from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-    def barrier(self) -> None:
-        self.control.barrier().wait()
+        self.all_reduce, self.all_gather = dist.AllreduceOptions(), AllgatherOptions()
+        self.all_reduce.timeout = self.all_gather.timeout = timedelta(seconds=timeout)
+
+    def loaded(self) -> None:
+        """Wait for every rank to have loaded its weights, however long that takes (a rank that
+        dies on the way closes its connections, which ends the wait)."""
+        import torch.distributed as dist
+
+        options = dist.BarrierOptions()
+        options.timeout = IDLE_TIMEOUT
+        self.control.barrier(options).wait()
 
 
 def register_collectives() -> None:
@@ -92,14 +106,15 @@ def register_collectives() -> None:
     def all_reduce(x, out):
         o = torch.from_dlpack(out)
         o.copy_(torch.from_dlpack(x))
-        _active.group.data.allreduce([o]).wait()
+        group = _active.group
+        group.data.allreduce([o], group.all_reduce).wait()
 
     def all_gather(x, out):
         group = _active.group
         t, o = torch.from_dlpack(x).contiguous(), torch.from_dlpack(out)
         n, cols = t.shape
         parts = torch.empty((group.world, n, cols), dtype=t.dtype, device=t.device)
-        group.data.allgather([list(parts.unbind(0))], [t]).wait()
+        group.data.allgather([list(parts.unbind(0))], [t], group.all_gather).wait()
         o.copy_(parts.permute(1, 0, 2).reshape(n, group.world * cols)[:, :o.shape[1]])
 
     def noting_interrupts(collective):
@@ -188,11 +203,15 @@ class StepChannel:
 
         self.torch, self.group = torch, group.control
         self.options = dist.BroadcastOptions()
-        self.options.rootRank = 0
+        self.options.rootRank, self.options.timeout = 0, group.all_reduce.timeout
+        # A rank waits for rank 0's next call as long as the engine is idle (a server between
+        # requests); rank 0 going away closes the connection, which ends the wait.
+        self.idle = dist.BroadcastOptions()
+        self.idle.rootRank, self.idle.timeout = 0, IDLE_TIMEOUT
 
-    def _broadcast(self, array: np.ndarray) -> np.ndarray:
+    def _broadcast(self, array: np.ndarray, options=None) -> np.ndarray:
         tensor = self.torch.from_numpy(array)
-        self.group.broadcast([tensor], self.options).wait()
+        self.group.broadcast([tensor], options or self.options).wait()
         return tensor.numpy()
 
     def _send(self, message: np.ndarray) -> None:
@@ -222,11 +241,11 @@ class StepChannel:
         self._broadcast(np.array(values, np.int64))
 
     def receive_setup(self, count: int) -> list[int]:
-        return self._broadcast(np.zeros(count, np.int64)).tolist()
+        return self._broadcast(np.zeros(count, np.int64), self.idle).tolist()
 
     def receive(self):
         """(function index, arrays, extents, stream rows or None, chain, journal bytes), or None at stop."""
-        message = self._broadcast(np.zeros(MESSAGE_WORDS, np.int32))
+        message = self._broadcast(np.zeros(MESSAGE_WORDS, np.int32), self.idle)
         op, function, t, r, b, lr, s, chain, journal, e = message[:HEADER_WORDS].tolist()
         if op == OP_STOP:
             return None
@@ -335,7 +354,7 @@ class RankGroup:
 
     def loaded(self) -> None:
         """Wait until every rank has loaded its weights."""
-        self._wait(self.group.barrier, "loading the weights")
+        self._wait(self.group.loaded, "loading the weights")
 
     def failure(self, error: BaseException, what: str = "running a step") -> TensorParallelError:
         """The one-line error for a collective that failed: the rank that died, if one did."""
@@ -451,7 +470,7 @@ def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: flo
     device = rt.CPU if info.kind == "cpu" else rt.tvm_ffi.device(info.device().dlpack_device_type(), index)
     backend = TvmBackend(artifact, manifest, pool, device, weights_mode, rank=rank)
     functions = list(backend.functions)
-    group.barrier()
+    group.loaded()
     while (call := channel.receive()) is not None:
         function, arrays, extents, stream_rows, chain, journal = call
         apply_journal(pool, journal)

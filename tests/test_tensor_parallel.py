@@ -198,3 +198,23 @@ def test_torchrun_runs_every_rank_from_one_command_line(tp2, capsys):
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     assert out == expected and len(expected.split()) == 8
+
+
+def test_idle_ranks_wait_and_a_hung_rank_times_out(tp2):
+    """Between calls the ranks wait as long as the engine is idle (a server between requests),
+    not the collective timeout; inside a step a rank that stops answering (SIGSTOP) is given up
+    on after --distributed-timeout, in one line."""
+    from dsv4c.runtime.tensor_parallel import TensorParallelError
+
+    params = SamplingParams(max_new_tokens=4)
+    with Engine(tp2, max_context=256, distributed_timeout=1.0) as engine:
+        first = engine.generate([5, 6, 7], params).tokens
+        time.sleep(2.5)
+        assert engine.generate([5, 6, 7], params).tokens == first
+        (rank,) = engine.backend.ranks.procs.values()
+        rank.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="running a step failed on rank 0: .*[Tt]imed out") as e:
+            engine.generate([5, 6, 7], params)
+        assert time.monotonic() - start < 30 and "\n" not in str(e.value)
+        assert rank.poll() is not None  # killed: a stopped rank cannot be told to stop
