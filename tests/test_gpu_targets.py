@@ -1,11 +1,18 @@
 """GPU targets, cross-compiled on a machine without a GPU: device code, weight formats, geometry.
 
 gfx942 / gfx950 need ld.lld >= 19 + the ROCm device bitcode, which `make test` installs
-(Debian lld-19, rocm-device-libs); sm90 needs no toolchain. Where a toolchain is missing the
+(Debian lld-19, rocm-device-libs); sm90 needs no toolchain. The tensor-core check disassembles
+with NVIDIA's cuobjdump (pip, the `test` extra) and llvm-objdump. Where a toolchain is missing the
 test skips and says which one; nothing here needs a GPU to run."""
 
 import json
+import os
+import re
+import shutil
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +28,7 @@ from dsv4c.runtime.weights import open_weights
 
 EF_AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}
 EM_AMDGPU = 224
+EM_CUDA = 190
 
 
 def _require(target):
@@ -148,3 +156,89 @@ def test_device_check_logic_runs_on_the_cpu():
     assert done.returncode == 0, done.stderr
     assert "same tokens: True -> PASS" in done.stdout
     assert "decode at 32 context" in done.stdout
+
+
+def _tool(*names: str, extra_dirs: tuple[Path, ...] = (), install: str) -> str:
+    """The first of ``names`` on PATH (or in ``extra_dirs``), or a skip saying how to ``install`` one."""
+    search = os.pathsep.join([*map(str, extra_dirs), os.environ.get("PATH", "")])
+    found = next((path for name in names if (path := shutil.which(name, path=search))), None)
+    if found is None:
+        pytest.skip(f"{' / '.join(names)} not installed: {install}")
+    return found
+
+
+def _elf_images(blob: bytes, machine: int):
+    """The embedded ELF files of ``machine``, whole: up to the end of their section header table."""
+    for offset, mach, _ in _embedded_elfs(blob):
+        if mach == machine:
+            shoff, = struct.unpack_from("<Q", blob, offset + 0x28)
+            shentsize, shnum = struct.unpack_from("<HH", blob, offset + 0x3A)
+            yield blob[offset:offset + shoff + shentsize * shnum]
+
+
+def _sm90_sass(blob: bytes, work: Path) -> str:
+    """SASS of the library's sm_90a kernels: its cubins where it carries them, else its CUDA C++
+    (length-prefixed in the library) compiled with nvcc."""
+    nvidia_bin = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / \
+        "site-packages" / "nvidia" / "cu13" / "bin"
+    cuobjdump = _tool("cuobjdump", extra_dirs=(nvidia_bin,), install="pip install 'dsv4c[test]'")
+    cubins = list(_elf_images(blob, EM_CUDA))
+    if not cubins:
+        at = blob.find(b'extern "C" __global__')
+        start = next(s for s in range(at, 8, -1) if s + struct.unpack_from("<Q", blob, s - 8)[0] > at
+                     and blob[s:s + 1] == b"\n" and struct.unpack_from("<Q", blob, s - 8)[0] < len(blob))
+        (work / "kernels.cu").write_bytes(blob[start:start + struct.unpack_from("<Q", blob, start - 8)[0]])
+        nvcc = _tool("nvcc", install="NVIDIA's CUDA toolkit")
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-o", str(work / "kernels.cubin"), str(work / "kernels.cu")],
+                       check=True, capture_output=True)
+        cubins = [(work / "kernels.cubin").read_bytes()]
+    sass = []
+    env = {**os.environ, "PATH": os.pathsep.join([str(nvidia_bin), os.environ.get("PATH", "")])}
+    for i, cubin in enumerate(cubins):
+        (work / f"{i}.cubin").write_bytes(cubin)
+        sass.append(subprocess.run([cuobjdump, "-sass", str(work / f"{i}.cubin")], check=True, capture_output=True,
+                                   text=True, env=env).stdout)
+    return "\n".join(sass)
+
+
+def _by_kernel(listing: str, header: str) -> dict[str, str]:
+    """A disassembly split into each kernel's text, by the ``header`` regex naming it."""
+    parts = re.split(header, listing, flags=re.M)
+    return {name: text for name, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_gemm_kernels_run_on_tensor_cores(artifact, tmp_path):
+    """The prefill GEMMs and the expert GEMM that tile onto tensor cores hold their instructions
+    (sm90: HMMA in the SASS; gfx942 / gfx950: v_mfma in the code object), and the decode GEMVs,
+    which stay on the generic schedule, hold none: the check tells them apart."""
+    from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
+    from dsv4c.codegen.lowering import kernel_table
+    from dsv4c.frontend.trace import trace
+    from dsv4c.passes.pipeline import run_pipeline
+    from dsv4c.passes.quant_plan import plan_for
+    from dsv4c.targets import target_info
+
+    target, path = artifact
+    specs, _ = kernel_table(run_pipeline(trace(preset("tiny"))), plan_for(preset("tiny"), target))
+    tvm_target = target_info(target).tvm_target()
+    mma = {symbol for symbol, spec in specs.items() if mma_kernel(spec, tvm_target) is not None}
+    gemvs = {symbol for symbol, spec in specs.items() if spec.factory == "linear" and spec.params[3]}
+    assert any(s.startswith("expert_linear") for s in mma) and any(s.startswith("linear") for s in mma)
+    blob = (path / json.loads((path / "manifest.json").read_text())["vm"]["library"]).read_bytes()
+    if target == "sm90":
+        kernels, instruction = _by_kernel(_sm90_sass(blob, tmp_path), r"^\s*Function : (\w+)$"), "HMMA"
+    else:
+        # LLVM 19 knows gfx942 (Debian 12's default llvm-objdump, 14, does not), 20 gfx950; 19 reads a
+        # gfx950 object as gfx942, whose MFMA encodings gfx950 keeps.
+        objdump = _tool("llvm-objdump-21", "llvm-objdump-20", "llvm-objdump-19", install="apt-get install llvm-19")
+        mcpu = "gfx942" if objdump.endswith("-19") else target
+        listing = []
+        for i, image in enumerate(_elf_images(blob, EM_AMDGPU)):
+            (tmp_path / f"{i}.co").write_bytes(image)
+            listing.append(subprocess.run([objdump, "-d", f"--mcpu={mcpu}", str(tmp_path / f"{i}.co")], check=True,
+                                          capture_output=True, text=True).stdout)
+        kernels, instruction = _by_kernel("\n".join(listing), r"^[0-9a-f]+ <(\w+)>:$"), "v_mfma"
+    for symbol in mma:
+        assert instruction in kernels[symbol + "_kernel"], f"{symbol} has no {instruction}"
+    for symbol in gemvs:
+        assert instruction not in kernels[symbol + "_kernel"], f"{symbol} has {instruction}"
