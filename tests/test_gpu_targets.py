@@ -144,8 +144,9 @@ def test_full_structure_compiles_without_weights(tmp_path, model, target):
 
 
 def test_device_check_logic_runs_on_the_cpu():
-    """scripts/device_check's whole-model parity and timing path, on the CPU (--target llvm, the
-    same FP8 pool format): on an H200 the same code runs the sm90 artifact."""
+    """scripts/device_check's tensor-core GEMM check, whole-model parity and timing path, on the
+    CPU (--target llvm, the same FP8 pool format): on an H200 the same code runs the sm90 artifact
+    and the GEMMs on the GPU."""
     import subprocess
     import sys
     from pathlib import Path
@@ -155,6 +156,7 @@ def test_device_check_logic_runs_on_the_cpu():
                            "32", "--decode-steps", "2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "same tokens: True -> PASS" in done.stdout
+    assert done.stdout.count("| = 0.0e+00 -> PASS") == 3  # the GEMMs: both emulations sum alike
     assert "decode at 32 context" in done.stdout
 
 
