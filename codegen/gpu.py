@@ -1,7 +1,8 @@
 """GPU targets: the same kernels as the CPU target, bound to GPU threads, built ahead of time.
 
-Every kernel of ``codegen.kernels`` is either a compute definition (matmuls, experts: built with
-TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
+The prefill GEMMs and the expert GEMM that tile onto tensor cores are ``kernels.gpu_matmul``'s
+(MMA / MFMA, float16 operands). Every other kernel of ``codegen.kernels`` is either a compute
+definition (the decode GEMVs: built with TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
 independent rows (tokens, windows, pool rows). For the latter, that loop is mapped onto
 blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
 uses. The kernels and the Relax entry functions that call them are one library: for sm90 it
