@@ -2,8 +2,9 @@
 
 The prefill GEMMs and the expert GEMM that tile onto tensor cores are ``kernels.gpu_matmul``'s
 (MMA / MFMA, float16 operands). Every other kernel of ``codegen.kernels`` is either a compute
-definition (the decode GEMVs: built with TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
-independent rows (tokens, windows, pool rows). For the latter, that loop is mapped onto
+definition (the GEMVs and GEMMs of other widths: built with TE and scheduled by dlight's GPU
+rules) or hand-written TIR whose outermost loop runs over independent rows (tokens, windows,
+pool rows). For the latter, that loop is mapped onto
 blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
 uses. The kernels and the Relax entry functions that call them are one library: for sm90 it
 holds the kernels as CUDA C++ that TVM's CUDA runtime compiles for the GPU at load; for gfx942 /
