@@ -61,15 +61,17 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
 
 
 def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
-    """GPU version of a CPU kernel: tensor cores for the GEMMs that tile onto them
-    (``kernels.gpu_matmul``), dlight for other compute definitions, thread binding for TIR."""
+    """GPU version of a CPU kernel: a GPU-only kernel where one replaces it (tensor-core GEMMs,
+    ``kernels.gpu_matmul``; the parallel expert grouping, ``kernels.gpu_moe``), dlight for other
+    compute definitions, thread binding for TIR."""
     from dsv4c.codegen import kernels
     from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
+    from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
     from dsv4c.codegen.lowering import kernel_factory
 
-    tensor_cores = mma_kernel(spec, target)
-    if tensor_cores is not None:
-        return tensor_cores
+    for rule in (mma_kernel, moe_group_kernel):
+        if (gpu_only := rule(spec, target)) is not None:
+            return gpu_only
     factory = kernel_factory(spec.factory)
     if spec.factory in kernels.COMPUTE_DEFINITIONS:
         from tvm.s_tir import dlight as dl
