@@ -85,42 +85,15 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
             PAIRS[q] = q
 
     threads = T.serial if emulate else functools.partial(T.thread_binding, thread="threadIdx.x")
+    block = T.serial if emulate else functools.partial(T.thread_binding, thread="blockIdx.x")
 
-    if emulate:
-        @T.prim_func
-        def f(ids: T.handle, offsets: T.handle, pair_token: T.handle, token_pair: T.handle):
-            n = T.int32()
-            IDS0 = T.match_buffer(ids, (n, k), "int32")
-            OFFSETS = T.match_buffer(offsets, (n_experts + 1,), "int32")
-            PAIRS = T.match_buffer(pair_token, (n * k,), "int32")
-            TOKEN_PAIR0 = T.match_buffer(token_pair, (n, k), "int32")
-            IDS = T.decl_buffer((n * k,), "int32", data=IDS0.data)  # ids and token_pair by pair number
-            TOKEN_PAIR = T.decl_buffer((n * k,), "int32", data=TOKEN_PAIR0.data)
-            zeros = T.alloc_buffer((THREADS,), "int32", scope=scope)
-            starts = T.alloc_buffer((THREADS + 1,), "int32", scope=scope)
-            for tx in threads(THREADS):
-                init(PAIRS, tx, n * k)
-            for half in range(passes // 2):  # bit 2 half from pair_token, 2 half + 1 back into it
-                for tx in threads(THREADS):
-                    count(IDS, PAIRS, zeros, tx, n * k, 2 * half)
-                for tx in threads(THREADS):
-                    scan(zeros, starts, tx)
-                for tx in threads(THREADS):
-                    place(IDS, PAIRS, TOKEN_PAIR, starts, tx, n * k, 2 * half)
-                for tx in threads(THREADS):
-                    count(IDS, TOKEN_PAIR, zeros, tx, n * k, 2 * half + 1)
-                for tx in threads(THREADS):
-                    scan(zeros, starts, tx)
-                for tx in threads(THREADS):
-                    place(IDS, TOKEN_PAIR, PAIRS, starts, tx, n * k, 2 * half + 1)
-            for tx in threads(THREADS):
-                first(IDS, PAIRS, OFFSETS, tx, n * k)
-            for tx in threads(THREADS):
-                finish(PAIRS, TOKEN_PAIR, tx, n * k)
-        return f
+    @T.macro
+    def barrier():  # the GPU's threads all done with the phase before; the CPU runs phases in turn
+        if not emulate:
+            T.tvm_storage_sync("shared")
 
     @T.prim_func
-    def g(ids: T.handle, offsets: T.handle, pair_token: T.handle, token_pair: T.handle):
+    def f(ids: T.handle, offsets: T.handle, pair_token: T.handle, token_pair: T.handle):
         n = T.int32()
         IDS0 = T.match_buffer(ids, (n, k), "int32")
         OFFSETS = T.match_buffer(offsets, (n_experts + 1,), "int32")
@@ -128,30 +101,37 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
         TOKEN_PAIR0 = T.match_buffer(token_pair, (n, k), "int32")
         IDS = T.decl_buffer((n * k,), "int32", data=IDS0.data)  # ids and token_pair by pair number
         TOKEN_PAIR = T.decl_buffer((n * k,), "int32", data=TOKEN_PAIR0.data)
-        for bx in T.thread_binding(1, thread="blockIdx.x"):
+        for bx in block(1):
+            zeros = T.alloc_buffer((THREADS,), "int32", scope=scope)
+            starts = T.alloc_buffer((THREADS + 1,), "int32", scope=scope)
             for tx in threads(THREADS):
-                zeros = T.alloc_buffer((THREADS,), "int32", scope=scope)
-                starts = T.alloc_buffer((THREADS + 1,), "int32", scope=scope)
                 init(PAIRS, tx, n * k)
-                T.tvm_storage_sync("shared")
-                for half in range(passes // 2):
+            for half in range(passes // 2):  # bit 2 half from pair_token, 2 half + 1 back into it
+                barrier()
+                for tx in threads(THREADS):
                     count(IDS, PAIRS, zeros, tx, n * k, 2 * half)
-                    T.tvm_storage_sync("shared")
+                barrier()
+                for tx in threads(THREADS):
                     scan(zeros, starts, tx)
-                    T.tvm_storage_sync("shared")
+                barrier()
+                for tx in threads(THREADS):
                     place(IDS, PAIRS, TOKEN_PAIR, starts, tx, n * k, 2 * half)
-                    T.tvm_storage_sync("shared")
+                barrier()
+                for tx in threads(THREADS):
                     count(IDS, TOKEN_PAIR, zeros, tx, n * k, 2 * half + 1)
-                    T.tvm_storage_sync("shared")
+                barrier()
+                for tx in threads(THREADS):
                     scan(zeros, starts, tx)
-                    T.tvm_storage_sync("shared")
+                barrier()
+                for tx in threads(THREADS):
                     place(IDS, TOKEN_PAIR, PAIRS, starts, tx, n * k, 2 * half + 1)
-                    T.tvm_storage_sync("shared")
+            barrier()
+            for tx in threads(THREADS):
                 first(IDS, PAIRS, OFFSETS, tx, n * k)
-                T.tvm_storage_sync("shared")
+            barrier()
+            for tx in threads(THREADS):
                 finish(PAIRS, TOKEN_PAIR, tx, n * k)
-    return g
-
+    return f
 
 def moe_group_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """The parallel ``moe_group`` for a GPU ``target``; None for any other kernel."""
