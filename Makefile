@@ -11,11 +11,13 @@ DEMO   := build/demo
 
 $(STAMP): pyproject.toml
 	# Cross-compiling for gfx942 / gfx950 needs ld.lld >= 19 and the ROCm device bitcode
-	# (Debian lld-19, rocm-device-libs); sm90 needs nvcc (already on the build machines).
-	@command -v ld.lld-19 >/dev/null && [ -d /usr/lib/x86_64-linux-gnu/amdgcn/bitcode ] || \
+	# (Debian lld-19, rocm-device-libs); sm90 needs nvcc (already on the build machines). The
+	# tests disassemble gfx942 / gfx950 code objects with llvm-objdump-19 (Debian llvm-19).
+	@command -v ld.lld-19 >/dev/null && command -v llvm-objdump-19 >/dev/null && \
+	  [ -d /usr/lib/x86_64-linux-gnu/amdgcn/bitcode ] || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    apt-get update -qq && apt-get install -y -qq lld-19 rocm-device-libs >/dev/null; } || \
-	  echo "note: could not install lld-19 / rocm-device-libs; the gfx942 / gfx950 tests will skip and say why"
+	    apt-get update -qq && apt-get install -y -qq lld-19 rocm-device-libs llvm-19 >/dev/null; } || \
+	  echo "note: could not install lld-19 / rocm-device-libs / llvm-19; the gfx942 / gfx950 tests will skip and say why"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 resolves to the CPU build on the build machines' local index; see pyproject.toml.

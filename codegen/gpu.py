@@ -1,8 +1,10 @@
 """GPU targets: the same kernels as the CPU target, bound to GPU threads, built ahead of time.
 
-Every kernel of ``codegen.kernels`` is either a compute definition (matmuls, experts: built with
-TE and scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over
-independent rows (tokens, windows, pool rows). For the latter, that loop is mapped onto
+The prefill GEMMs and the expert GEMM that tile onto tensor cores are ``kernels.gpu_matmul``'s
+(MMA / MFMA, float16 operands). Every other kernel of ``codegen.kernels`` is either a compute
+definition (the GEMVs and GEMMs of other widths: built with TE and scheduled by dlight's GPU
+rules) or hand-written TIR whose outermost loop runs over independent rows (tokens, windows,
+pool rows). For the latter, that loop is mapped onto
 blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
 uses. The kernels and the Relax entry functions that call them are one library holding machine
 code for the GPU: for sm90 a fatbin of sm_90a code that nvcc compiles from TVM's CUDA C++ at
@@ -62,10 +64,17 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
 
 
 def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
-    """GPU version of a CPU kernel: dlight for compute definitions, thread binding for TIR."""
+    """GPU version of a CPU kernel: a GPU-only kernel where one replaces it (tensor-core GEMMs,
+    ``kernels.gpu_matmul``; the parallel expert grouping, ``kernels.gpu_moe``), dlight for other
+    compute definitions, thread binding for TIR."""
     from dsv4c.codegen import kernels
+    from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
+    from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
     from dsv4c.codegen.lowering import kernel_factory
 
+    for rule in (mma_kernel, moe_group_kernel):
+        if (gpu_only := rule(spec, target)) is not None:
+            return gpu_only
     factory = kernel_factory(spec.factory)
     if spec.factory in kernels.COMPUTE_DEFINITIONS:
         from tvm.s_tir import dlight as dl

@@ -2,11 +2,14 @@
 
 gfx942 / gfx950 need ld.lld >= 19 + the ROCm device bitcode, which `make test` installs
 (Debian lld-19, rocm-device-libs); sm90 needs nvcc (CUDA >= 12.0), and reading its machine code
-NVIDIA's cuobjdump (the test extra's nvidia-cuda-cuobjdump). Where a tool is missing the test
+NVIDIA's cuobjdump (the test extra's nvidia-cuda-cuobjdump); the tensor-core check disassembles
+gfx942 / gfx950 code objects with llvm-objdump (Debian llvm-19). Where a tool is missing the test
 skips and says which one; nothing here needs a GPU to run."""
 
 import importlib.util
 import json
+import os
+import re
 import shutil
 import struct
 import subprocess
@@ -241,8 +244,9 @@ def test_full_structure_compiles_without_weights(tmp_path, model, target, ranks)
 
 
 def test_device_check_logic_runs_on_the_cpu():
-    """scripts/device_check's whole-model parity and timing path, on the CPU (--target llvm, the
-    same FP8 pool format): on an H200 the same code runs the sm90 artifact."""
+    """scripts/device_check's tensor-core GEMM check, whole-model parity and timing path, on the
+    CPU (--target llvm, the same FP8 pool format): on an H200 the same code runs the sm90 artifact
+    and the GEMMs on the GPU."""
     import subprocess
     import sys
     from pathlib import Path
@@ -252,4 +256,74 @@ def test_device_check_logic_runs_on_the_cpu():
                            "32", "--decode-steps", "2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "same tokens: True -> PASS" in done.stdout
+    assert done.stdout.count("| = 0.0e+00 -> PASS") == 3  # the GEMMs: both emulations sum alike
     assert "decode at 32 context" in done.stdout
+
+
+def _tool(*names: str, extra_dirs: tuple[Path, ...] = (), install: str) -> str:
+    """The first of ``names`` on PATH (or in ``extra_dirs``), or a skip saying how to ``install`` one."""
+    search = os.pathsep.join([*map(str, extra_dirs), os.environ.get("PATH", "")])
+    found = next((path for name in names if (path := shutil.which(name, path=search))), None)
+    if found is None:
+        pytest.skip(f"{' / '.join(names)} not installed: {install}")
+    return found
+
+
+def _elf_images(blob: bytes, machine: int):
+    """The embedded ELF files of ``machine``, whole: up to the end of their section header table."""
+    for offset, mach, _ in _embedded_elfs(blob):
+        if mach == machine:
+            shoff, = struct.unpack_from("<Q", blob, offset + 0x28)
+            shentsize, shnum = struct.unpack_from("<HH", blob, offset + 0x3A)
+            yield blob[offset:offset + shoff + shentsize * shnum]
+
+
+def _sm90_sass(library: Path, work: Path) -> str:
+    """SASS of the library's sm_90a kernels: its fatbin, disassembled by cuobjdump."""
+    (_, module), = device_modules(library)
+    (work / "kernels.fatbin").write_bytes(module.code)
+    return subprocess.run([_cuobjdump(), "-sass", str(work / "kernels.fatbin")], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _by_kernel(listing: str, header: str) -> dict[str, str]:
+    """A disassembly split into each kernel's text, by the ``header`` regex naming it."""
+    parts = re.split(header, listing, flags=re.M)
+    return {name: text for name, text in zip(parts[1::2], parts[2::2])}
+
+
+def test_gemm_kernels_run_on_tensor_cores(artifact, tmp_path):
+    """The prefill GEMMs and the expert GEMM that tile onto tensor cores hold their instructions
+    (sm90: HMMA in the SASS; gfx942 / gfx950: v_mfma in the code object), and the decode GEMVs,
+    which stay on the generic schedule, hold none: the check tells them apart."""
+    from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
+    from dsv4c.codegen.lowering import kernel_table
+    from dsv4c.frontend.trace import trace
+    from dsv4c.passes.pipeline import run_pipeline
+    from dsv4c.passes.quant_plan import plan_for
+    from dsv4c.targets import target_info
+
+    target, path = artifact
+    specs, _ = kernel_table(run_pipeline(trace(preset("tiny"))), plan_for(preset("tiny"), target))
+    tvm_target = target_info(target).tvm_target()
+    mma = {symbol for symbol, spec in specs.items() if mma_kernel(spec, tvm_target) is not None}
+    gemvs = {symbol for symbol, spec in specs.items() if spec.factory == "linear" and spec.params[3]}
+    assert any(s.startswith("expert_linear") for s in mma) and any(s.startswith("linear") for s in mma)
+    library = path / json.loads((path / "manifest.json").read_text())["vm"]["library"]
+    if target == "sm90":
+        kernels, instruction = _by_kernel(_sm90_sass(library, tmp_path), r"^\s*Function : (\w+)$"), "HMMA"
+    else:
+        # LLVM 19 knows gfx942 (Debian 12's default llvm-objdump, 14, does not), 20 gfx950; 19 reads a
+        # gfx950 object as gfx942, whose MFMA encodings gfx950 keeps.
+        objdump = _tool("llvm-objdump-21", "llvm-objdump-20", "llvm-objdump-19", install="apt-get install llvm-19")
+        mcpu = "gfx942" if objdump.endswith("-19") else target
+        listing = []
+        for i, image in enumerate(_elf_images(library.read_bytes(), EM_AMDGPU)):
+            (tmp_path / f"{i}.co").write_bytes(image)
+            listing.append(subprocess.run([objdump, "-d", f"--mcpu={mcpu}", str(tmp_path / f"{i}.co")], check=True,
+                                          capture_output=True, text=True).stdout)
+        kernels, instruction = _by_kernel("\n".join(listing), r"^[0-9a-f]+ <(\w+)>:$"), "v_mfma"
+    for symbol in mma:
+        assert instruction in kernels[symbol + "_kernel"], f"{symbol} has no {instruction}"
+    for symbol in gemvs:
+        assert instruction not in kernels[symbol + "_kernel"], f"{symbol} has {instruction}"
