@@ -21,17 +21,20 @@ def _grouped(func, ids, n_experts):
     return [t.numpy() for t in tensors[1:]]
 
 
-@pytest.mark.parametrize("n, k, n_experts, skew", [
-    (1, 2, 8, False), (5, 3, 3, False), (37, 6, 256, False), (700, 8, 384, False), (300, 6, 256, True),
-    (9, 2, 1, False)])
-def test_parallel_grouping_is_the_serial_one(n, k, n_experts, skew):
+@pytest.mark.parametrize("n, k, n_experts, skew, foreign", [
+    (1, 2, 8, False, False), (5, 3, 3, False, False), (37, 6, 256, False, False), (700, 8, 384, False, False),
+    (300, 6, 256, True, False), (9, 2, 1, False, False), (37, 6, 8, False, True), (700, 8, 128, False, True)])
+def test_parallel_grouping_is_the_serial_one(n, k, n_experts, skew, foreign):
     """One token; fewer pairs than threads; uneven chunks (700 x 8 pairs on 256 threads); an odd
     bit count padded to an even pass count (3 experts: 2 bits; 384: 9 bits, 10 passes); most
-    pairs on one expert; one expert (no id bits)."""
+    pairs on one expert; one expert (no id bits); half the pairs on experts another rank holds
+    (-1, tensor parallel)."""
     rng = np.random.default_rng(n)
     ids = rng.integers(0, n_experts, (n, k)).astype(np.int32)
     if skew:
         ids[rng.random((n, k)) < 0.8] = n_experts - 1
+    if foreign:
+        ids[rng.random((n, k)) < 0.5] = -1
     serial = _grouped(step_kernels.moe_group(k, n_experts), ids, n_experts)
     parallel = _grouped(gpu_moe.moe_group_parallel(k, n_experts, emulate=True), ids, n_experts)
     for got, want in zip(parallel, serial):

@@ -4,7 +4,9 @@ pass (a stable split: each thread counts the zeros of its chunk of pairs, one th
 counts, each thread places its chunk). Stable, so each expert's pairs stay in token order: the
 outputs are the serial kernel's exactly. Each pass ping-pongs the pair numbers between
 ``pair_token`` and ``token_pair``, which hold the final outputs once the passes (an even
-count) are done; ``offsets[e]`` is a binary search of the sorted ids.
+count) are done; ``offsets[e]`` is a binary search of the sorted ids. An id of -1 (an expert
+another rank holds, expert parallel) sorts as ``n_experts``: after every expert's pairs, with a
+``token_pair`` of -1, as the serial kernel places them.
 
 The CPU builds the same phases (``emulate``) as one loop over the threads each, which is what a
 barrier between the phases guarantees on the GPU, so tests compare it with the serial kernel.
@@ -23,19 +25,22 @@ THREADS = 256
 
 def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
     """``step_kernels.moe_group(k, n_experts)``'s outputs, in parallel (module docstring)."""
-    passes = max(1, (n_experts - 1).bit_length())
+    passes = max(1, n_experts.bit_length())  # keys 0 .. n_experts (another rank's)
     passes += passes % 2  # even: the sorted pair numbers end in pair_token (a last pass on a zero bit keeps them)
     scope = "global" if emulate else "shared"
 
     # Shared counters are read and written through a register within a phase: a shared value a
     # thread both reads and writes in a loop would make TVM place a barrier inside the loop's
     # conditions, which it cannot.
+    def key(IDS, pair):  # the expert a pair sorts by
+        return T.if_then_else(IDS[pair] >= 0, IDS[pair], n_experts)
+
     @T.macro
     def count(IDS, src, zeros, tx, total, bit):  # zeros[tx]: ids with a 0 at ``bit`` in tx's chunk
         run = T.alloc_buffer((1,), "int32", scope="local")
         run[0] = 0
         for i in range(tx * ((total + THREADS - 1) // THREADS), T.min(total, (tx + 1) * ((total + THREADS - 1) // THREADS))):
-            run[0] = run[0] + 1 - T.shift_right(IDS[src[i]], bit) % 2
+            run[0] = run[0] + 1 - T.shift_right(key(IDS, src[i]), bit) % 2
         zeros[tx] = run[0]
 
     @T.macro
@@ -53,7 +58,7 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
         run = T.alloc_buffer((1,), "int32", scope="local")  # zeros before the chunk's next pair
         run[0] = starts[tx]
         for i in range(tx * ((total + THREADS - 1) // THREADS), T.min(total, (tx + 1) * ((total + THREADS - 1) // THREADS))):
-            if T.shift_right(IDS[src[i]], bit) % 2 == 0:
+            if T.shift_right(key(IDS, src[i]), bit) % 2 == 0:
                 dst[run[0]] = src[i]
                 run[0] = run[0] + 1
             else:
@@ -67,16 +72,16 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
             lo[1] = total
             for _ in range(32):
                 if lo[0] < lo[1]:
-                    if IDS[PAIRS[(lo[0] + lo[1]) // 2]] < e:
+                    if key(IDS, PAIRS[(lo[0] + lo[1]) // 2]) < e:
                         lo[0] = (lo[0] + lo[1]) // 2 + 1
                     else:
                         lo[1] = (lo[0] + lo[1]) // 2
             OFFSETS[e] = lo[0]
 
     @T.macro
-    def finish(PAIRS, TOKEN_PAIR, tx, total):  # token_pair[p] = its place; pair_token[place] = p's token
+    def finish(IDS, PAIRS, TOKEN_PAIR, tx, total):  # token_pair[p] = its place; pair_token[place] = p's token
         for q in range(tx, total, THREADS):
-            TOKEN_PAIR[PAIRS[q]] = q
+            TOKEN_PAIR[PAIRS[q]] = T.if_then_else(IDS[PAIRS[q]] >= 0, q, -1)
             PAIRS[q] = PAIRS[q] // k
 
     @T.macro
@@ -130,7 +135,7 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
                 first(IDS, PAIRS, OFFSETS, tx, n * k)
             barrier()
             for tx in threads(THREADS):
-                finish(PAIRS, TOKEN_PAIR, tx, n * k)
+                finish(IDS, PAIRS, TOKEN_PAIR, tx, n * k)
     return f
 
 def moe_group_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
