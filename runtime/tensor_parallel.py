@@ -49,6 +49,7 @@ HEADER_WORDS = 10
 MESSAGE_WORDS = 4096  # a call's first broadcast (StepChannel)
 IDLE_TIMEOUT = timedelta(days=365)  # waits that end when a rank does, not on a clock
 START_TIMEOUT = timedelta(minutes=5)  # for the ranks to start and meet
+EXCHANGE_BYTES = 16 << 20  # Group.exchange_bytes on the CPU
 OP_CALL, OP_STOP = 1, 2
 
 
@@ -83,10 +84,17 @@ class Group:
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, meet)
         self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world) if gpu else self.control
         self.rank, self.world = rank, world
-        from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
+        from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions  # not in torch.distributed
 
-        self.all_reduce, self.all_gather = dist.AllreduceOptions(), AllgatherOptions()
-        self.all_reduce.timeout = self.all_gather.timeout = timedelta(seconds=timeout)
+        self.all_reduce, self.all_gather, self.all_to_all = dist.AllreduceOptions(), AllgatherOptions(), \
+            AllToAllOptions()
+        for options in (self.all_reduce, self.all_gather, self.all_to_all):
+            options.timeout = timedelta(seconds=timeout)
+        # Gloo's ring all-reduce and all-gather take several round trips where one all-to-all
+        # exchange of every rank's partial sums takes one (bench/tensor_parallel.py: 3-4x faster at
+        # decode sizes): up to this many bytes received per rank, the CPU exchanges and sums.
+        # NCCL's collectives are the GPU's own; None there.
+        self.exchange_bytes = None if gpu else EXCHANGE_BYTES
 
     def loaded(self) -> None:
         """Wait for every rank to have loaded its weights, however long that takes (a rank that
@@ -103,18 +111,33 @@ def register_collectives() -> None:
     active :class:`Group`: (input, output) tensors."""
     import torch
 
+    def every_ranks(group, t):
+        """``[world, *t.shape]``: every rank's ``t``, by one all-to-all (each rank sends its ``t``
+        to every rank)."""
+        parts = torch.empty((group.world, *t.shape), dtype=t.dtype, device=t.device)
+        copies = t.reshape(1, -1).expand(group.world, -1).contiguous()
+        group.data.alltoall_base(parts.view(-1), copies.view(-1), [], [], group.all_to_all).wait()
+        return parts
+
     def all_reduce(x, out):
-        o = torch.from_dlpack(out)
-        o.copy_(torch.from_dlpack(x))
         group = _active.group
-        group.data.allreduce([o], group.all_reduce).wait()
+        t, o = torch.from_dlpack(x), torch.from_dlpack(out)
+        if group.exchange_bytes is not None and t.numel() * t.element_size() * group.world <= group.exchange_bytes:
+            # Every rank sums the same parts in the same order: the same bits everywhere.
+            torch.sum(every_ranks(group, t.contiguous()), dim=0, out=o)
+        else:
+            o.copy_(t)
+            group.data.allreduce([o], group.all_reduce).wait()
 
     def all_gather(x, out):
         group = _active.group
         t, o = torch.from_dlpack(x).contiguous(), torch.from_dlpack(out)
         n, cols = t.shape
-        parts = torch.empty((group.world, n, cols), dtype=t.dtype, device=t.device)
-        group.data.allgather([list(parts.unbind(0))], [t], group.all_gather).wait()
+        if group.exchange_bytes is not None:
+            parts = every_ranks(group, t)
+        else:
+            parts = torch.empty((group.world, n, cols), dtype=t.dtype, device=t.device)
+            group.data.allgather([list(parts.unbind(0))], [t], group.all_gather).wait()
         o.copy_(parts.permute(1, 0, 2).reshape(n, group.world * cols)[:, :o.shape[1]])
 
     def noting_interrupts(collective):
@@ -284,7 +307,7 @@ def pin_to(cpus: list[int]):
     (rank 0 may be part of a larger program, a test session)."""
     before, threads = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
                        os.environ.get("TVM_NUM_THREADS"))
-    if before is not None:
+    if before is not None and not os.environ.get("DSV4C_NO_PIN"):
         os.sched_setaffinity(0, cpus)
     os.environ.setdefault("TVM_NUM_THREADS", str(len(cpus)))
 
