@@ -307,7 +307,7 @@ def pin_to(cpus: list[int]):
     (rank 0 may be part of a larger program, a test session)."""
     before, threads = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
                        os.environ.get("TVM_NUM_THREADS"))
-    if before is not None and not os.environ.get("DSV4C_NO_PIN"):
+    if before is not None:
         os.sched_setaffinity(0, cpus)
     os.environ.setdefault("TVM_NUM_THREADS", str(len(cpus)))
 
