@@ -145,7 +145,7 @@ def _cmd_compile(args) -> int:
                              print_ir_after=set(args.print_ir_after or ()), verbose=args.verbose)
     compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights,
                   passes=passes, kv_cache_dtype=args.kv_cache_dtype, cpu=args.cpu,
-                  tensor_parallel=args.tensor_parallel)
+                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     return 0
 
 
@@ -388,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices to split the model across (a power of two the model's heads, output groups, experts "
                         "and expert width divide; `dsv4c inspect --tensor-parallel N` says what each holds): one "
                         "library every rank runs, each rank's weights (default 1)")
+    p.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
+                   help="with --tensor-parallel: each rank holds a share of every routed expert's intermediate dim "
+                        "instead of whole experts (a share of them, the default)")
     p.set_defaults(run=_cmd_compile)
 
     p = sub.add_parser("export", help="write the program (step + MTP) as an ONNX graph for Netron and ONNX tooling")

@@ -118,7 +118,7 @@ def stored_weights(cfg: ModelConfig, target: str, numerics: str, fp8_format: str
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
                   kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None,
-                  tensor_parallel: int = 1) -> Path:
+                  tensor_parallel: int = 1, expert_parallel: bool = True) -> Path:
     """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
     in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
     caps each weight file (default 4 GiB); ``cpu`` (llvm only) is the LLVM CPU name to build
@@ -128,11 +128,12 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
-    sharding = ShardingPlan.build(cfg, tensor_parallel)
+    sharding = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
     if tensor_parallel > 1 and not info.compiled:
         raise UsageError(f"--tensor-parallel {tensor_parallel}: the {target} target runs one process on one device; "
                          "compile for llvm or a GPU target to split the model")
-    program = run_pipeline(trace(cfg, numerics, tensor_parallel=tensor_parallel), passes)
+    program = run_pipeline(trace(cfg, numerics, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel),
+                           passes)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
     from dsv4c.codegen.convert import SHARD_BYTES, convert_weights
@@ -182,7 +183,8 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 "model": cfg.to_json_dict("hf"),
                 "has_weights": bool(reports),
                 "weights": weights_entry(reports),
-                **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}),
+                **({"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel}
+                   if tensor_parallel > 1 else {}),
                 "quant_plan": plan.to_json(),
                 "pool_geometry": geometry.summary(),
                 "entry_points": entry_points,
@@ -190,7 +192,8 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 **({"vm": {**vm, "constants": CONSTANTS}} if vm else {}),
             })
     built_for = f"{kernels['mcpu']}, " if "mcpu" in kernels else ""
-    ranks = f", tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    ranks = f", tensor parallel {tensor_parallel}{'' if expert_parallel else ', experts split'}" \
+        if tensor_parallel > 1 else ""
     summary = f"compiled {cfg.name} for {target} ({built_for}{numerics}{ranks}) -> {out}"
     if reports:
         written, seconds = sum(r.bytes_written for r in reports), sum(r.seconds for r in reports)

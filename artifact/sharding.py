@@ -8,7 +8,11 @@ replicated. Split weights are cut along one axis into ``N`` contiguous equal ran
 * attention heads: ``wq_b`` rows and ``attn_sink`` (head-major), the grouped output
   projection by groups (``wo_a`` rows, ``wo_b`` input columns: each rank's partial product is
   summed by an all-reduce), so ``N`` divides ``num_attention_heads`` and ``o_groups``;
-* routed experts (expert parallel): rank ``r`` holds experts ``[r E/N, (r+1) E/N)``;
+* routed experts whole (expert parallel): rank ``r`` holds experts ``[r E/N, (r+1) E/N)``;
+  or with ``--no-expert-parallel`` by their intermediate dim (``w1`` / ``w3`` rows of every
+  expert, ``w2`` columns), like the shared expert, so that a decode token's k experts cost every
+  rank the same (with whole experts they fall unevenly on the ranks); measured slower on the
+  CPU (bench/RESULTS.md), where the smaller expert kernels lose more than the balance gains;
 * the shared expert by its intermediate dim (``w1`` / ``w3`` rows, ``w2`` columns): its partial
   output joins the routed experts' all-reduce, so splitting it costs no extra collective and
   saves ``(N-1)/N`` of its bytes on every rank;
@@ -26,7 +30,8 @@ per layer at 1M context) to save 12.6 M parameters a layer. MTP's ``e_proj`` / `
 rather than add an all-gather to every draft.
 
 ``N`` is a power of two (the 2, 4, 8 devices of a node's NVLink / xGMI domain, and the doubling
-``min_devices`` searches), and columns split from FP8 128x128-block weights stay whole blocks.
+``min_devices`` searches), columns split from FP8 128x128-block weights stay whole blocks and
+those of FP4 experts whole 32-column scale groups.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ ALL_REDUCE, ALL_GATHER = "dsv4c.all_reduce", "dsv4c.all_gather"
 MIN_DEVICES_CONTEXT = 131072  # the one request `inspect --memory` sizes min_devices for
 
 # What a split weight is cut by.
-HEADS, O_GROUPS, EXPERTS, SHARED_INTER, VOCAB = (
-    "attention heads", "output groups", "routed experts", "shared expert intermediate", "vocab")
+HEADS, O_GROUPS, EXPERTS, ROUTED_INTER, SHARED_INTER, VOCAB = (
+    "attention heads", "output groups", "routed experts", "routed expert intermediate", "shared expert intermediate",
+    "vocab")
 
 # (name pattern, axis, unit): the first match rules; no match is replicated.
 _RULES = [(re.compile(pattern), axis, unit) for pattern, axis, unit in (
@@ -57,11 +63,14 @@ _RULES = [(re.compile(pattern), axis, unit) for pattern, axis, unit in (
     (r"(^|\.)attn\.attn_sink$", 0, HEADS),
     (r"(^|\.)attn\.wo_a\.weight$", 0, O_GROUPS),
     (r"(^|\.)attn\.wo_b\.weight$", 1, O_GROUPS),
-    (r"(^|\.)ffn\.experts\.w[123]$", 0, EXPERTS),
+    (r"(^|\.)ffn\.experts\.w[13]$", 1, ROUTED_INTER),
+    (r"(^|\.)ffn\.experts\.w2$", 2, ROUTED_INTER),
     (r"(^|\.)ffn\.shared_experts\.w[13]\.weight$", 0, SHARED_INTER),
     (r"(^|\.)ffn\.shared_experts\.w2\.weight$", 1, SHARED_INTER),
     (r"^(embed|head)\.weight$", 0, VOCAB),
 )]
+# With expert parallel (the default) the routed experts' rule is this one: whole experts per rank.
+_EXPERT_PARALLEL = (re.compile(r"(^|\.)ffn\.experts\.w[123]$"), 0, EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -83,11 +92,13 @@ class WeightShard:
 class ShardingPlan:
     cfg: ModelConfig
     tensor_parallel: int
+    expert_parallel: bool = True
 
     @classmethod
-    def build(cls, cfg: ModelConfig, tensor_parallel: int) -> ShardingPlan:
-        """The plan for ``tensor_parallel`` ranks; a :class:`ShardingError` (one line) where the
-        model does not split so."""
+    def build(cls, cfg: ModelConfig, tensor_parallel: int, expert_parallel: bool = True) -> ShardingPlan:
+        """The plan for ``tensor_parallel`` ranks (``expert_parallel``: routed experts whole, a
+        share of them per rank; else a share of every expert's intermediate dim); a
+        :class:`ShardingError` (one line) where the model does not split so."""
         n = tensor_parallel
         if n < 1 or n & (n - 1):
             raise ShardingError(f"--tensor-parallel {n}: the device count must be a power of two (1, 2, 4, 8, ...)")
@@ -95,8 +106,9 @@ class ShardingPlan:
             return cls(cfg, n)
         dense_fp8 = cfg.weights.dense == "fp8"
         must_divide = [(HEADS, "num_attention_heads", cfg.num_heads), (O_GROUPS, "o_groups", cfg.o_groups),
-                       (EXPERTS, "n_routed_experts", cfg.n_routed_experts),
                        (SHARED_INTER, "moe_intermediate_size", cfg.moe_intermediate_size)]
+        if expert_parallel:
+            must_divide.append((EXPERTS, "n_routed_experts", cfg.n_routed_experts))
         for unit, field, size in must_divide:
             if size % n:
                 raise ShardingError(f"--tensor-parallel {n}: {cfg.name} does not split its {unit} across {n} devices "
@@ -108,11 +120,18 @@ class ShardingPlan:
             if (cols // n) % FP8_BLOCK:
                 raise ShardingError(f"--tensor-parallel {n}: {cfg.name}'s {weight} would split inside its FP8 "
                                     f"128-column scale blocks ({field} = {cols}, {cols // n} columns per device)")
-        return cls(cfg, n)
+        # The routed experts' w2 columns split between their scale groups (FP4: 32, FP8: 128).
+        group = {"fp4": 32, "fp8": FP8_BLOCK}.get(cfg.weights.experts, 1)
+        if not expert_parallel and (cfg.moe_intermediate_size // n) % group:
+            raise ShardingError(f"--tensor-parallel {n}: {cfg.name}'s routed expert w2 would split inside its "
+                                f"{group}-column scale groups (moe_intermediate_size = {cfg.moe_intermediate_size}); "
+                                "leave out --no-expert-parallel")
+        return cls(cfg, n, expert_parallel)
 
-    @staticmethod
-    def split_of(name: str) -> tuple[int, str] | None:
+    def split_of(self, name: str) -> tuple[int, str] | None:
         """(axis, unit) a weight is split along, or None where every rank holds all of it."""
+        if self.expert_parallel and _EXPERT_PARALLEL[0].search(name):
+            return _EXPERT_PARALLEL[1:]
         for pattern, axis, unit in _RULES:
             if pattern.search(name):
                 return axis, unit
@@ -135,8 +154,8 @@ class ShardingPlan:
         """What tells rank ``rank``'s step which vocab rows and experts it holds (the program's
         ``tp.*`` int weights, read by its ``shard_ids``): the first of each."""
         vocab = self.shard("embed.weight", (self.cfg.vocab_size, 1), rank)
-        experts = self.shard("ffn.experts.w1", (self.cfg.n_routed_experts, 1, 1), rank)
-        return dict(zip(RANK_VALUES, (vocab.start, experts.start)))
+        first_expert = rank * self.cfg.n_routed_experts // self.tensor_parallel if self.expert_parallel else 0
+        return dict(zip(RANK_VALUES, (vocab.start, first_expert)))
 
     def device_weight_bytes(self, weights: list[tuple[str, tuple[int, ...], WeightFormat]]) -> int:
         """Bytes of weights the fullest rank holds, given every stored weight as (name, shape,

@@ -117,8 +117,8 @@ def _step_weights(artifact: Path, rank: int = 0):
     ``vm.params``, constants included; memory-mapped, only headers are read): ``share`` is the
     fraction a token reads, 1 except for the embedding and hash-routing tables (one row) and
     the routed experts' stacked tensors (``num_experts_per_tok`` of ``n_routed_experts``; a rank
-    of a ``--tensor-parallel`` artifact holds a share of the experts and reads as large a share of
-    the token's). The MTP layer's own weights (which only its draft function reads) are part
+    of a ``--tensor-parallel`` artifact holds a share of every expert, or with ``--expert-parallel``
+    a share of the experts, and reads that share of the token's on average). The MTP layer's own weights (which only its draft function reads) are part
     ``mtp``. Of a multi-rank artifact, rank ``rank``'s."""
     from dsv4c.artifact.safetensors_io import SafetensorsFile
     from dsv4c.artifact.manifest import read_manifest
@@ -133,7 +133,8 @@ def _step_weights(artifact: Path, rank: int = 0):
         a = tensors[name]
         part = _param_part(name)
         if part == "routed_experts":
-            assert a.shape[0] == model["n_routed_experts"] // manifest.get("tensor_parallel", 1), (name, a.shape)
+            ranks = manifest.get("tensor_parallel", 1) if manifest.get("expert_parallel") else 1
+            assert a.shape[0] == model["n_routed_experts"] // ranks, (name, a.shape)
             share = model["num_experts_per_tok"] / model["n_routed_experts"]
         else:
             share = 1 / a.shape[0] if part == "embedding_rows" else 1.0

@@ -15,8 +15,8 @@ bytes each rank sends over gloo's ring for it, beside the weight bytes each rank
 Last, the collective choice: two ranks time an all-reduce of a decode step's and a 512-token
 prefill chunk's partial sums against a reduce-scatter + all-gather and an all-to-all of them.
 
-    python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--context 1024] [--steps 32]
-                                    [--rounds 3] [--json out.json]
+    python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--expert-parallel EP2_ARTIFACT]
+                                    [--context 1024] [--steps 32] [--rounds 3] [--json out.json]
 
 Both artifacts are the flash slice (``bench/flash_slice.py`` builds the checkpoint; compile it with
 ``dsv4c compile --model CKPT --target llvm [-tp 2]``).
@@ -131,6 +131,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--expert-parallel", type=Path, metavar="EP2_ARTIFACT",
+                   help="also the same model compiled with -tp 2 --expert-parallel (whole experts per rank)")
     p.add_argument("--json", type=Path)
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--collectives-child", nargs=5, help=argparse.SUPPRESS)
@@ -147,6 +149,8 @@ def main() -> None:
 
     env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
     configs = {"tp1": (args.one_device, {**env, "TVM_NUM_THREADS": "2"}), "tp2": (args.tp2, env)}
+    if args.expert_parallel:
+        configs["ep2"] = (args.expert_parallel, env)
     rounds: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, (artifact, child_env) in configs.items():
@@ -167,6 +171,9 @@ def main() -> None:
     print(f"CPU: {report['cpu']}; flash slice, context {args.context}, {args.steps} decode steps x {args.rounds} rounds")
     print(f"decode step  TP 1 (1 process x 2 threads) {best['tp1'] * 1e3:8.2f} ms   "
           f"TP 2 (2 processes x 1 thread) {best['tp2'] * 1e3:8.2f} ms   TP 2 / TP 1 = {report['tp2_over_tp1']:.3f}")
+    if "ep2" in best:
+        print(f"decode step  TP 2 with --expert-parallel {best['ep2'] * 1e3:8.2f} ms   EP 2 / TP 1 = "
+              f"{best['ep2'] / best['tp1']:.3f} (a token's experts fall unevenly on the ranks)")
     print(f"weights read per token: TP 1 {weights['tp1'] / 2**20:.1f} MiB; TP 2 per rank "
           f"{' / '.join(f'{w / 2**20:.1f}' for w in weights['tp2'])} MiB")
     print(f"collectives per decode step: {c['calls']['all_reduce']} all-reduce + {c['calls']['all_gather']} "

@@ -267,27 +267,38 @@ class ConcatRows(RowSource):
 class ShardRows(RowSource):
     """One rank's part of a weight (an ``artifact.sharding.WeightShard`` of ``base``'s shape),
     read as only those bytes: a range along the first axis (whole experts of a stack ``[E, out,
-    in]``) padded with zero rows up to the shard's extent (a vocab the ranks do not divide), or a
-    range of columns (the last axis; FP8 / FP4 ranges start on their scale blocks, which the
-    plan ensures)."""
+    in]``) padded with zero rows up to the shard's extent (a vocab the ranks do not divide), a
+    range along a middle axis (each expert's share of its rows), or a range of columns (the last
+    axis; FP8 / FP4 ranges start on their scale blocks, which the plan ensures)."""
 
     def __init__(self, base: RowSource, shard):
         self.base, self.shard = base, shard
         self.shape = shard.held_shape(base.shape)
         self.columns = shard.axis is not None and shard.axis == len(base.shape) - 1
-        inner = math.prod(base.shape[1:-1])  # matrix rows per index of the first axis
-        self.first_row, self.real_rows = shard.start * inner, (shard.stop - shard.start) * inner
+        if shard.axis is not None and not self.columns:
+            # Matrix rows per index of the split axis; the base's rows per index of the axes before it.
+            self.inner = math.prod(base.shape[shard.axis + 1:-1])
+            self.outer_rows = base.shape[shard.axis] * self.inner
+            self.local_rows = (shard.stop - shard.start) * self.inner  # real (not padded) rows per outer index
+            self.held_rows = shard.extent * self.inner
 
     def read(self, start: int, stop: int) -> list[Rows]:
         if self.shard.axis is None:
             return self.base.read(start, stop)
         if self.columns:
             return [_columns(rows, self.shard.start, self.shard.stop) for rows in self.base.read(start, stop)]
-        real = min(stop, self.real_rows)
-        out = self.base.read(self.first_row + start, self.first_row + real) if start < real else []
-        pad = stop - max(start, self.real_rows)
-        if pad > 0:
-            out.append(Rows("F32", np.zeros((pad, self.shape[-1]), np.float32)))
+        out = []
+        while start < stop:  # one index of the axes before the split at a time
+            outer, row = divmod(start, self.held_rows)
+            end = min(stop, (outer + 1) * self.held_rows)
+            first = outer * self.outer_rows + self.shard.start * self.inner
+            real = min(end - outer * self.held_rows, self.local_rows)
+            if row < real:
+                out += self.base.read(first + row, first + real)
+            pad = end - outer * self.held_rows - max(row, self.local_rows)
+            if pad > 0:
+                out.append(Rows("F32", np.zeros((pad, self.shape[-1]), np.float32)))
+            start = end
         return out
 
 

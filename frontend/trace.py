@@ -33,8 +33,9 @@ NUMERICS = ("exact", "qat")
 class Model:
     """Emits the step and MTP programs of one configuration."""
 
-    def __init__(self, cfg: ModelConfig, numerics: str = "exact", tensor_parallel: int = 1):
-        self.plan = ShardingPlan.build(cfg, tensor_parallel)
+    def __init__(self, cfg: ModelConfig, numerics: str = "exact", tensor_parallel: int = 1,
+                 expert_parallel: bool = True):
+        self.plan = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
         self.tp = tensor_parallel
         if numerics not in NUMERICS:
             raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -198,7 +199,7 @@ class Model:
             table = self._w(b, f"{p}gate.bias", e)
             route = {"mode": "topk", "k": k, "scale": c.routed_scaling_factor}
         weights, ids = b.emit("moe_route", [x, gate, table, tokens], route, [f"{tag}.route_w", f"{tag}.route_ids"])
-        if self.tp > 1:  # every rank routes every token; each runs the pairs of its own experts
+        if self.tp > 1 and self.plan.expert_parallel:  # every rank routes every token; each runs its experts' pairs
             ids = b.emit("shard_ids", [ids, b.weight(EXPERT_FIRST, i32(1))], {"size": self._local(e)},
                          f"{tag}.local_ids")
         ex = [self._w(b, f"{p}experts.{w}", e, *shape) for w, shape in
@@ -263,12 +264,13 @@ class Model:
         return fn
 
 
-def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_parallel: int = 1) -> Program:
+def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_parallel: int = 1,
+          expert_parallel: bool = True) -> Program:
     """The step program of ``cfg`` (plus one function per MTP layer), verified; for
     ``tensor_parallel`` > 1 the program each rank runs (see the module docstring)."""
     from dsv4c.ir.verify import verify
 
-    model = Model(cfg, numerics, tensor_parallel)
+    model = Model(cfg, numerics, tensor_parallel, expert_parallel)
     functions = {"step": model.step()}
     if mtp:
         for i in range(len(cfg.mtp_layers)):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dsv4c.artifact.pool import PoolGeometry
-from dsv4c.artifact.sharding import EXPERTS, HEADS, MIN_DEVICES_CONTEXT, O_GROUPS, SHARED_INTER, VOCAB, ShardingPlan
+from dsv4c.artifact.sharding import (EXPERTS, HEADS, MIN_DEVICES_CONTEXT, O_GROUPS, ROUTED_INTER, SHARED_INTER, VOCAB,
+                                     ShardingPlan)
 from dsv4c.cli import main as cli
 from dsv4c.codegen.lowering import weight_layouts
 from dsv4c.compile import stored_weights
@@ -32,28 +33,29 @@ def _config(key):
     return preset(key) if key == "tiny" else load_config(CONFIGS[key])
 
 
-def _splittable_counts(cfg):
+def _splittable_counts(cfg, expert_parallel=False):
     """Every N > 1 the plan accepts for ``cfg`` (powers of two until the first refusal)."""
     out, n = [], 2
     while True:
         try:
-            ShardingPlan.build(cfg, n)
+            ShardingPlan.build(cfg, n, expert_parallel)
         except ShardingError:
             return out
         out.append(n)
         n *= 2
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts_split", "expert_parallel"])
 @pytest.mark.parametrize("key", CONFIGS)
-def test_every_weight_is_partitioned_across_ranks(key):
+def test_every_weight_is_partitioned_across_ranks(key, expert_parallel):
     cfg = _config(key)
     weights = {name: tuple(v.type.shape) for fn in trace(cfg).functions.values() for name, v in fn.weights.items()}
-    counts = _splittable_counts(cfg)
+    counts = _splittable_counts(cfg, expert_parallel)
     if key.startswith("v4-"):  # the official models split at least 8 ways (one node)
         assert counts[:3] == [2, 4, 8], counts
-    expected_units = {HEADS, O_GROUPS, EXPERTS, SHARED_INTER, VOCAB}
+    expected_units = {HEADS, O_GROUPS, EXPERTS if expert_parallel else ROUTED_INTER, SHARED_INTER, VOCAB}
     for n in counts:
-        plan = ShardingPlan.build(cfg, n)
+        plan = ShardingPlan.build(cfg, n, expert_parallel)
         units = set()
         for name, shape in weights.items():
             shards = [plan.shard(name, shape, r) for r in range(n)]

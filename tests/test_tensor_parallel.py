@@ -25,8 +25,9 @@ TOLERANCE = 1e-5
 SPLIT_IN_TWO = ("mixed_hc4", "official_hc2", "csa_only_hc4")
 
 
-def _compile_tp2(ckpt: Path, out: Path) -> Path:
-    return compile_model(str(ckpt), "llvm", out, progress=False, log=lambda *_: None, tensor_parallel=2)
+def _compile_tp2(ckpt: Path, out: Path, expert_parallel: bool = True) -> Path:
+    return compile_model(str(ckpt), "llvm", out, progress=False, log=lambda *_: None, tensor_parallel=2,
+                         expert_parallel=expert_parallel)
 
 
 def _run(engine: Engine, prompts: list[list[int]], new_tokens: list[int]):
@@ -63,9 +64,14 @@ def test_two_ranks_compute_what_one_device_does(parity_artifacts, tmp_path):
         got_long, got_ragged = _run(split, long, [16]), _run(split, ragged, new)
         if cfg.name == "mixed_hc4":
             _speculation_and_prefix_cache(split, one_device, cfg, rng)
+    if cfg.name == "mixed_hc4":  # every expert's intermediate dim split (--no-expert-parallel) too
+        with Engine(_compile_tp2(ckpt, tmp_path / "split_experts", expert_parallel=False), **options) as split:
+            got_ep = _run(split, ragged, new)
     with Engine(one_device, **options) as whole:
         _assert_same(got_long, _run(whole, long, [16]))
         _assert_same(got_ragged, _run(whole, ragged, new))
+        if cfg.name == "mixed_hc4":
+            _assert_same(got_ep, _run(whole, ragged, new))
 
 
 def _speculation_and_prefix_cache(split: Engine, one_device: Path, cfg, rng) -> None:
