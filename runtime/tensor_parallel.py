@@ -445,6 +445,7 @@ class TensorParallelBackend(TvmBackend):
             out = super().call(name, arrays, extents, stream_rows, chain)
         except Exception as e:  # a collective failed: a rank died or timed out, or Ctrl-C
             if _interrupted.is_set():
+                _interrupted.clear()  # this interrupt is handled; a later engine's errors are errors
                 self.ranks.close()
                 raise KeyboardInterrupt from None
             raise self.ranks.failure(e) from None
