@@ -13,7 +13,9 @@ It also prints what a decode step moves: the collectives' payload (every ``all_r
 bytes each rank sends over gloo's ring for it, beside the weight bytes each rank reads per token
 (``flash_slice.decode_weight_bytes``: dense weights whole, the routed experts' top-k share).
 Last, the collective choice: two ranks time an all-reduce of a decode step's and a 512-token
-prefill chunk's partial sums against a reduce-scatter + all-gather and an all-to-all of them.
+prefill chunk's partial sums against a reduce-scatter + all-gather and an all-to-all of them, and
+a broadcast of the same (one round trip). ``--kernels`` prints instead, per configuration, rank
+0's most expensive kernels and collectives per decode step (the VM's instrument hook).
 
     python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--expert-parallel EP2_ARTIFACT]
                                     [--context 1024] [--steps 32] [--rounds 3] [--json out.json]
@@ -80,6 +82,9 @@ def collectives_child(rank: int, port: int, hidden: int, tokens: list[int], repe
                 "reduce_scatter+all_gather": lambda: (pg._reduce_scatter_base(half, x).wait(),
                                                       pg._allgather_base(whole, half).wait()),
                 "all_to_all": lambda: pg.alltoall_base(whole, x, [], []).wait()}
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        ways["broadcast (one round trip)"] = lambda: pg.broadcast([x], options).wait()
         for name, call in ways.items():
             for _ in range(3):
                 call()
@@ -93,16 +98,49 @@ def collectives_child(rank: int, port: int, hidden: int, tokens: list[int], repe
 
 def collective_choice(hidden: int, tokens: list[int], repeats: int) -> dict:
     """Both ranks of :func:`collectives_child`; rank 0's figures."""
-    import socket
+    from dsv4c.runtime.tensor_parallel import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [str(hidden), ",".join(map(str, tokens)), str(repeats)]
     procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--collectives-child", str(rank), str(port), *args],
                               stdout=subprocess.PIPE, text=True) for rank in range(2)]
     outs = [p.communicate()[0] for p in procs]
     return json.loads(outs[0].splitlines()[-1])
+
+
+def kernels_child(artifact: str, context: int, steps: int) -> dict:
+    """Rank 0's milliseconds per decode step in each kernel and collective the VM calls (its
+    instrument hook), the most expensive first."""
+    import numpy as np
+
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.sampling import SamplingParams
+
+    spent: dict[str, float] = {}
+    timing = {"on": False, "start": 0.0}
+
+    def instrument(_func, symbol, before, _ret, *_args):
+        if timing["on"]:
+            if before:
+                timing["start"] = time.perf_counter()
+            else:
+                spent[symbol] = spent.get(symbol, 0.0) + time.perf_counter() - timing["start"]
+        return 0
+
+    with Engine(artifact, max_requests=1, max_context=context + steps + 8, max_step_tokens=512,
+                prefix_caching=False) as engine:
+        engine.backend.vm.set_instrument(instrument)
+        prompt = np.random.default_rng(0).integers(0, engine.config.vocab_size, context).tolist()
+        request = engine.requests[engine.submit(prompt, SamplingParams(max_new_tokens=steps + 2))]
+        while not request.generated:
+            engine.step()
+        timing["on"] = True
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - start) / steps
+    return {"wall_ms": wall * 1e3,
+            "ms": dict(sorted(((k, v / steps * 1e3) for k, v in spent.items()), key=lambda kv: -kv[1])[:12])}
 
 
 def collective_bytes(artifact: Path) -> dict:
@@ -136,7 +174,13 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--collectives-child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: each configuration's most expensive kernels and collectives (rank 0), one run each")
+    p.add_argument("--kernels-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.kernels_child:
+        print(json.dumps(kernels_child(args.kernels_child[0], int(args.kernels_child[1]), int(args.kernels_child[2]))))
+        return
     if args.collectives_child:
         rank, port, hidden, tokens, repeats = args.collectives_child
         print(json.dumps(collectives_child(int(rank), int(port), int(hidden), [int(t) for t in tokens.split(",")],
@@ -151,6 +195,16 @@ def main() -> None:
     configs = {"tp1": (args.one_device, {**env, "TVM_NUM_THREADS": "2"}), "tp2": (args.tp2, env)}
     if args.expert_parallel:
         configs["ep2"] = (args.expert_parallel, env)
+    if args.kernels:
+        for name, (artifact, child_env) in configs.items():
+            out = subprocess.run([sys.executable, __file__, "x", "x", "--kernels-child", str(artifact),
+                                  str(args.context), str(args.steps)],
+                                 capture_output=True, text=True, env=child_env, check=True)
+            report = json.loads(out.stdout.splitlines()[-1])
+            print(f"{name}: {report['wall_ms']:.2f} ms per decode step; rank 0's most expensive calls (ms per step):")
+            for symbol, ms in report["ms"].items():
+                print(f"  {ms:8.3f}  {symbol}")
+        return
     rounds: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, (artifact, child_env) in configs.items():

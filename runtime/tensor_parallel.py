@@ -285,7 +285,7 @@ class StepChannel:
 # --------------------------------------------------------------------------- rank 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -336,7 +336,7 @@ class RankGroup:
             self.group = self._wait(lambda: Group(address, 0, world, timeout, gpu), "joining the ranks")
         else:
             shares = core_shares(world)
-            address = f"127.0.0.1:{_free_port()}"
+            address = f"127.0.0.1:{free_port()}"
             for rank in range(1, world):
                 self.procs[rank] = subprocess.Popen(
                     [sys.executable, "-m", "dsv4c.runtime.tensor_parallel", str(artifact), "--rank", str(rank),
@@ -454,6 +454,13 @@ class TensorParallelBackend(TvmBackend):
 
     def close(self) -> None:
         self.ranks.close()
+
+    def __del__(self) -> None:
+        # An engine dropped without close() (a test's fixture, a user's variable) stops its ranks
+        # now, not at interpreter exit (atexit holds the group, not the backend).
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:
+            ranks.close()
 
 
 def torchrun_address() -> str:
