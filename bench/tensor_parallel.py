@@ -14,8 +14,11 @@ bytes each rank sends over gloo's ring for it, beside the weight bytes each rank
 (``flash_slice.decode_weight_bytes``: dense weights whole, the routed experts' top-k share).
 Last, the collective choice: two ranks time an all-reduce of a decode step's and a 512-token
 prefill chunk's partial sums against a reduce-scatter + all-gather and an all-to-all of them, and
-a broadcast of the same (one round trip). ``--kernels`` prints instead, per configuration, rank
-0's most expensive kernels and collectives per decode step (the VM's instrument hook).
+a broadcast of the same (one round trip). And why ranks poll while they wait
+(``Group.finish``): two ranks run a head-sized BF16 GEMV in lockstep, meeting in a barrier between
+calls, once sleeping in the barrier's wait and once polling it; the kernel's own time is what
+differs (a VM halts an idle vCPU). ``--kernels`` prints instead, per configuration, rank 0's most
+expensive kernels and collectives per decode step (the VM's instrument hook).
 
     python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--expert-parallel EP2_ARTIFACT]
                                     [--context 1024] [--steps 32] [--rounds 3] [--json out.json]
@@ -108,6 +111,57 @@ def collective_choice(hidden: int, tokens: list[int], repeats: int) -> dict:
     return json.loads(outs[0].splitlines()[-1])
 
 
+def wakeup_child(rank: int, port: int, poll: bool, rows: int, calls: int) -> dict:
+    """One of two ranks (pinned to core ``rank``, one TVM thread): milliseconds of a [rows, 4096]
+    BF16 GEMV, each call after a barrier with the other rank, which this rank waits for by
+    polling (``Group.finish``) or by sleeping in the wait."""
+    import numpy as np
+    import tvm
+
+    from dsv4c.codegen.kernels import KERNELS, formats
+    from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
+    from dsv4c.runtime import tvm_runtime as rt
+    from dsv4c.runtime.kv_pool import aligned_empty
+    from dsv4c.runtime.tensor_parallel import Group, pin_to
+    from dsv4c.targets import target_info
+
+    pin_to([rank % os.cpu_count()])
+    target = target_info("llvm").tvm_target()
+    with target:
+        func = KERNELS["linear"](rows, 4096, "bf16", True)
+    with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
+        kernel = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)["k"]
+    shape = formats.tir_format("bf16").parts(rows, 4096)[0][0]
+    w, x, y = aligned_empty(shape, np.uint16), aligned_empty((1, 4096), np.float32), aligned_empty((1, rows), np.float32)
+    w[...], x[...] = np.random.default_rng(rank).integers(0, 1 << 14, shape, dtype=np.uint16), 1.0
+    args = [rt.from_numpy(a) for a in (x, w, y)]
+    group = Group(f"127.0.0.1:{port}", rank, 2, 60.0, gpu=False)
+    times = []
+    for i in range(calls + 10):
+        work = group.control.barrier()
+        group.finish(work) if poll else work.wait()
+        start = time.perf_counter()
+        kernel(*args)
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1e3
+    return {"ms": ms, "gb_s": w.nbytes / ms / 1e6}
+
+
+def wakeup_cost(rows: int, calls: int) -> dict:
+    """Both ranks of :func:`wakeup_child`, sleeping then polling: each rank's GEMV figures."""
+    from dsv4c.runtime.tensor_parallel import free_port
+
+    out = {}
+    for way in ("sleeping", "polling"):
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--wakeup-child", str(rank), str(port),
+                                   str(int(way == "polling")), str(rows), str(calls)], stdout=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        out[way] = [json.loads(p.communicate()[0].splitlines()[-1]) for p in procs]
+    return out
+
+
 def kernels_child(artifact: str, context: int, steps: int) -> dict:
     """Rank 0's milliseconds per decode step in each kernel and collective the VM calls (its
     instrument hook), the most expensive first."""
@@ -177,7 +231,13 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true",
                    help="instead: each configuration's most expensive kernels and collectives (rank 0), one run each")
     p.add_argument("--kernels-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--wakeup-child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.wakeup_child:
+        rank, port, poll, rows, calls = map(int, args.wakeup_child)
+        result = wakeup_child(rank, port, bool(poll), rows, calls)
+        print(json.dumps(result), flush=True)
+        os._exit(0)  # a process holding gloo groups aborts in interpreter shutdown
     if args.kernels_child:
         print(json.dumps(kernels_child(args.kernels_child[0], int(args.kernels_child[1]), int(args.kernels_child[2]))))
         return
@@ -220,7 +280,8 @@ def main() -> None:
               "rounds_median_s": rounds, "best_median_ms": {k: v * 1e3 for k, v in best.items()},
               "tp2_over_tp1": best["tp2"] / best["tp1"], "weight_bytes_per_token": weights,
               "collectives": collective_bytes(args.tp2),
-              "collective_choice_us": collective_choice(4096, [1, 512], 50)}
+              "collective_choice_us": collective_choice(4096, [1, 512], 50),
+              "wakeup": wakeup_cost(16000, 100)}
     c = report["collectives"]
     print(f"CPU: {report['cpu']}; flash slice, context {args.context}, {args.steps} decode steps x {args.rounds} rounds")
     print(f"decode step  TP 1 (1 process x 2 threads) {best['tp1'] * 1e3:8.2f} ms   "
@@ -237,6 +298,10 @@ def main() -> None:
     print("joining two ranks' partial sums (hidden 4096, us per call):")
     for name, us in report["collective_choice_us"].items():
         print(f"  {name:<40} {us:10.1f}")
+    print("two ranks' [16000, 4096] BF16 GEMV in lockstep, a barrier between calls (ms per call, GB/s per rank):")
+    for way, ranks in report["wakeup"].items():
+        print(f"  {way + ' in the barrier':<28} " + "   ".join(f"rank {r}: {x['ms']:6.2f} ms {x['gb_s']:5.1f} GB/s"
+                                                      for r, x in enumerate(ranks)))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -50,6 +50,9 @@ MESSAGE_WORDS = 4096  # a call's first broadcast (StepChannel)
 IDLE_TIMEOUT = timedelta(days=365)  # waits that end when a rank does, not on a clock
 START_TIMEOUT = timedelta(minutes=5)  # for the ranks to start and meet
 EXCHANGE_BYTES = 16 << 20  # Group.exchange_bytes on the CPU
+# How long a CPU rank polls for a broadcast call before it sleeps in the wait (Group.finish): the
+# gap between two steps of a generation is far shorter, an idle server's ranks then sleep.
+IDLE_POLL_S = 0.05
 OP_CALL, OP_STOP = 1, 2
 
 
@@ -95,6 +98,13 @@ class Group:
         # decode sizes): up to this many bytes received per rank, the CPU exchanges and sums.
         # NCCL's collectives are the GPU's own; None there.
         self.exchange_bytes = None if gpu else EXCHANGE_BYTES
+        self.polls, self.timeout_s = not gpu, timeout
+
+    def finish(self, work, poll_s: float | None = None) -> None:
+        """Wait for ``work`` (one of this group's collectives): on the CPU by :func:`poll_then_wait`
+        for up to ``poll_s`` seconds (default: the collectives' timeout); a GPU rank's kernels
+        run on its device, so its process sleeps in the wait."""
+        poll_then_wait(work, (self.timeout_s if poll_s is None else poll_s) if self.polls else 0.0)
 
     def loaded(self) -> None:
         """Wait for every rank to have loaded its weights, however long that takes (a rank that
@@ -116,7 +126,7 @@ def register_collectives() -> None:
         to every rank)."""
         parts = torch.empty((group.world, *t.shape), dtype=t.dtype, device=t.device)
         copies = t.reshape(1, -1).expand(group.world, -1).contiguous()
-        group.data.alltoall_base(parts.view(-1), copies.view(-1), [], [], group.all_to_all).wait()
+        group.finish(group.data.alltoall_base(parts.view(-1), copies.view(-1), [], [], group.all_to_all))
         return parts
 
     def all_reduce(x, out):
@@ -127,7 +137,7 @@ def register_collectives() -> None:
             torch.sum(every_ranks(group, t.contiguous()), dim=0, out=o)
         else:
             o.copy_(t)
-            group.data.allreduce([o], group.all_reduce).wait()
+            group.finish(group.data.allreduce([o], group.all_reduce))
 
     def all_gather(x, out):
         group = _active.group
@@ -137,7 +147,7 @@ def register_collectives() -> None:
             parts = every_ranks(group, t)
         else:
             parts = torch.empty((group.world, n, cols), dtype=t.dtype, device=t.device)
-            group.data.allgather([list(parts.unbind(0))], [t], group.all_gather).wait()
+            group.finish(group.data.allgather([list(parts.unbind(0))], [t], group.all_gather))
         o.copy_(parts.permute(1, 0, 2).reshape(n, group.world * cols)[:, :o.shape[1]])
 
     def noting_interrupts(collective):
@@ -151,6 +161,19 @@ def register_collectives() -> None:
 
     rt.tvm_ffi.register_global_func(ALL_REDUCE, noting_interrupts(all_reduce), override=True)
     rt.tvm_ffi.register_global_func(ALL_GATHER, noting_interrupts(all_gather), override=True)
+
+
+def poll_then_wait(work, poll_s: float) -> None:
+    """Wait for ``work`` (a gloo collective), polling for up to ``poll_s`` seconds before sleeping
+    in its wait. A CPU rank that sleeps gives its core back (a VM's idle vCPU halts), and the
+    kernels it runs after waking stream memory up to 1.6x slower than after a wait that kept the
+    core (``bench/tensor_parallel.py``, bench/RESULTS.md); each rank has its core to itself, so
+    polling takes nothing from other work. A rank that stops answering still ends the
+    collective at its timeout, which ``wait`` raises; Ctrl-C lands between polls."""
+    end = time.monotonic() + poll_s
+    while time.monotonic() < end and not work.is_completed():
+        os.sched_yield()  # the gloo threads that complete the work share this core
+    work.wait()
 
 
 # --------------------------------------------------------------------------- pool changes
@@ -224,7 +247,7 @@ class StepChannel:
         import torch
         import torch.distributed as dist
 
-        self.torch, self.group = torch, group.control
+        self.torch, self.group = torch, group
         self.options = dist.BroadcastOptions()
         self.options.rootRank, self.options.timeout = 0, group.all_reduce.timeout
         # A rank waits for rank 0's next call as long as the engine is idle (a server between
@@ -232,9 +255,10 @@ class StepChannel:
         self.idle = dist.BroadcastOptions()
         self.idle.rootRank, self.idle.timeout = 0, IDLE_TIMEOUT
 
-    def _broadcast(self, array: np.ndarray, options=None) -> np.ndarray:
+    def _broadcast(self, array: np.ndarray, idle: bool = False) -> np.ndarray:
         tensor = self.torch.from_numpy(array)
-        self.group.broadcast([tensor], options or self.options).wait()
+        work = self.group.control.broadcast([tensor], self.idle if idle else self.options)
+        self.group.finish(work, IDLE_POLL_S if idle else None)
         return tensor.numpy()
 
     def _send(self, message: np.ndarray) -> None:
@@ -264,11 +288,11 @@ class StepChannel:
         self._broadcast(np.array(values, np.int64))
 
     def receive_setup(self, count: int) -> list[int]:
-        return self._broadcast(np.zeros(count, np.int64), self.idle).tolist()
+        return self._broadcast(np.zeros(count, np.int64), idle=True).tolist()
 
     def receive(self):
         """(function index, arrays, extents, stream rows or None, chain, journal bytes), or None at stop."""
-        message = self._broadcast(np.zeros(MESSAGE_WORDS, np.int32), self.idle)
+        message = self._broadcast(np.zeros(MESSAGE_WORDS, np.int32), idle=True)
         op, function, t, r, b, lr, s, chain, journal, e = message[:HEADER_WORDS].tolist()
         if op == OP_STOP:
             return None

@@ -126,6 +126,36 @@ def test_the_pool_journal_makes_another_pool_the_same():
             np.testing.assert_array_equal(pools[1].tensors[name], a, err_msg=f"{kv} {name}")
 
 
+class _Work:
+    """A collective's work that completes after ``polls`` calls of is_completed (never: None)."""
+
+    def __init__(self, polls):
+        self.polls, self.asked, self.waited_done = polls, 0, None
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return self.polls is not None and self.asked >= self.polls
+
+    def wait(self) -> None:
+        self.waited_done = self.polls is not None and self.asked >= self.polls
+
+
+def test_a_cpu_rank_polls_its_collectives_before_sleeping_in_the_wait():
+    """A rank keeps its core while the other ranks catch up (a VM halts an idle vCPU, and kernels
+    run slower after it wakes: bench/tensor_parallel.py); an idle rank polls only briefly."""
+    from dsv4c.runtime.tensor_parallel import poll_then_wait
+
+    work = _Work(polls=50)
+    poll_then_wait(work, 10.0)
+    assert work.waited_done and work.asked == 50  # polled until done, then wait() returned at once
+    work = _Work(polls=50)
+    poll_then_wait(work, 0.0)
+    assert work.waited_done is False and work.asked == 0  # a GPU rank: straight to the wait
+    work, start = _Work(polls=None), time.monotonic()
+    poll_then_wait(work, 0.05)
+    assert 0.05 <= time.monotonic() - start < 2 and work.asked > 1 and work.waited_done is False
+
+
 def _dsv4c(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dsv4c.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
