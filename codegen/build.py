@@ -12,9 +12,10 @@ from tvm import relax, tirx
 
 from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
-from dsv4c.codegen.lowering import kernel_factory, kernel_table
+from dsv4c.codegen.lowering import compiled_nodes, kernel_factory, kernel_table
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
+from dsv4c.ir.ops import COLLECTIVE_OPS
 from dsv4c.targets import TargetInfo
 
 LIBRARY = "model.so"
@@ -71,9 +72,12 @@ def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_toke
         from dsv4c.codegen.gpu import gpu_kernel
 
         kernels = {symbol: gpu_kernel(spec, target) for symbol, spec in items}
-    step = build_step_module(program, plan, geometry, kernels, max_step_tokens, info.cuda_graph)
-    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": info.cuda_graph}):
-        lowered = relax_pipeline(target, info.cuda_graph)(step.module)
+    # A multi-rank step's collectives are callbacks into torch.distributed, which a captured graph
+    # would not call again: such steps launch their kernels one by one.
+    cuda_graph = info.cuda_graph and not any(n.op in COLLECTIVE_OPS for n in compiled_nodes(program))
+    step = build_step_module(program, plan, geometry, kernels, max_step_tokens, cuda_graph)
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
+        lowered = relax_pipeline(target, cuda_graph)(step.module)
     return lowered, step, target
 
 
@@ -93,7 +97,7 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
           "mtp_inputs": list(STEP_INPUTS + MTP_INPUTS), "outputs": ["logits", "streams"], "params": step.params,
           "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
-          "cuda_graph": info.cuda_graph,
+          "cuda_graph": step.cuda_graph,
           "profile": {"kernels": symbols, "calls": {name: call_runs(calls) for name, calls in step.call_families.items()}}}
     return kernels, vm
 

@@ -29,7 +29,7 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
 
 
 # Shape-generic kernels every step calls (see step_kernels), by symbol.
-GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
+GENERIC_KERNELS = ("copy_ints", "gather_rows", "pad_rows", "slice_columns")
 
 
 def kernel_factory(name: str):

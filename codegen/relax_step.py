@@ -65,6 +65,7 @@ class StepModule:
     # Per entry function, the families (``ir.cost.node_families``) of each kernel call it makes,
     # in the order the VM runs them: how ``runtime.profile`` attributes a call's time.
     call_families: dict[str, list[dict[str, float]]]
+    cuda_graph: bool  # decode functions replay captured CUDA graphs
 
 
 class _Emitter:
@@ -150,6 +151,18 @@ class _Emitter:
                       ([blocks, GEMM_ROWS] + lead + [out_dim], F32))
         return self.view(y, [n] + lead + [out_dim])
 
+    def _graph_inputs(self, inputs: dict[str, relax.Var]) -> dict[str, relax.Var]:
+        """``inputs`` with the small int32 ones (GRAPH_INPUT_COPIES) copied into buffers of the
+        step's own (``step_kernels.copy_ints``): a CUDA graph replays its kernels on the addresses
+        it captured, and the caller's arrays are new every step."""
+        out = dict(inputs)
+        for name in GRAPH_INPUT_COPIES:
+            if name in inputs:
+                shape = self.shape(inputs[name])
+                rows = [shape[0], int(prod(shape[1:]))]
+                out[name] = self.view(self.call("copy_ints", [self.view(inputs[name], rows)], (rows, I32)), shape)
+        return out
+
     # ------------------------------------------------------------------ function
     def function(self, name: str, source: str, max_tokens: int) -> None:
         """Emit entry function ``name`` running IR function ``source``; it returns (the logits
@@ -187,10 +200,15 @@ class _Emitter:
         bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens, "S": max(max_tokens, GEMV_MAX_ROWS)}
         attrs = {"tir_var_upper_bound": bounds, "relax.force_pure": True}
         if self.gemv and self.cuda_graph:
-            # Decode steps replay one CUDA graph per (tokens, requests, logit rows); regions that
-            # depend on the context length (entry and block counts) launch between the graphs.
+            # Decode steps replay one CUDA graph per (tokens, requests, logit rows). The inputs
+            # after the step's own are the weights and the pool, the same tensors every call:
+            # kernels that read them are captured (with the pool's row counts); kernels that read
+            # a context-shaped input (block tables, entry extents) launch between the graphs.
             attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = ["T", "R", "L"]
+            attrs["num_input"] = len(inputs)
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
+            if self.gemv and self.cuda_graph:
+                inputs = self.inputs = self._graph_inputs(inputs)
             self.pool = {}
             for i, p in enumerate(self.pool_layout):
                 v = bb.emit(relax.TupleGetItem(pool_var, i))
@@ -214,6 +232,10 @@ class _Emitter:
                     env[id(o)] = val
             # The logits: of the rows logit_rows names only (the head gathers them first).
             bb.emit_func_output(relax.Tuple([env[id(fn.outputs[0])], env[id(fn.outputs[1])]]))
+
+
+# The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_inputs``).
+GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "logit_rows", "stream_rows")
 
 
 def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple, str]]:
@@ -273,4 +295,4 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
         emitter.function(name, source, bound)
         pool, ratios, call_families[name] = emitter.pool_layout, emitter.ratios, emitter.call_families
     return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens,
-                      call_families)
+                      call_families, cuda_graph)

@@ -358,6 +358,22 @@ def pad_rows():
     return f
 
 
+def copy_ints():
+    """out = x, int32 rows: a decode step's inputs copied into buffers of the step's own, which a
+    CUDA graph reads at the addresses it was captured with (the caller's arrays are new every
+    step), so the kernels that read them can be captured too."""
+    @T.prim_func
+    def f(x: T.handle, out: T.handle):
+        n = T.int32()
+        w = T.int32()
+        X = T.match_buffer(x, (n, w), "int32")
+        OUT = T.match_buffer(out, (n, w), "int32")
+        for i in T.parallel(n):
+            for j in range(w):
+                OUT[i, j] = X[i, j]
+    return f
+
+
 def slice_columns():
     """out[:, j] = x[:, start + j]: one output of a merged projection."""
     @T.prim_func

@@ -20,6 +20,7 @@ import numpy as np
 from dsv4c.artifact import lowbit
 from dsv4c.artifact.step_requests import request_groups
 from dsv4c.errors import UsageError
+from dsv4c.ir.ops import COLLECTIVE_OPS
 
 F32 = np.float32
 
@@ -288,7 +289,7 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
     if op == "shard_ids":
         local = args[0] - args[1][0]
         return np.where((local >= 0) & (local < a["size"]), local, -1).astype(np.int32)
-    if op in ("all_reduce", "all_gather"):
+    if op in COLLECTIVE_OPS:
         raise UsageError(f"{op} joins the ranks of a tensor-parallel program, which runs compiled, one process "
                          "per rank; the reference interpreter runs single-device programs")
     if op == "hc_expand":

@@ -374,6 +374,10 @@ def _shard_ids(ins, attrs):
     return [ids]
 
 
+# Ops that join the ranks of a multi-rank step (``compile --tensor-parallel``).
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
+
+
 @_op("all_reduce", arity=(1,))
 def _all_reduce(ins, attrs):
     """The sum of every rank's ``x`` (each rank's partial product), on every rank."""

@@ -241,6 +241,8 @@ def test_full_structure_compiles_without_weights(tmp_path, model, target, ranks)
     heads = {tuple(n["outputs"][0]["type"]["shape"][1:]) for n in step["nodes"] if n["op"] == "sparse_attn"}
     cfg = resolve_model(model)
     assert heads == {(cfg.num_heads // ranks, cfg.head_dim)}
+    # A captured graph would not call the collectives (torch.distributed callbacks) again.
+    assert manifest["vm"]["cuda_graph"] == (target == "sm90" and ranks == 1)
 
 
 def test_device_check_logic_runs_on_the_cpu():
