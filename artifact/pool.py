@@ -28,6 +28,14 @@ from dsv4c.errors import ArtifactError, UsageError
 ENVELOPE_TOKENS = 256
 
 
+def context_bucket(tokens: int) -> int:
+    """The context a decode step that replays CUDA graphs covers for ``tokens`` positions: the
+    next power of two, at least an envelope. Its block-table width and entry extents follow from
+    it, so one graph serves every context length of the bucket (the kernels mask the entries
+    past each token's own); the compiler bounds them by the bucket of max_position_embeddings."""
+    return max(ENVELOPE_TOKENS, 1 << (max(tokens, 1) - 1).bit_length())
+
+
 @dataclass(frozen=True)
 class CompressedLayerRows:
     layer: int

@@ -25,7 +25,7 @@ from math import prod
 import tvm
 from tvm import relax, tirx
 
-from dsv4c.artifact.pool import PoolTensor
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolTensor, context_bucket
 from dsv4c.artifact.quant import WEIGHT_FORMATS
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.codegen.lowering import compiled_nodes, node_kernels
@@ -159,7 +159,7 @@ class _Emitter:
         for name in GRAPH_INPUT_COPIES:
             if name in inputs:
                 shape = self.shape(inputs[name])
-                rows = [shape[0], int(prod(shape[1:]))]
+                rows = [shape[0], shape[1] if len(shape) == 2 else 1]  # the inputs are vectors or matrices
                 out[name] = self.view(self.call("copy_ints", [self.view(inputs[name], rows)], (rows, I32)), shape)
         return out
 
@@ -200,11 +200,15 @@ class _Emitter:
         bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens, "S": max(max_tokens, GEMV_MAX_ROWS)}
         attrs = {"tir_var_upper_bound": bounds, "relax.force_pure": True}
         if self.gemv and self.cuda_graph:
-            # Decode steps replay one CUDA graph per (tokens, requests, logit rows). The inputs
-            # after the step's own are the weights and the pool, the same tensors every call:
-            # kernels that read them are captured (with the pool's row counts); kernels that read
-            # a context-shaped input (block tables, entry extents) launch between the graphs.
-            attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = ["T", "R", "L"]
+            # Decode steps replay one CUDA graph per (tokens, requests, logit rows, context
+            # bucket): the runtime pads the block tables and entry extents to the bucket of the
+            # context (artifact.pool.context_bucket), bounded here by that of the model's
+            # positions so the memory plan stays static. The inputs after the step's own are the
+            # weights and the pool, the same tensors every call (``num_input``).
+            context = context_bucket(cfg.max_position_embeddings)
+            attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = \
+                ["T", "R", "L", "B"] + [f"E{ratio}" for ratio in self.ratios]
+            bounds.update({"B": context // ENVELOPE_TOKENS, **{f"E{ratio}": context // ratio for ratio in self.ratios}})
             attrs["num_input"] = len(inputs)
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
             if self.gemv and self.cuda_graph:
@@ -235,7 +239,7 @@ class _Emitter:
 
 
 # The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_inputs``).
-GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "logit_rows", "stream_rows")
+GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "stream_rows")
 
 
 def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple, str]]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from dsv4c import targets
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, context_bucket
 from dsv4c.artifact.step_requests import request_groups
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import UsageError
@@ -42,6 +43,8 @@ class TvmBackend:
         self.has_mtp = "mtp0_decode" in self.functions
         self.decode_max_tokens, self.max_step_tokens = vm["decode_max_tokens"], vm["max_step_tokens"]
         self.entry_ratios = vm["entry_ratios"]
+        # Decode steps replaying CUDA graphs cover their context's bucket (artifact.pool.context_bucket).
+        self.context_buckets = vm["cuda_graph"]
         self.pool = pool
         # Weights mapped from their shards or read into memory (``weights_mode``, see
         # runtime.weights); on the CPU shared with the kernels as they are. Constants from theirs.
@@ -86,13 +89,15 @@ class TvmBackend:
         if n > self.max_step_tokens:
             raise UsageError(f"a step of {n} tokens exceeds the artifact's max_step_tokens ({self.max_step_tokens})")
         positions = np.asarray(positions, np.int32)
-        inputs = step_inputs(self.pool, positions, np.asarray(seq_ids), self.entry_ratios)
+        decode = n <= self.decode_max_tokens
+        inputs = step_inputs(self.pool, positions, np.asarray(seq_ids), self.entry_ratios,
+                             bucketed=decode and self.context_buckets)
         rows = np.arange(n, dtype=np.int32) if logit_rows is None else np.asarray(logit_rows, np.int32)
         # A step that needs no logits (a prefill chunk) still computes one row: no empty tensors.
         arrays = [np.asarray(tokens, np.int32), positions, *inputs[:3], rows if len(rows) else np.array([n - 1], np.int32)]
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
-        name = prefix + ("decode" if n <= self.decode_max_tokens else "prefill")
+        name = prefix + ("decode" if decode else "prefill")
         logits = rt.to_numpy(self.call(name, arrays, inputs[3], stream_rows, chain))[:len(rows)]
         self.read_back = logits.size
         return logits
@@ -188,11 +193,13 @@ def check_subnormals(artifact: Path) -> None:
                          "that library, or in another process")
 
 
-def step_inputs(pool: KVPool, positions: np.ndarray, seq_ids: np.ndarray, entry_ratios: list[int]):
+def step_inputs(pool: KVPool, positions: np.ndarray, seq_ids: np.ndarray, entry_ratios: list[int],
+                bucketed: bool = False):
     """The step's compact inputs besides tokens, positions and logit rows: each token's request
     (index into the step's requests), per request (slot, first token, token count, first
     position), the requests' block tables (padded with 0), and per compress ratio the widest
-    visibility of compressed entries among the tokens (at least 1)."""
+    visibility of compressed entries among the tokens (at least 1). ``bucketed``: the block
+    tables and extents cover the context's bucket (``artifact.pool.context_bucket``) instead."""
     groups = list(request_groups(positions, seq_ids))
     token_request = np.empty(len(positions), np.int32)
     requests = np.empty((len(groups), 4), np.int32)
@@ -204,10 +211,12 @@ def step_inputs(pool: KVPool, positions: np.ndarray, seq_ids: np.ndarray, entry_
         token_request[idx] = i
         requests[i] = (rows.slot, idx[0], len(idx), first)
         tables.append(rows.blocks)
-    width = max([len(t) for t in tables] + [1])
+    last = int(positions.max(initial=0)) + 1
+    if bucketed:
+        last = context_bucket(last)
+    width = max([len(t) for t in tables] + [1, -(-last // ENVELOPE_TOKENS) if bucketed else 1])
     block_table = np.zeros((len(groups), width), np.int32)
     for i, t in enumerate(tables):
         block_table[i, :len(t)] = t
-    last = int(positions.max(initial=0)) + 1
     extents = [max(1, last // ratio) for ratio in entry_ratios]
     return token_request, requests, block_table, extents

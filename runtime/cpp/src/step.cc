@@ -186,6 +186,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   decode_max_tokens_ = vm.integer("decode_max_tokens");
   max_step_tokens_ = vm.integer("max_step_tokens");
   entry_ratios_ = vm.integers("entry_ratios");
+  context_buckets_ = vm.flag("cuda_graph");
 
   ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
   ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
@@ -261,11 +262,17 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
     token_request[t] = it->second;
     requests[4 * it->second + 2] += 1;
   }
+  int64_t last = n ? *std::max_element(positions.begin(), positions.end()) + 1 : 1;
   size_t width = 1;
+  if (context_buckets_ && n <= decode_max_tokens_) {  // Python: artifact.pool.context_bucket
+    int64_t bucket = kEnvelopeTokens;
+    while (bucket < last) bucket <<= 1;
+    last = bucket;
+    width = static_cast<size_t>(bucket / kEnvelopeTokens);
+  }
   for (const auto* table : tables) width = std::max(width, table->size());
   std::vector<int32_t> block_table(tables.size() * width, 0);
   for (size_t i = 0; i < tables.size(); ++i) std::copy(tables[i]->begin(), tables[i]->end(), block_table.begin() + i * width);
-  int64_t last = n ? *std::max_element(positions.begin(), positions.end()) + 1 : 1;
   std::vector<int64_t> extents;
   for (int64_t ratio : entry_ratios_) extents.push_back(std::max<int64_t>(1, last / ratio));
 

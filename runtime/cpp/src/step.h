@@ -44,6 +44,7 @@ class CompiledStep {
   int64_t decode_max_tokens_ = 0;
   int64_t max_step_tokens_ = 0;
   std::vector<int64_t> entry_ratios_;
+  bool context_buckets_ = false;  // decode replays CUDA graphs: inputs cover the context's bucket
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
   tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };
