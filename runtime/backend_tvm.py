@@ -25,7 +25,16 @@ from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 
 
+NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
+
+
 class TvmBackend:
+    # Whether speculative decoding saves and restores pool rows through the artifact's pool
+    # functions (``codegen.relax_step.emit_pool_functions``) on the device rather than in the
+    # KVPool's arrays: always off the host, where those arrays are not the pool. Tests set it on
+    # the class to run the device path on a CPU artifact.
+    device_rows = False
+
     def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto",
                  rank: int = 0):
         """``rank``: which rank's weights of a multi-rank artifact to bind (``runtime.tensor_parallel``)."""
@@ -56,6 +65,11 @@ class TvmBackend:
         # ffi Arrays made once: a Python list would be converted on every call.
         self.params = rt.tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
         self.pool_tensors = rt.tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p["name"]]) for p in vm["pool"]])
+        self.device_rows = self.device_rows or not self.on_host
+        # An artifact compiled before the pool functions existed has none (``check_pool_functions``).
+        self.pool_functions = {role: self.vm[name] for role, name in vm.get("pool_functions", {}).items()}
+        self._artifact = artifact
+        self._pool_order = {id(self.pool.tensors[p["name"]]): i for i, p in enumerate(vm["pool"])}
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
@@ -77,6 +91,36 @@ class TvmBackend:
     def _pool_tensor(self, a: np.ndarray):
         """A pool tensor on the device: the KVPool's own array on the CPU, a device copy otherwise."""
         return rt.from_numpy(a) if self.on_host else rt.to_device(a, self.device)
+
+    # ------------------------------------------------------------------ pool rows
+    def check_pool_functions(self) -> None:
+        """Refuse an artifact without the pool functions (``vm.pool_functions``: save, restore)."""
+        if set(self.pool_functions) != {"save", "restore"}:
+            raise ArtifactError(f"{self._artifact}: its library lacks the pool save / restore functions (compiled "
+                                "by an older dsv4c) that speculative decoding on its device needs; recompile it")
+
+    def save_rows(self, state: list[tuple[np.ndarray, tuple]]):
+        """``KVPool.save`` on the device: a copy of the rows of a ``KVPool.position_state``, made by
+        the artifact's pool_save; for :meth:`restore_rows`."""
+        rows = self._pool_rows(state)
+        return rows, self.pool_functions["save"](self.pool_tensors, rows)
+
+    def restore_rows(self, saved) -> None:
+        """``KVPool.restore`` on the device: rows saved by :meth:`save_rows` put back."""
+        rows, values = saved
+        self.pool_functions["restore"](self.pool_tensors, rows, values)
+
+    def _pool_rows(self, state: list[tuple[np.ndarray, tuple]]):
+        """Per pool tensor (``vm["pool"]`` order), the rows ``state`` names in it as the pool
+        functions see the tensor (``relax_step.pool_row_views``: a ring's (slot, ring row) is
+        row slot * ring rows + ring row), uploaded; ``[-1]`` (no row) where it names none."""
+        per_tensor: list[list[np.ndarray]] = [[] for _ in self._pool_order]
+        for array, index in state:
+            index = np.broadcast_arrays(*(np.asarray(i, np.int64) for i in index))
+            per_tensor[self._pool_order[id(array)]].append(
+                np.ravel_multi_index(index, array.shape[:len(index)]).reshape(-1))
+        flat = [np.concatenate(rows).astype(np.int32) if rows else NO_ROW for rows in per_tensor]
+        return rt.tvm_ffi.convert([self._upload(rows if len(rows) else NO_ROW) for rows in flat])
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
