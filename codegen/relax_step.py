@@ -189,7 +189,7 @@ class _Emitter:
             attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = ["T", "R", "L"]
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
             self.pool = dict(zip((p.name for p in self.pool_layout),
-                                 pool_row_views(bb, pool_var, self.pool_layout, sizes["slots"])))
+                                 pool_row_views(bb, pool_var, self.pool_layout, sizes)))
             env: dict[int, relax.Var] = {}
             if source == "step":
                 for v, key in zip(fn.inputs, ("tokens", "positions")):
@@ -218,14 +218,17 @@ def pool_parameter(layout: list[PoolTensor]) -> tuple[relax.Var, dict[str, tirx.
                                               for p in layout])), sizes
 
 
-def pool_row_views(bb: relax.BlockBuilder, pool_var: relax.Var, layout: list[PoolTensor], slots) -> list[relax.Var]:
-    """Each pool tensor as rows [rows, width]: a ring tensor [slots, ring rows, width] as
-    [slots * ring rows, width], slot s owning rows [s * ring rows, (s + 1) * ring rows)."""
+def pool_row_views(bb: relax.BlockBuilder, pool_var: relax.Var, layout: list[PoolTensor], sizes: dict,
+                   widths: list[int] | None = None) -> list[relax.Var]:
+    """Each pool tensor as rows of its elements in order, [rows, width] (width: its last axis, or
+    ``widths[i]``): a ring tensor [slots, ring rows, width] as [slots * ring rows, width], slot s
+    owning rows [s * ring rows, (s + 1) * ring rows)."""
     out = []
     for i, p in enumerate(layout):
         v = bb.emit(relax.TupleGetItem(pool_var, i))
-        if p.rows == "slots":
-            v = bb.emit(relax.op.memory.view(v, relax.ShapeExpr([slots * p.shape[0], p.shape[1]])))
+        width = p.shape[-1] if widths is None else widths[i]
+        if p.rows == "slots" or width != p.shape[-1]:
+            v = bb.emit(relax.op.memory.view(v, relax.ShapeExpr([sizes[p.rows] * (prod(p.shape) // width), width])))
         out.append(v)
     return out
 
@@ -235,23 +238,26 @@ def pool_row_views(bb: relax.BlockBuilder, pool_var: relax.Var, layout: list[Poo
 POOL_FUNCTIONS = {"save": "pool_save", "restore": "pool_restore"}
 
 
-def emit_pool_functions(bb: relax.BlockBuilder, gvars: dict, layout: list[PoolTensor]) -> None:
-    """``pool_save(pool, rows)``: per pool tensor, seen as rows (``pool_row_views``), the rows
+def emit_pool_functions(bb: relax.BlockBuilder, gvars: dict, geometry) -> None:
+    """``pool_save(pool, rows)``: per pool tensor, seen as rows (``pool_row_views``; a tensor
+    whose rows are scattered, ``PoolGeometry.bytewise``, as rows of one byte), the rows
     ``rows[i]`` (``i32[n_i]``) names, as fresh tensors; ``pool_restore(pool, rows, saved)`` writes
     such rows back in place. A row of -1 is no row: the host pads a tensor with nothing to save
     with one (``step_kernels.gather_rows`` / ``scatter_rows``), so no tensor is empty."""
     from dsv4c.codegen.lowering import pool_row_kernels
 
+    layout = geometry.tensors()
+    widths = [1 if geometry.bytewise(p) else p.shape[-1] for p in layout]
     for role, name in POOL_FUNCTIONS.items():
         pool_var, sizes = pool_parameter(layout)
         counts = [tirx.Var(f"n{i}", "int64") for i in range(len(layout))]
         rows_var = relax.Var("rows", relax.TupleType([relax.TensorType([n], I32) for n in counts]))
-        saved_types = [relax.TensorType([n, p.shape[-1]], p.dtype) for n, p in zip(counts, layout)]
+        saved_types = [relax.TensorType([n, w], p.dtype) for n, w, p in zip(counts, widths, layout)]
         saved_var = relax.Var("saved", relax.TupleType(saved_types))
         with bb.function(name, [pool_var, rows_var] + ([saved_var] if role == "restore" else []),
                          attrs={"relax.force_pure": True}):
             outs = []
-            for i, view in enumerate(pool_row_views(bb, pool_var, layout, sizes["slots"])):
+            for i, view in enumerate(pool_row_views(bb, pool_var, layout, sizes, widths)):
                 kernel = gvars[pool_row_kernels(layout[i].dtype)[role].symbol]
                 rows = bb.emit(relax.TupleGetItem(rows_var, i))
                 if role == "save":
@@ -318,6 +324,6 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
         emitter = _Emitter(bb, program, geometry, gvars, per_node, params, gemv, cuda_graph)
         emitter.function(name, source, bound)
         pool, ratios, call_families[name] = emitter.pool_layout, emitter.ratios, emitter.call_families
-    emit_pool_functions(bb, gvars, pool)
+    emit_pool_functions(bb, gvars, geometry)
     return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens,
                       call_families)

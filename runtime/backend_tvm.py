@@ -17,6 +17,7 @@ import numpy as np
 
 from dsv4c import targets
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError
+from dsv4c.artifact.pool_rows import IndexRowCodec
 from dsv4c.artifact.step_requests import request_groups
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import UsageError
@@ -69,7 +70,7 @@ class TvmBackend:
         # An artifact compiled before the pool functions existed has none (``check_pool_functions``).
         self.pool_functions = {role: self.vm[name] for role, name in vm.get("pool_functions", {}).items()}
         self._artifact = artifact
-        self._pool_order = {id(self.pool.tensors[p["name"]]): i for i, p in enumerate(vm["pool"])}
+        self._pool_names = [p["name"] for p in vm["pool"]]
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
@@ -111,16 +112,7 @@ class TvmBackend:
         self.pool_functions["restore"](self.pool_tensors, rows, values)
 
     def _pool_rows(self, state: list[tuple[np.ndarray, tuple]]):
-        """Per pool tensor (``vm["pool"]`` order), the rows ``state`` names in it as the pool
-        functions see the tensor (``relax_step.pool_row_views``: a ring's (slot, ring row) is
-        row slot * ring rows + ring row), uploaded; ``[-1]`` (no row) where it names none."""
-        per_tensor: list[list[np.ndarray]] = [[] for _ in self._pool_order]
-        for array, index in state:
-            index = np.broadcast_arrays(*(np.asarray(i, np.int64) for i in index))
-            per_tensor[self._pool_order[id(array)]].append(
-                np.ravel_multi_index(index, array.shape[:len(index)]).reshape(-1))
-        flat = [np.concatenate(rows).astype(np.int32) if rows else NO_ROW for rows in per_tensor]
-        return rt.tvm_ffi.convert([self._upload(rows if len(rows) else NO_ROW) for rows in flat])
+        return rt.tvm_ffi.convert([self._upload(rows) for rows in pool_function_rows(self.pool, self._pool_names, state)])
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -176,6 +168,26 @@ class TvmBackend:
         if (self.draft_streams if chain else self.step_streams) is None:
             raise UsageError("draft() needs the streams of a step (or of a draft, to chain) first")
         return self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, stream_rows, chain)
+
+
+def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndarray, tuple]]) -> list[np.ndarray]:
+    """Per pool tensor of ``names`` (the pool tuple's order), the rows of a ``KVPool.position_state``
+    as the pool functions see the tensor (``codegen.relax_step.emit_pool_functions``): a ring's
+    (slot, ring row) is row slot * ring rows + ring row, and a row of a bytewise tensor
+    (``PoolGeometry.bytewise``) is its bytes; ``[-1]`` (no row) where the state names none."""
+    g = pool.geometry
+    order = {id(pool.tensors[name]): i for i, name in enumerate(names)}
+    bytewise = {id(pool.tensors[t.name]) for t in g.tensors() if g.bytewise(t)}
+    per_tensor: list[list[np.ndarray]] = [[] for _ in names]
+    for array, index in state:
+        if id(array) in bytewise:
+            rows = IndexRowCodec(g).fp4_offsets(array, np.asarray(index[0]))
+        else:
+            index = np.broadcast_arrays(*(np.asarray(i, np.int64) for i in index))
+            rows = np.ravel_multi_index(index, array.shape[:len(index)])
+        per_tensor[order[id(array)]].append(rows.reshape(-1))
+    flat = [np.concatenate(rows).astype(np.int32) if rows else NO_ROW for rows in per_tensor]
+    return [rows if len(rows) else NO_ROW for rows in flat]
 
 
 def check_cpu(artifact: Path, kernels: dict) -> None:
