@@ -35,7 +35,7 @@ GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
 
 def pool_row_kernels(dtype: str) -> dict[str, KernelSpec]:
     """The kernels that save (gather) and restore (scatter) rows of a pool tensor of ``dtype``
-    (``relax_step.pool_functions``); float32's gather is the step's own ``gather_rows``."""
+    (``relax_step.emit_pool_functions``); float32's gather is the step's own ``gather_rows``."""
     params = () if dtype == "float32" else (dtype,)
     return {"save": KernelSpec("gather_rows", params), "restore": KernelSpec("scatter_rows", params)}
 

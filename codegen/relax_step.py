@@ -25,7 +25,7 @@ from math import prod
 import tvm
 from tvm import relax, tirx
 
-from dsv4c.artifact.pool import PoolTensor
+from dsv4c.artifact.pool import PoolGeometry, PoolTensor
 from dsv4c.artifact.quant import WEIGHT_FORMATS
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.codegen.lowering import compiled_nodes, node_kernels
@@ -238,7 +238,7 @@ def pool_row_views(bb: relax.BlockBuilder, pool_var: relax.Var, layout: list[Poo
 POOL_FUNCTIONS = {"save": "pool_save", "restore": "pool_restore"}
 
 
-def emit_pool_functions(bb: relax.BlockBuilder, gvars: dict, geometry) -> None:
+def emit_pool_functions(bb: relax.BlockBuilder, gvars: dict, geometry: PoolGeometry) -> None:
     """``pool_save(pool, rows)``: per pool tensor, seen as rows (``pool_row_views``; a tensor
     whose rows are scattered, ``PoolGeometry.bytewise``, as rows of one byte), the rows
     ``rows[i]`` (``i32[n_i]``) names, as fresh tensors; ``pool_restore(pool, rows, saved)`` writes

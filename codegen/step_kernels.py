@@ -326,7 +326,7 @@ def shard_ids(size: int):
 
 def gather_rows(dtype: str = "float32"):
     """out[i] = x[idx[i]]: the rows a step reads back (logits) or routes (expert pairs), and the
-    pool rows speculative decoding saves (``relax_step.pool_functions``: any pool dtype). A row
+    pool rows speculative decoding saves (``relax_step.emit_pool_functions``: any pool dtype). A row
     of -1 reads row 0: the pool's row lists pad an empty list with -1, which ``scatter_rows``
     then skips."""
     @T.prim_func

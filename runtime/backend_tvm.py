@@ -103,16 +103,13 @@ class TvmBackend:
     def save_rows(self, state: list[tuple[np.ndarray, tuple]]):
         """``KVPool.save`` on the device: a copy of the rows of a ``KVPool.position_state``, made by
         the artifact's pool_save; for :meth:`restore_rows`."""
-        rows = self._pool_rows(state)
+        rows = rt.tvm_ffi.convert([self._upload(r) for r in pool_function_rows(self.pool, self._pool_names, state)])
         return rows, self.pool_functions["save"](self.pool_tensors, rows)
 
     def restore_rows(self, saved) -> None:
         """``KVPool.restore`` on the device: rows saved by :meth:`save_rows` put back."""
         rows, values = saved
         self.pool_functions["restore"](self.pool_tensors, rows, values)
-
-    def _pool_rows(self, state: list[tuple[np.ndarray, tuple]]):
-        return rt.tvm_ffi.convert([self._upload(rows) for rows in pool_function_rows(self.pool, self._pool_names, state)])
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -178,7 +175,7 @@ def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndar
     g = pool.geometry
     order = {id(pool.tensors[name]): i for i, name in enumerate(names)}
     bytewise = {id(pool.tensors[t.name]) for t in g.tensors() if g.bytewise(t)}
-    per_tensor: list[list[np.ndarray]] = [[] for _ in names]
+    per_tensor: list[list[np.ndarray]] = [[np.empty(0, np.int64)] for _ in names]
     for array, index in state:
         if id(array) in bytewise:
             rows = IndexRowCodec(g).fp4_offsets(array, np.asarray(index[0]))
@@ -186,7 +183,7 @@ def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndar
             index = np.broadcast_arrays(*(np.asarray(i, np.int64) for i in index))
             rows = np.ravel_multi_index(index, array.shape[:len(index)])
         per_tensor[order[id(array)]].append(rows.reshape(-1))
-    flat = [np.concatenate(rows).astype(np.int32) if rows else NO_ROW for rows in per_tensor]
+    flat = [np.concatenate(rows).astype(np.int32) for rows in per_tensor]
     return [rows if len(rows) else NO_ROW for rows in flat]
 
 
