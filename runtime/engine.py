@@ -212,10 +212,10 @@ class Engine:
             raise UsageError(f"{self.path} {why}; speculative decoding with mtp needs a compiled MTP layer "
                              "(compile a model with num_nextn_predict_layers >= 1)")
         if self.device_rows:
-            self.backend.check_pool_functions()
             if self.manifest.get("tensor_parallel", 1) > 1:
                 raise UsageError("speculative decoding of a multi-rank artifact puts rejected drafts' pool rows back "
                                  "through the host's pool journal: it runs on llvm (CPU) artifacts for now")
+            self.backend.check_pool_functions()
         # Positions of one verify step must own distinct window and ring rows (position_state).
         longest = min([geometry.window] + [s.rows for s in geometry.states])
         if not 1 <= self.num_draft_tokens < longest:
