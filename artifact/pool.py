@@ -184,6 +184,12 @@ class PoolGeometry:
             out += [PoolTensor("slots", part, (s.rows, s.width), "float32", s) for part in ("kv", "score")]
         return out
 
+    def bytewise(self, t: PoolTensor) -> bool:
+        """Whether the bytes of a row of pool tensor ``t`` are scattered over it: gfx950's FP4
+        index rows (tiles of 64 rows, ``pool_rows.FP4_PRESHUFFLED``). The pool functions that save
+        and restore rows (``codegen.relax_step.emit_pool_functions``) see such a tensor as bytes."""
+        return t.rows == "index" and self.index_storage == "fp4" and self.index_layout == FP4_PRESHUFFLED
+
     def plane_bytes_per_row(self) -> dict[str, int]:
         if self.main_storage == "fp8":
             rope = 2 * self.rope_dim

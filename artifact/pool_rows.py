@@ -150,9 +150,10 @@ class IndexRowCodec:
     def __init__(self, g):
         self.g = g
 
-    def _fp4_offsets(self, plane, rows: np.ndarray) -> np.ndarray:
+    def fp4_offsets(self, plane, rows: np.ndarray) -> np.ndarray:
         """[len(rows), row bytes] offsets into the flat plane of each row's bytes, in row-major
-        order (packed codes, then the scales)."""
+        order (packed codes, then the scales); also where the device's pool functions find a
+        preshuffled row (``PoolGeometry.bytewise``)."""
         d, layout, r = self.g.index_head_dim, self.g.index_layout, len(plane)
         rows = rows.astype(np.int64)[:, None]
         return np.concatenate([fp4_code_offset(layout, rows, np.arange(d // 2), r, d),
@@ -166,7 +167,7 @@ class IndexRowCodec:
             scale = _pow2_blocks(values, FP4_GROUP, lowbit.FP4_AMAX_FLOOR, lowbit.E2M1_MAX)
             codes = lowbit.encode_e2m1(np.clip(values / np.repeat(scale, FP4_GROUP, axis=1), -6, 6))
             row_bytes = np.concatenate([lowbit.pack_fp4(codes).view(np.uint8), lowbit.encode_e8m0(scale)], axis=1)
-            plane.reshape(-1)[self._fp4_offsets(plane, rows)] = row_bytes
+            plane.reshape(-1)[self.fp4_offsets(plane, rows)] = row_bytes
         else:  # fp8 with one fp32 scale per row
             scale = (np.maximum(np.abs(values).max(axis=1), lowbit.FP8_AMAX_FLOOR) / lowbit.E4M3_MAX).astype(F32)
             codes, scale = lowbit.fp8_in_format(lowbit.encode_e4m3fn(values / scale[:, None]), scale,
@@ -179,7 +180,7 @@ class IndexRowCodec:
         if s == "fp32":
             return plane[rows]
         if s == "fp4":
-            raw = plane.reshape(-1)[self._fp4_offsets(plane, rows)]
+            raw = plane.reshape(-1)[self.fp4_offsets(plane, rows)]
             scale = lowbit.decode_e8m0(raw[:, d // 2:])
             return (lowbit.decode_e2m1(lowbit.unpack_fp4(raw[:, :d // 2]))
                     * np.repeat(scale, FP4_GROUP, axis=1)).astype(F32)

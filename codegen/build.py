@@ -13,7 +13,7 @@ from tvm import relax, tirx
 from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.lowering import compiled_nodes, kernel_factory, kernel_table
-from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, STEP_INPUTS, build_step_module
+from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
 from dsv4c.ir.ops import COLLECTIVE_OPS
 from dsv4c.targets import TargetInfo
@@ -97,7 +97,7 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
           "mtp_inputs": list(STEP_INPUTS + MTP_INPUTS), "outputs": ["logits", "streams"], "params": step.params,
           "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
-          "cuda_graph": step.cuda_graph,
+          "cuda_graph": step.cuda_graph, "pool_functions": POOL_FUNCTIONS,
           "profile": {"kernels": symbols, "calls": {name: call_runs(calls) for name, calls in step.call_families.items()}}}
     return kernels, vm
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import FP8_BLOCK, FP32, I32, I64, Fp8Blocks, WeightFormat
 from dsv4c.codegen.ops.base import KernelSpec
 from dsv4c.frontend.checkpoint import Rows
@@ -32,6 +33,13 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
 GENERIC_KERNELS = ("copy_ints", "gather_rows", "pad_rows", "slice_columns")
 
 
+def pool_row_kernels(dtype: str) -> dict[str, KernelSpec]:
+    """The kernels that save (gather) and restore (scatter) rows of a pool tensor of ``dtype``
+    (``relax_step.emit_pool_functions``); float32's gather is the step's own ``gather_rows``."""
+    params = () if dtype == "float32" else (dtype,)
+    return {"save": KernelSpec("gather_rows", params), "restore": KernelSpec("scatter_rows", params)}
+
+
 def kernel_factory(name: str):
     """The factory of a kernel named in a :class:`KernelSpec`."""
     from dsv4c.codegen import step_kernels
@@ -47,9 +55,11 @@ def compiled_nodes(program: Program) -> list:
 
 
 def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
-    """Distinct kernels of the compiled functions, and per node (``compiled_nodes``) the symbol
-    of each role."""
+    """Distinct kernels of the compiled functions (the pool functions' row kernels included),
+    and per node (``compiled_nodes``) the symbol of each role."""
     specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
+    for dtype in sorted({t.dtype for t in PoolGeometry.build(program.config, plan).tensors()}):
+        specs.update((spec.symbol, spec) for spec in pool_row_kernels(dtype).values())
     per_node = []
     for node in compiled_nodes(program):
         roles = node_kernels(node, program.config, plan)

@@ -25,7 +25,7 @@ from math import prod
 import tvm
 from tvm import relax, tirx
 
-from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolTensor, context_bucket
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, PoolTensor, context_bucket
 from dsv4c.artifact.quant import WEIGHT_FORMATS
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.codegen.lowering import compiled_nodes, node_kernels
@@ -173,8 +173,7 @@ class _Emitter:
         self.ratios = sorted({layer.compress_ratio for layer in cfg.layers if layer.is_compressed})
         extents = [tirx.Var(f"E{ratio}", "int64") for ratio in self.ratios]
         self.entries = dict(zip(self.ratios, extents))
-        pool_rows, index_rows, slots = (tirx.Var(v, "int64") for v in ("pool_rows", "index_rows", "slots"))
-        self.pool_rows, self.t, self.r = pool_rows, t, r
+        self.t, self.r = t, r
         self.sym = {"T": t}
         inputs = {
             "tokens": relax.Var("tokens", relax.TensorType([t], I32)),
@@ -192,11 +191,9 @@ class _Emitter:
         self.inputs = inputs
         self.params_var = relax.Var("params", relax.TupleType(
             [relax.TensorType(list(shape), dtype) for shape, dtype in self.param_types]))
-        rows_of = {"main": pool_rows, "index": index_rows}
         self.pool_layout = self.geometry.tensors()
-        pool_var = relax.Var("pool", relax.TupleType(
-            [relax.TensorType([rows_of[p.rows]] + list(p.shape) if p.rows != "slots" else [slots] + list(p.shape),
-                              p.dtype) for p in self.pool_layout]))
+        pool_var, sizes = pool_parameter(self.pool_layout)
+        self.pool_rows = sizes["main"]
         bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens, "S": max(max_tokens, GEMV_MAX_ROWS)}
         attrs = {"tir_var_upper_bound": bounds, "relax.force_pure": True}
         if self.gemv and self.cuda_graph:
@@ -213,12 +210,8 @@ class _Emitter:
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
             if self.gemv and self.cuda_graph:
                 inputs = self.inputs = self._graph_inputs(inputs)
-            self.pool = {}
-            for i, p in enumerate(self.pool_layout):
-                v = bb.emit(relax.TupleGetItem(pool_var, i))
-                if p.rows == "slots":  # rings as rows: slot s owns rows [s * ring rows, (s + 1) * ring rows)
-                    v = self.view(v, [slots * p.shape[0], p.shape[1]])
-                self.pool[p.name] = v
+            self.pool = dict(zip((p.name for p in self.pool_layout),
+                                 pool_row_views(bb, pool_var, self.pool_layout, sizes)))
             env: dict[int, relax.Var] = {}
             if source == "step":
                 for v, key in zip(fn.inputs, ("tokens", "positions")):
@@ -240,6 +233,65 @@ class _Emitter:
 
 # The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_inputs``).
 GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "stream_rows")
+
+
+def pool_parameter(layout: list[PoolTensor]) -> tuple[relax.Var, dict[str, tirx.Var]]:
+    """An entry function's ``pool`` parameter: the tuple of ``layout``'s tensors, and the sizes
+    of their row spaces by ``PoolTensor.rows`` (``main``: pool_rows, ``index``, ``slots``)."""
+    sizes = {rows: tirx.Var(name, "int64") for rows, name in
+             (("main", "pool_rows"), ("index", "index_rows"), ("slots", "slots"))}
+    return relax.Var("pool", relax.TupleType([relax.TensorType([sizes[p.rows]] + list(p.shape), p.dtype)
+                                              for p in layout])), sizes
+
+
+def pool_row_views(bb: relax.BlockBuilder, pool_var: relax.Var, layout: list[PoolTensor], sizes: dict,
+                   widths: list[int] | None = None) -> list[relax.Var]:
+    """Each pool tensor as rows of its elements in order, [rows, width] (width: its last axis, or
+    ``widths[i]``): a ring tensor [slots, ring rows, width] as [slots * ring rows, width], slot s
+    owning rows [s * ring rows, (s + 1) * ring rows)."""
+    out = []
+    for i, p in enumerate(layout):
+        v = bb.emit(relax.TupleGetItem(pool_var, i))
+        width = p.shape[-1] if widths is None else widths[i]
+        if p.rows == "slots" or width != p.shape[-1]:
+            v = bb.emit(relax.op.memory.view(v, relax.ShapeExpr([sizes[p.rows] * (prod(p.shape) // width), width])))
+        out.append(v)
+    return out
+
+
+# The functions that save and restore pool rows on the artifact's device (speculative decoding
+# puts back the rows rejected drafts wrote), by role.
+POOL_FUNCTIONS = {"save": "pool_save", "restore": "pool_restore"}
+
+
+def emit_pool_functions(bb: relax.BlockBuilder, gvars: dict, geometry: PoolGeometry) -> None:
+    """``pool_save(pool, rows)``: per pool tensor, seen as rows (``pool_row_views``; a tensor
+    whose rows are scattered, ``PoolGeometry.bytewise``, as rows of one byte), the rows
+    ``rows[i]`` (``i32[n_i]``) names, as fresh tensors; ``pool_restore(pool, rows, saved)`` writes
+    such rows back in place. A row of -1 is no row: the host pads a tensor with nothing to save
+    with one (``step_kernels.gather_rows`` / ``scatter_rows``), so no tensor is empty."""
+    from dsv4c.codegen.lowering import pool_row_kernels
+
+    layout = geometry.tensors()
+    widths = [1 if geometry.bytewise(p) else p.shape[-1] for p in layout]
+    for role, name in POOL_FUNCTIONS.items():
+        pool_var, sizes = pool_parameter(layout)
+        counts = [tirx.Var(f"n{i}", "int64") for i in range(len(layout))]
+        rows_var = relax.Var("rows", relax.TupleType([relax.TensorType([n], I32) for n in counts]))
+        saved_types = [relax.TensorType([n, w], p.dtype) for n, w, p in zip(counts, widths, layout)]
+        saved_var = relax.Var("saved", relax.TupleType(saved_types))
+        with bb.function(name, [pool_var, rows_var] + ([saved_var] if role == "restore" else []),
+                         attrs={"relax.force_pure": True}):
+            outs = []
+            for i, view in enumerate(pool_row_views(bb, pool_var, layout, sizes, widths)):
+                kernel = gvars[pool_row_kernels(layout[i].dtype)[role].symbol]
+                rows = bb.emit(relax.TupleGetItem(rows_var, i))
+                if role == "save":
+                    outs.append(bb.emit(relax.call_tir(kernel, [view, rows], saved_types[i])))
+                else:
+                    saved = bb.emit(relax.TupleGetItem(saved_var, i))
+                    bb.emit(relax.call_tir_inplace(kernel, [view, rows, saved], [0], view.ty))
+            bb.emit_func_output(relax.Tuple(outs))
 
 
 def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple, str]]:
@@ -298,5 +350,6 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
         emitter = _Emitter(bb, program, geometry, gvars, per_node, params, gemv, cuda_graph)
         emitter.function(name, source, bound)
         pool, ratios, call_families[name] = emitter.pool_layout, emitter.ratios, emitter.call_families
+    emit_pool_functions(bb, gvars, geometry)
     return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens,
                       call_families, cuda_graph)

@@ -324,19 +324,39 @@ def shard_ids(size: int):
     return f
 
 
-def gather_rows():
-    """out[i] = x[idx[i]]: the rows a step reads back (logits) or routes (expert pairs)."""
+def gather_rows(dtype: str = "float32"):
+    """out[i] = x[idx[i]]: the rows a step reads back (logits) or routes (expert pairs), and the
+    pool rows speculative decoding saves (``relax_step.emit_pool_functions``: any pool dtype). A row
+    of -1 reads row 0: the pool's row lists pad an empty list with -1, which ``scatter_rows``
+    then skips."""
     @T.prim_func
     def f(x: T.handle, idx: T.handle, out: T.handle):
         n = T.int32()
         m = T.int32()
         d = T.int32()
-        X = T.match_buffer(x, (n, d), "float32")
+        X = T.match_buffer(x, (n, d), dtype)
         IDX = T.match_buffer(idx, (m,), "int32")
-        OUT = T.match_buffer(out, (m, d), "float32")
+        OUT = T.match_buffer(out, (m, d), dtype)
         for i in T.parallel(m):
             for j in range(d):
-                OUT[i, j] = X[IDX[i], j]
+                OUT[i, j] = X[T.max(IDX[i], 0), j]
+    return f
+
+
+def scatter_rows(dtype: str = "float32"):
+    """x[idx[i]] = rows[i] in place, skipping rows of -1: saved pool rows put back."""
+    @T.prim_func
+    def f(x: T.handle, idx: T.handle, rows: T.handle):
+        n = T.int32()
+        m = T.int32()
+        d = T.int32()
+        X = T.match_buffer(x, (n, d), dtype)
+        IDX = T.match_buffer(idx, (m,), "int32")
+        ROWS = T.match_buffer(rows, (m, d), dtype)
+        for i in T.parallel(m):
+            if IDX[i] >= 0:
+                for j in range(d):
+                    X[IDX[i], j] = ROWS[i, j]
     return f
 
 

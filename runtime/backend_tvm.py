@@ -18,6 +18,7 @@ import numpy as np
 from dsv4c import targets
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, context_bucket
+from dsv4c.artifact.pool_rows import IndexRowCodec
 from dsv4c.artifact.step_requests import request_groups
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import UsageError
@@ -26,7 +27,16 @@ from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 
 
+NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
+
+
 class TvmBackend:
+    # Whether speculative decoding saves and restores pool rows through the artifact's pool
+    # functions (``codegen.relax_step.emit_pool_functions``) on the device rather than in the
+    # KVPool's arrays: always off the host, where those arrays are not the pool. Tests set it on
+    # the class to run the device path on a CPU artifact.
+    device_rows = False
+
     def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto",
                  rank: int = 0):
         """``rank``: which rank's weights of a multi-rank artifact to bind (``runtime.tensor_parallel``)."""
@@ -59,6 +69,11 @@ class TvmBackend:
         # ffi Arrays made once: a Python list would be converted on every call.
         self.params = rt.tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
         self.pool_tensors = rt.tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p["name"]]) for p in vm["pool"]])
+        self.device_rows = self.device_rows or not self.on_host
+        # An artifact compiled before the pool functions existed has none (``check_pool_functions``).
+        self.pool_functions = {role: self.vm[name] for role, name in vm.get("pool_functions", {}).items()}
+        self._artifact = artifact
+        self._pool_names = [p["name"] for p in vm["pool"]]
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
@@ -80,6 +95,24 @@ class TvmBackend:
     def _pool_tensor(self, a: np.ndarray):
         """A pool tensor on the device: the KVPool's own array on the CPU, a device copy otherwise."""
         return rt.from_numpy(a) if self.on_host else rt.to_device(a, self.device)
+
+    # ------------------------------------------------------------------ pool rows
+    def check_pool_functions(self) -> None:
+        """Refuse an artifact without the pool functions (``vm.pool_functions``: save, restore)."""
+        if set(self.pool_functions) != {"save", "restore"}:
+            raise ArtifactError(f"{self._artifact}: its library lacks the pool save / restore functions (compiled "
+                                "by an older dsv4c) that speculative decoding on its device needs; recompile it")
+
+    def save_rows(self, state: list[tuple[np.ndarray, tuple]]):
+        """``KVPool.save`` on the device: a copy of the rows of a ``KVPool.position_state``, made by
+        the artifact's pool_save; for :meth:`restore_rows`."""
+        rows = rt.tvm_ffi.convert([self._upload(r) for r in pool_function_rows(self.pool, self._pool_names, state)])
+        return rows, self.pool_functions["save"](self.pool_tensors, rows)
+
+    def restore_rows(self, saved) -> None:
+        """``KVPool.restore`` on the device: rows saved by :meth:`save_rows` put back."""
+        rows, values = saved
+        self.pool_functions["restore"](self.pool_tensors, rows, values)
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -137,6 +170,26 @@ class TvmBackend:
         if (self.draft_streams if chain else self.step_streams) is None:
             raise UsageError("draft() needs the streams of a step (or of a draft, to chain) first")
         return self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, stream_rows, chain)
+
+
+def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndarray, tuple]]) -> list[np.ndarray]:
+    """Per pool tensor of ``names`` (the pool tuple's order), the rows of a ``KVPool.position_state``
+    as the pool functions see the tensor (``codegen.relax_step.emit_pool_functions``): a ring's
+    (slot, ring row) is row slot * ring rows + ring row, and a row of a bytewise tensor
+    (``PoolGeometry.bytewise``) is its bytes; ``[-1]`` (no row) where the state names none."""
+    g = pool.geometry
+    order = {id(pool.tensors[name]): i for i, name in enumerate(names)}
+    bytewise = {id(pool.tensors[t.name]) for t in g.tensors() if g.bytewise(t)}
+    per_tensor: list[list[np.ndarray]] = [[np.empty(0, np.int64)] for _ in names]
+    for array, index in state:
+        if id(array) in bytewise:
+            rows = IndexRowCodec(g).fp4_offsets(array, np.asarray(index[0]))
+        else:
+            index = np.broadcast_arrays(*(np.asarray(i, np.int64) for i in index))
+            rows = np.ravel_multi_index(index, array.shape[:len(index)])
+        per_tensor[order[id(array)]].append(rows.reshape(-1))
+    flat = [np.concatenate(rows).astype(np.int32) for rows in per_tensor]
+    return [rows if len(rows) else NO_ROW for rows in flat]
 
 
 def check_cpu(artifact: Path, kernels: dict) -> None:

@@ -172,6 +172,9 @@ class Engine:
         self.max_step_tokens, self.prefill_chunk, self.max_requests = max_step_tokens, prefill_chunk, max_requests
         self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
         self.spec_stats = SpecStats()  # over every request this engine verified drafts for
+        # Rejected drafts' pool rows are saved and put back by the backend's pool functions where
+        # its pool lives on a device (the KVPool's arrays are then not the pool), else in those arrays.
+        self.device_rows = getattr(self.backend, "device_rows", False)
         if speculative is not None:
             self._check_speculative(geometry)
         self.prefix_cache = PrefixCache(self.pool) if prefix_caching and getattr(self.backend, "on_host", True) \
@@ -212,9 +215,11 @@ class Engine:
                    f"is a {self.manifest['target']} artifact")
             raise UsageError(f"{self.path} {why}; speculative decoding with mtp needs a compiled MTP layer "
                              "(compile a model with num_nextn_predict_layers >= 1)")
-        if not self.backend.on_host:
-            raise UsageError("speculative decoding puts rejected tokens' pool rows back on the host: it runs on "
-                             "llvm (CPU) artifacts for now")
+        if self.device_rows:
+            if self.manifest.get("tensor_parallel", 1) > 1:
+                raise UsageError("speculative decoding of a multi-rank artifact puts rejected drafts' pool rows back "
+                                 "through the host's pool journal: it runs on llvm (CPU) artifacts for now")
+            self.backend.check_pool_functions()
         # Positions of one verify step must own distinct window and ring rows (position_state).
         longest = min([geometry.window] + [s.rows for s in geometry.states])
         if not 1 <= self.num_draft_tokens < longest:
@@ -343,7 +348,7 @@ class Engine:
             elif r.fed + n == len(r.sequence):
                 logit_rows.append(start + n - 1)
             if r.draft.tokens:  # what each draft's position overwrites, to put back those rejected
-                saved[r.rid] = [(p, self.pool.save(self.pool.position_state(r.rid, [p])))
+                saved[r.rid] = [(p, self._save_rows(self.pool.position_state(r.rid, [p])))
                                 for p in range(r.fed + 1, r.fed + n)]
         logits = self.backend.step(np.array(tokens, np.int32), np.array(positions, np.int32),
                                    np.array(seqs, np.int32), np.array(logit_rows, np.int32))
@@ -405,9 +410,19 @@ class Engine:
         r.fed = len(r.sequence) - 1  # as after plain decoding: every token but the last is fed
         for position, state in saved:
             if position >= r.fed:
-                self.pool.restore(state)
+                self._restore_rows(state)
         if r.done_sampling:
             self._finish(r)
+
+    def _save_rows(self, state: list):
+        """A copy of the pool rows a ``KVPool.position_state`` names, for :meth:`_restore_rows`."""
+        return self.backend.save_rows(state) if self.device_rows else self.pool.save(state)
+
+    def _restore_rows(self, saved) -> None:
+        if self.device_rows:
+            self.backend.restore_rows(saved)
+        else:
+            self.pool.restore(saved)
 
     def _draft(self, plan: list[tuple[Request, int, int]]) -> None:
         """The MTP layer over the positions each request of the step fed and kept (those its

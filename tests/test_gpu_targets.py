@@ -94,6 +94,22 @@ def test_artifact_carries_device_code(artifact):
     assert manifest["target"] == target and manifest["kernels"]["count"] > 10
 
 
+def test_artifact_has_the_pool_functions(artifact):
+    """The functions speculative decoding saves and puts back pool rows with on the device
+    (``test_device_rows`` runs them on the CPU): named in the manifest, in the library, and a
+    gather and a scatter kernel per pool dtype built for the device."""
+    target, path = artifact
+    manifest = json.loads((path / "manifest.json").read_text())
+    vm = manifest["vm"]
+    assert vm["pool_functions"] == {"save": "pool_save", "restore": "pool_restore"}
+    blob = (path / vm["library"]).read_bytes()
+    assert b"pool_save" in blob and b"pool_restore" in blob
+    assert {p["dtype"] for p in vm["pool"]} == {"float32", "uint8", "uint16"}
+    for symbol in ("gather_rows", "scatter_rows", "gather_rows_uint8", "scatter_rows_uint8", "gather_rows_uint16",
+                   "scatter_rows_uint16"):
+        assert symbol in vm["profile"]["kernels"] and f"{symbol}_kernel".encode() in blob, symbol
+
+
 def _cuobjdump() -> str:
     try:
         return kernel_resources.cuobjdump()
