@@ -9,8 +9,11 @@
    fragment layout (same float16 operands: only the float32 summation order differs, so a
    wrong lane layout shows as an O(1) error); then runs both artifacts on the GPU through the
    engine and compares their logits and greedy tokens with the reference backend (the IR
-   interpreter in numpy) on a KV pool of the same format (FP8 rows), then prints prefill and
-   decode timings of the GPU artifact.
+   interpreter in numpy) on a KV pool of the same format (FP8 rows); checks that speculative
+   decoding with the MTP layer (tiny has one; the pool rows of rejected drafts put back by the artifact's
+   pool functions on the device, decode steps replaying CUDA graphs) gives plain greedy's
+   tokens; then prints prefill and decode timings of the GPU artifact, and what fraction of the
+   GPU's memory bandwidth a decode token's weight reads reach.
 
 Without such a GPU it says so and stops after step 1. Budget: under 8 minutes on an H200 host.
 ``--target llvm`` runs the same checks on this CPU (artifacts with the same FP8 pool format; the
@@ -42,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 # the layers that may pass 1e-3, so GPUs get 1e-2, an estimate to revisit with a measured one.
 PARITY_BOUND = {"llvm": 1e-3, "sm90": 1e-2}
 GEMM_BOUND = 1e-5  # a tensor-core GEMM vs its CPU emulation: float32 summation order only
+# Bytes per second a decode step's weight reads are measured against (H200: HBM3e, 4.8 TB/s).
+PEAK_BANDWIDTH = {"sm90": 4.8e12}
 # (kind, out, in, format, groups or experts): shapes of two row tiles and two column tiles
 GEMM_CASES = [("linear", 128, 512, "fp8_b128", 0), ("linear", 128, 256, "bf16", 2),
               ("expert_linear", 128, 256, "fp4_g32", 4)]
@@ -171,6 +176,27 @@ def parity(work: Path, target: str, label: str, steps: int) -> bool:
     return ok
 
 
+def _has_mtp(work: Path, target: str, label: str) -> bool:
+    return "mtp0_decode" in json.loads((work / f"{label}-{target}" / "manifest.json").read_text())["vm"]["functions"]
+
+
+def speculation(work: Path, target: str, label: str, steps: int) -> bool:
+    """Greedy decoding with MTP drafts (2 per step) against plain greedy on the target's artifact:
+    the same tokens, whatever the drafts (rejected ones' pool rows are put back)."""
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.sampling import SamplingParams
+
+    artifact = work / f"{label}-{target}"
+    vocab = json.loads((artifact / "manifest.json").read_text())["model"]["vocab_size"]
+    prompt = np.random.default_rng(4).integers(0, vocab, 40).tolist()
+    outs = [Engine(artifact, max_requests=1, max_context=len(prompt) + steps + 4, speculative=speculative,
+                   num_draft_tokens=2).generate(prompt, SamplingParams(max_new_tokens=steps)).tokens
+            for speculative in (None, "mtp")]
+    ok = outs[0] == outs[1]
+    print(f"{label}: {steps} greedy tokens with MTP drafts equal plain greedy's: {ok} -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
 def timings(work: Path, target: str, label: str, prompt_tokens: int, steps: int) -> None:
     from dsv4c.runtime.engine import Engine
 
@@ -196,8 +222,14 @@ def timings(work: Path, target: str, label: str, prompt_tokens: int, steps: int)
     for i in range(steps):
         forward(1, prompt_tokens + i, tokens[i:i + 1])
     decode = (time.perf_counter() - start) / steps
+    from flash_slice import decode_weight_bytes
+
+    rate = decode_weight_bytes(work / f"{label}-{target}")["total"] / decode
+    share = f", {rate / PEAK_BANDWIDTH[target]:.1%} of the GPU's {PEAK_BANDWIDTH[target] / 1e12:.1f} TB/s" \
+        if target in PEAK_BANDWIDTH else ""
     print(f"{label}: prefill {prompt_tokens} tokens {prefill:.3f} s ({prompt_tokens / prefill:,.0f} tok/s); "
-          f"decode at {prompt_tokens} context {decode * 1e3:.2f} ms/token")
+          f"decode at {prompt_tokens} context {decode * 1e3:.2f} ms/token, weights read at {rate / 1e9:.1f} GB/s"
+          f"{share}")
 
 
 def main(argv=None) -> int:
@@ -220,7 +252,9 @@ def main(argv=None) -> int:
                 print("no sm_90 CUDA GPU on this machine: built and checked the artifacts only")
                 return 0
             print(f"GPU: {device.device_name}")
-        ok = all([gemm_kernels(args.target)] + [parity(work, args.target, label, 8) for label in args.models])
+        drafting = [label for label in args.models if _has_mtp(work, args.target, label)]
+        ok = all([gemm_kernels(args.target)] + [parity(work, args.target, label, 8) for label in args.models]
+                 + [speculation(work, args.target, label, 8) for label in drafting])
         for label in args.models:
             timings(work, args.target, label, args.prompt_tokens, args.decode_steps)
         return 0 if ok else 1

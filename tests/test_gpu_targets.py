@@ -275,7 +275,8 @@ def test_device_check_logic_runs_on_the_cpu():
     assert done.returncode == 0, done.stderr
     assert "same tokens: True -> PASS" in done.stdout
     assert done.stdout.count("| = 0.0e+00 -> PASS") == 3  # the GEMMs: both emulations sum alike
-    assert "decode at 32 context" in done.stdout
+    assert "decode at 32 context" in done.stdout and "GB/s" in done.stdout
+    assert "equal plain greedy's: True -> PASS" in done.stdout
 
 
 def _tool(*names: str, extra_dirs: tuple[Path, ...] = (), install: str) -> str:
