@@ -30,7 +30,10 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
 
 
 # Shape-generic kernels every step calls (see step_kernels), by symbol.
-GENERIC_KERNELS = ("copy_ints", "gather_rows", "pad_rows", "slice_columns")
+GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
+# The copies around a decode step that replays CUDA graphs (relax_step: its int32 inputs in, its
+# float32 outputs out), by dtype.
+GRAPH_COPY_KERNELS = {dtype: KernelSpec("copy_rows", (dtype,)) for dtype in ("int32", "float32")}
 
 
 def pool_row_kernels(dtype: str) -> dict[str, KernelSpec]:
@@ -58,6 +61,7 @@ def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[di
     """Distinct kernels of the compiled functions (the pool functions' row kernels included),
     and per node (``compiled_nodes``) the symbol of each role."""
     specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
+    specs.update((spec.symbol, spec) for spec in GRAPH_COPY_KERNELS.values())
     for dtype in sorted({t.dtype for t in PoolGeometry.build(program.config, plan).tensors()}):
         specs.update((spec.symbol, spec) for spec in pool_row_kernels(dtype).values())
     per_node = []

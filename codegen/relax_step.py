@@ -28,7 +28,7 @@ from tvm import relax, tirx
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, PoolTensor, context_bucket
 from dsv4c.artifact.quant import WEIGHT_FORMATS
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
-from dsv4c.codegen.lowering import compiled_nodes, node_kernels
+from dsv4c.codegen.lowering import GRAPH_COPY_KERNELS, compiled_nodes, node_kernels
 from dsv4c.codegen.ops.base import F32, I32, KernelSpec, weight_quant
 from dsv4c.codegen.ops.registry import lowering_of
 from dsv4c.errors import UnsupportedModelError
@@ -151,17 +151,14 @@ class _Emitter:
                       ([blocks, GEMM_ROWS] + lead + [out_dim], F32))
         return self.view(y, [n] + lead + [out_dim])
 
-    def _graph_inputs(self, inputs: dict[str, relax.Var]) -> dict[str, relax.Var]:
-        """``inputs`` with the small int32 ones (GRAPH_INPUT_COPIES) copied into buffers of the
-        step's own (``step_kernels.copy_ints``): a CUDA graph replays its kernels on the addresses
-        it captured, and the caller's arrays are new every step."""
-        out = dict(inputs)
-        for name in GRAPH_INPUT_COPIES:
-            if name in inputs:
-                shape = self.shape(inputs[name])
-                rows = [shape[0], shape[1] if len(shape) == 2 else 1]  # the inputs are vectors or matrices
-                out[name] = self.view(self.call("copy_ints", [self.view(inputs[name], rows)], (rows, I32)), shape)
-        return out
+    def _graph_copy(self, x: relax.Var, dtype: str) -> relax.Var:
+        """``x`` (a vector or a matrix) copied by ``step_kernels.copy_rows``: a CUDA graph replays
+        its kernels on the addresses it captured, so the step copies its inputs (new arrays every
+        step) into buffers of its own first and its outputs (new tensors) out of its own last."""
+        shape = self.shape(x)
+        rows = [shape[0], prod(shape[1:]) if len(shape) > 1 else 1]
+        spec = GRAPH_COPY_KERNELS[dtype]
+        return self.view(self.call(spec.symbol, [self.view(x, rows)], (rows, dtype)), shape)
 
     # ------------------------------------------------------------------ function
     def function(self, name: str, source: str, max_tokens: int) -> None:
@@ -209,7 +206,8 @@ class _Emitter:
             attrs["num_input"] = len(inputs)
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
             if self.gemv and self.cuda_graph:
-                inputs = self.inputs = self._graph_inputs(inputs)
+                inputs = self.inputs = {name: self._graph_copy(v, I32) if name in GRAPH_INPUT_COPIES else v
+                                        for name, v in inputs.items()}
             self.pool = dict(zip((p.name for p in self.pool_layout),
                                  pool_row_views(bb, pool_var, self.pool_layout, sizes)))
             env: dict[int, relax.Var] = {}
@@ -228,10 +226,13 @@ class _Emitter:
                 for o, val in zip(node.outputs, outs):
                     env[id(o)] = val
             # The logits: of the rows logit_rows names only (the head gathers them first).
-            bb.emit_func_output(relax.Tuple([env[id(fn.outputs[0])], env[id(fn.outputs[1])]]))
+            outputs = [env[id(fn.outputs[0])], env[id(fn.outputs[1])]]
+            if self.gemv and self.cuda_graph:
+                outputs = [self._graph_copy(x, F32) for x in outputs]
+            bb.emit_func_output(relax.Tuple(outputs))
 
 
-# The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_inputs``).
+# The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_copy``).
 GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "stream_rows")
 
 

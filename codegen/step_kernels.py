@@ -378,16 +378,16 @@ def pad_rows():
     return f
 
 
-def copy_ints():
-    """out = x, int32 rows: a decode step's inputs copied into buffers of the step's own, which a
-    CUDA graph reads at the addresses it was captured with (the caller's arrays are new every
-    step), so the kernels that read them can be captured too."""
+def copy_rows(dtype: str):
+    """out = x: a decode step's inputs copied into buffers of the step's own (int32), and its
+    outputs out of them (float32): a CUDA graph replays its kernels on the addresses it was
+    captured with, and the caller's inputs and the step's outputs are new tensors every step."""
     @T.prim_func
     def f(x: T.handle, out: T.handle):
         n = T.int32()
         w = T.int32()
-        X = T.match_buffer(x, (n, w), "int32")
-        OUT = T.match_buffer(out, (n, w), "int32")
+        X = T.match_buffer(x, (n, w), dtype)
+        OUT = T.match_buffer(out, (n, w), dtype)
         for i in T.parallel(n):
             for j in range(w):
                 OUT[i, j] = X[i, j]

@@ -114,22 +114,24 @@ def test_sm90_decode_runs_as_cuda_graphs():
     """sm90's decode function replays captured CUDA graphs (TVM's RewriteCUDAGraph); it cannot
     run here, so the lowered module is checked for the capture regions and their runtime
     builtins. The weights and the pool are the same tensors every step (``num_input``), the
-    step's inputs are copied into buffers of its own first and the context-shaped ones (block
-    tables, entry extents) are padded to the context's bucket, so every kernel is captured but
-    the copies and the last ones, which write the step's outputs. Prefill, whose shapes change
-    every step, launches kernels directly."""
+    step's inputs are copied into buffers of its own first and its outputs out of them last, and
+    the context-shaped inputs (block tables, entry extents) are padded to the context's bucket, so
+    every kernel is captured but those copies. Prefill, whose shapes change every step, launches
+    kernels directly."""
     text, step = _lowered("sm90")
     assert "vm.builtin.cuda_graph.run_or_capture" in text
     assert not re.search(r"prefill_cuda_graph_capture", text)
     assert step.functions == ["decode", "prefill", "mtp0_decode", "mtp0_prefill"]
     assert step.cuda_graph
     direct, captured = _kernel_launches(text, "decode")
-    # tokens, positions, token_request, requests, block_table, logit_rows
-    assert direct.count("copy_ints") == 6
-    assert len(direct) - 6 <= 3 and len(captured) > 20 * len(direct)  # 9 launches against 198 on the tiny model
+    # in: tokens, positions, token_request, requests, block_table, logit_rows; out: logits, streams
+    assert sorted(direct) == ["copy_rows_float32"] * 2 + ["copy_rows_int32"] * 6
+    assert len(captured) > 20 * len(direct)  # 201 launches on the tiny model
     assert {"embed", "rope", "attention", "compress", "entry", "index", "topk", "sparse"} <= \
         {k.split("_")[0] for k in captured}  # readers of the copied inputs and of the context-shaped ones
+    assert f"linear_{preset('tiny').vocab_size}_" in " ".join(captured)  # the head: its logits are copied out
     mtp_direct, mtp_captured = _kernel_launches(text, "mtp0_decode")  # the MTP draft: a decode-sized call too
+    assert set(mtp_direct) == {"copy_rows_float32", "copy_rows_int32", "gather_rows"}  # gather: the step's streams
     assert len(mtp_captured) > 3 * len(mtp_direct)
 
 
