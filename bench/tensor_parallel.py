@@ -5,7 +5,8 @@ Each configuration runs in a child process of its own, alternating, ``--rounds``
 engine feeds a ``--context``-token prompt, then times ``--steps`` decode steps of one request
 (``Engine.step``, the whole step: both ranks' kernels, the broadcast of the step's inputs and the
 collectives). Each round keeps its median step, each configuration its best round; the ratio
-TP 2 / TP 1 is the figure to compare (the goal: at most 1.25). The ranks are pinned one per
+TP 2 / TP 1 is the figure to compare (the goal: at most 1.25), and beside it the median over
+rounds of each round's own ratio, which a drifting machine moves less. The ranks are pinned one per
 core (``runtime.tensor_parallel.core_shares``), the one-process engine runs 2 threads.
 
 It also prints what a decode step moves: the collectives' payload (every ``all_reduce`` /
@@ -276,9 +277,14 @@ def main() -> None:
     best = {name: min(values) for name, values in rounds.items()}
     weights = {"tp1": decode_weight_bytes(args.one_device)["total"],
                "tp2": [decode_weight_bytes(args.tp2, rank)["total"] for rank in range(2)]}
+    # TP 1 and TP 2 of a round run one after the other: their ratio drifts less with the machine
+    # than the best rounds' (bench/RESULTS.md: TP 1's round medians varied by 1.5x in one run).
+    paired = {name: statistics.median(b / a for a, b in zip(rounds["tp1"], rounds[name])) for name in rounds
+              if name != "tp1"}
     report = {"cpu": host.model if host else None, "context": args.context, "steps": args.steps,
               "rounds_median_s": rounds, "best_median_ms": {k: v * 1e3 for k, v in best.items()},
-              "tp2_over_tp1": best["tp2"] / best["tp1"], "weight_bytes_per_token": weights,
+              "tp2_over_tp1": best["tp2"] / best["tp1"], "paired_round_ratio": paired,
+              "weight_bytes_per_token": weights,
               "collectives": collective_bytes(args.tp2),
               "collective_choice_us": collective_choice(4096, [1, 512], 50),
               "wakeup": wakeup_cost(16000, 100)}
@@ -289,6 +295,8 @@ def main() -> None:
     if "ep2" in best:
         print(f"decode step  TP 2 with --expert-parallel {best['ep2'] * 1e3:8.2f} ms   EP 2 / TP 1 = "
               f"{best['ep2'] / best['tp1']:.3f} (a token's experts fall unevenly on the ranks)")
+    print("median over rounds of (this round's TP 2 / its TP 1): " +
+          ", ".join(f"{name.upper()} {ratio:.3f}" for name, ratio in paired.items()))
     print(f"weights read per token: TP 1 {weights['tp1'] / 2**20:.1f} MiB; TP 2 per rank "
           f"{' / '.join(f'{w / 2**20:.1f}' for w in weights['tp2'])} MiB")
     print(f"collectives per decode step: {c['calls']['all_reduce']} all-reduce + {c['calls']['all_gather']} "
