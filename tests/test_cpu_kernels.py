@@ -17,6 +17,7 @@ from dsv4c.codegen.kernels import attention, codecs, formats, matmul
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG, cpu_vector
 from dsv4c.codegen import step_kernels as S
 from dsv4c.artifact import lowbit
+from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, ROW_MAJOR, index_plane_row
 from dsv4c.targets import target_info
 
 QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp4_g32", "bf16")
@@ -378,6 +379,28 @@ def test_index_score_matches_numpy_on_every_cpu_level(heads):
     want = np.einsum("th,the->te", w.astype(np.float64), np.maximum(dots, 0)) * (heads * dim) ** -0.5
     want[rows < 0] = codecs.NEG_INF
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage, layout", [("fp32", None), ("fp8", ROW_MAJOR), ("fp4", ROW_MAJOR),
+                                             ("fp4", FP4_PRESHUFFLED)])
+def test_gpu_index_score_gives_the_panel_kernels_bits(storage, layout):
+    """GPU builds score one (query, entry) per thread, decoding each key value as it is read (a
+    per-thread panel sat in local memory); the sums run in the same order, so the same bits as
+    the CPU's panel kernel, on every index row format (random bytes: every code, NaN included)."""
+    rng = np.random.default_rng(7)
+    heads, dim, n, pool_rows, entries = 6, 64, 3, 64, 45  # whole tiles of preshuffled rows
+    width, dtype = index_plane_row(dim, storage)
+    pool = rng.standard_normal((pool_rows, width)).astype(np.float32) if dtype == "float32" else \
+        rng.integers(0, 256, (pool_rows, width), dtype=np.uint8)
+    q = rng.standard_normal((n, heads, dim)).astype(np.float32)
+    w = rng.standard_normal((n, heads)).astype(np.float32)
+    rows = rng.integers(0, pool_rows, (n, entries)).astype(np.int32)
+    rows[2, ::3] = -1
+    fmt = None if storage == "fp32" else "e4m3fn"
+    got = [_call(_kernel("index_score", heads, dim, storage, fmt, layout, lanes), q, w, pool, rows,
+                 np.zeros((n, entries), np.float32)) for lanes in (0, kernels.GPU_MAX_LANES)]
+    np.testing.assert_array_equal(got[1], got[0])
+    assert np.isfinite(got[0][rows >= 0]).any() and (got[0][rows < 0] == codecs.NEG_INF).all()
 
 
 @pytest.mark.parametrize("k, columns, max_lanes", [(6, 16, 0), (8, 3, 0), (512, 100, 0), (512, 512, 0), (512, 1500, 0),
