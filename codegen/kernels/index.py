@@ -24,14 +24,13 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     In parallel over (query, block of entries): the block's keys are decoded once into an L1
     panel [dim, block], then every head's dot products with the block run as one vector per
     input (the entries are the lanes), several heads at a time, each summed in input order as a
-    single dot product would be. GPU builds (``max_lanes``) run one thread per (query, entry)
-    instead (``_index_score_per_entry``): a panel per thread sat in local memory (2 KiB at
-    Flash's sizes, ``scripts/kernel_resources.py``)."""
+    single dot product would be. GPU builds (``max_lanes``) run one (query, entry) per thread
+    instead, decoding each key value as the dot products read it (once per head: GPU threads have
+    the arithmetic to spare, not the registers for a panel, which sat in local memory: 2 KiB at
+    Flash's sizes, ``scripts/kernel_resources.py``); summed in the same order, the same bits."""
     scale = (heads ** -0.5) * (dim ** -0.5)
     width, dtype = index_plane_row(dim, storage)
     check_index_format(storage, fp8_format, layout)
-    if max_lanes:
-        return _index_score_per_entry(heads, dim, scale, storage, fp8_format, layout)
     block = min(INDEX_ENTRY_BLOCK, max_lanes) if max_lanes else INDEX_ENTRY_BLOCK
     # Heads whose dot products run together, their accumulators in half of the vector registers
     # (AVX-512: 8 heads x 2 vectors, AVX2: 2 x 4). One head's 2 or 4 chains of dependent FMAs
@@ -62,31 +61,18 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
             if first + j < e:
                 OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
 
-    @T.prim_func
-    def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
-        n = T.int32()
-        r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
-        e = T.int32()
-        Q = T.match_buffer(q, (n, heads, dim), F32)
-        W = T.match_buffer(w, (n, heads), F32)
-        PLANE = T.match_buffer(plane, (r, width), dtype)
-        ROWS = T.match_buffer(rows, (n, e), "int32")
-        OUT = T.match_buffer(out, (n, e), F32)
-        for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
-            keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
-            part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
-            acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
-            score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
-                        i % ((e + block - 1) // block) * block)
-    return f
+    @T.macro
+    def score_entry(Q, W, PLANE, ROWS, OUT, part, acc, t, j):  # query t's entry j, no scratch
+        acc[0] = T.float32(0)
+        for h in range(heads):
+            part[0] = T.float32(0)
+            for d in range(dim):
+                part[0] = part[0] + Q[t, h, d] * index_key(PLANE, T.max(ROWS[t, j], 0), d, dim, storage, fp8_format,
+                                                           layout)
+            acc[0] = acc[0] + T.max(part[0], T.float32(0)) * (W[t, h] * T.float32(scale))
+        OUT[t, j] = T.if_then_else(ROWS[t, j] < 0, T.float32(NEG_INF), acc[0])
 
-
-def _index_score_per_entry(heads: int, dim: int, scale: float, storage: str, fp8_format, layout):
-    """``index_score`` with one (query, entry) per parallel job and no scratch: each key value is
-    decoded as the dot products read it (once per head: GPU threads have the arithmetic to spare,
-    not the registers for a panel). Sums in the same order as the panel kernel: each head's dot
-    product in input order, the heads in order, so the same bits."""
-    width, dtype = index_plane_row(dim, storage)
+    per_entry = bool(max_lanes)
 
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
@@ -98,15 +84,17 @@ def _index_score_per_entry(heads: int, dim: int, scale: float, storage: str, fp8
         PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n, e), "int32")
         OUT = T.match_buffer(out, (n, e), F32)
-        for i in T.parallel(n * e):  # (query, entry)
-            acc = T.alloc_buffer((1,), F32, scope="local")
-            part = T.alloc_buffer((1,), F32, scope="local")
-            acc[0] = T.float32(0)
-            for h in range(heads):
-                part[0] = T.float32(0)
-                for d in range(dim):
-                    part[0] = part[0] + Q[i // e, h, d] * index_key(PLANE, T.max(ROWS[i // e, i % e], 0), d, dim,
-                                                                   storage, fp8_format, layout)
-                acc[0] = acc[0] + T.max(part[0], T.float32(0)) * (W[i // e, h] * T.float32(scale))
-            OUT[i // e, i % e] = T.if_then_else(ROWS[i // e, i % e] < 0, T.float32(NEG_INF), acc[0])
+        if per_entry:  # a Python value: TVMScript builds one branch
+            for i in T.parallel(n * e):  # (query, entry)
+                part1 = T.alloc_buffer((1,), F32, scope="local")
+                acc1 = T.alloc_buffer((1,), F32, scope="local")
+                score_entry(Q, W, PLANE, ROWS, OUT, part1, acc1, i // e, i % e)
+        else:
+            for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
+                keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
+                part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
+                acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
+                score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
+                            i % ((e + block - 1) // block) * block)
     return f
+
