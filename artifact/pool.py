@@ -36,6 +36,12 @@ def context_bucket(tokens: int) -> int:
     return max(ENVELOPE_TOKENS, 1 << (max(tokens, 1) - 1).bit_length())
 
 
+def graph_context_limit(config: ModelConfig) -> int:
+    """The widest context a CUDA-graph artifact's decode buffers are planned for: the bucket of
+    the model's max_position_embeddings (the compiler's bound, the engine's max_context limit)."""
+    return context_bucket(config.max_position_embeddings)
+
+
 @dataclass(frozen=True)
 class CompressedLayerRows:
     layer: int

@@ -25,7 +25,7 @@ from math import prod
 import tvm
 from tvm import relax, tirx
 
-from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, PoolTensor, context_bucket
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, PoolTensor, graph_context_limit
 from dsv4c.artifact.quant import WEIGHT_FORMATS
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.codegen.lowering import GRAPH_COPY_KERNELS, compiled_nodes, node_kernels
@@ -199,7 +199,7 @@ class _Emitter:
             # context (artifact.pool.context_bucket), bounded here by that of the model's
             # positions so the memory plan stays static. The inputs after the step's own are the
             # weights and the pool, the same tensors every call (``num_input``).
-            context = context_bucket(cfg.max_position_embeddings)
+            context = graph_context_limit(cfg)
             attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = \
                 ["T", "R", "L", "B"] + [f"E{ratio}" for ratio in self.ratios]
             bounds.update({"B": context // ENVELOPE_TOKENS, **{f"E{ratio}": context // ratio for ratio in self.ratios}})

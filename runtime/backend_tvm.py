@@ -265,9 +265,10 @@ def step_inputs(pool: KVPool, positions: np.ndarray, seq_ids: np.ndarray, entry_
         requests[i] = (rows.slot, idx[0], len(idx), first)
         tables.append(rows.blocks)
     last = int(positions.max(initial=0)) + 1
+    width = max([len(t) for t in tables] + [1])
     if bucketed:
         last = context_bucket(last)
-    width = max([len(t) for t in tables] + [1, -(-last // ENVELOPE_TOKENS) if bucketed else 1])
+        width = max(width, -(-last // ENVELOPE_TOKENS))
     block_table = np.zeros((len(groups), width), np.int32)
     for i, t in enumerate(tables):
         block_table[i, :len(t)] = t

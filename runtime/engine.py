@@ -23,7 +23,7 @@ import numpy as np
 
 from dsv4c.artifact.manifest import MANIFEST, ArtifactError, read_manifest
 from dsv4c.artifact.model_config import ModelConfig
-from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, context_bucket
+from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, graph_context_limit
 from dsv4c.errors import UsageError
 from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
 from dsv4c.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
@@ -151,8 +151,8 @@ class Engine:
                              f"{tensor_parallel}")
         if distributed_timeout is not None and not distributed_timeout > 0:
             raise UsageError(f"--distributed-timeout must be positive, got {distributed_timeout}")
-        if manifest.get("vm", {}).get("cuda_graph") and max_context > context_bucket(self.config.max_position_embeddings):
-            raise UsageError(f"max_context {max_context} exceeds the {context_bucket(self.config.max_position_embeddings)} "
+        if manifest.get("vm", {}).get("cuda_graph") and max_context > graph_context_limit(self.config):
+            raise UsageError(f"max_context {max_context} exceeds the {graph_context_limit(self.config)} "
                              f"positions {self.path}'s CUDA graphs are built for (the model's max_position_embeddings, "
                              "rounded up to a power of two); lower it")
         self.max_context = max_context
