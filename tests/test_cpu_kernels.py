@@ -13,7 +13,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.codegen import kernels
-from dsv4c.codegen.kernels import attention, codecs, formats, matmul
+from dsv4c.codegen.kernels import attention, codecs, formats, gpu_topk, matmul
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG, cpu_vector
 from dsv4c.codegen import step_kernels as S
 from dsv4c.artifact import lowbit
@@ -346,7 +346,7 @@ def test_sparse_attn_matches_numpy_however_many_heads_at_once(cpu):
     rows[1, ::3] = -1
     rows[2, 17:] = -1
     blocks = [(attention.ATTN_HEAD_BLOCK, 1), (attention.ATTN_HEAD_BLOCK, 2), (attention.ATTN_HEAD_BLOCK, 8), (attention.ATTN_PREFILL_HEAD_BLOCK, 0)]
-    got = [_call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, block, 0, h, cpu=cpu), q, pool, step, sink,
+    got = [_call(_kernel("sparse_attn", heads, dim, 0.125, "fp32", 0, None, block, h, cpu=cpu), q, pool, step, sink,
                  rows, np.zeros((n, heads, dim), np.float32)) for block, h in blocks]
     assert all(np.array_equal(got[0], other) for other in got[1:])
     kv = np.concatenate([pool, step]).astype(np.float64)
@@ -403,13 +403,15 @@ def test_gpu_index_score_gives_the_panel_kernels_bits(storage, layout):
     assert np.isfinite(got[0][rows >= 0]).any() and (got[0][rows < 0] == codecs.NEG_INF).all()
 
 
-@pytest.mark.parametrize("k, columns, max_lanes", [(6, 16, 0), (8, 3, 0), (512, 100, 0), (512, 512, 0), (512, 1500, 0),
-                                                   (6, 16, kernels.GPU_MAX_LANES), (512, 1500, kernels.GPU_MAX_LANES)])
-def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
+@pytest.mark.parametrize("k, columns, blocked", [(6, 16, False), (8, 3, False), (512, 100, False), (512, 512, False),
+                                                 (512, 1500, False), (6, 16, True), (8, 3, True), (512, 1500, True),
+                                                 (16, 5000, True)])
+def test_topk_rows_matches_a_stable_sort(k, columns, blocked):
     """The k largest of each row, best first, lower columns first among equal values (-0 equal
     to +0); NEG_INF, -inf and NaN never picked, -1 where fewer than k columns can be: fewer
-    columns than k, a row of ties, masked halves, rows that need the threshold search. Also in
-    the GPU builds' narrower vectors (``max_lanes``), run here."""
+    columns than k, a row of ties, masked halves, rows that need the threshold search. Also the
+    GPU targets' kernel (``kernels.gpu_topk``, ``blocked``: a block of threads per row) with its
+    phases run in turn here: fewer columns than threads, uneven chunks, ties across chunks."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, columns)).astype(np.float32)
     x[:, ::5] = np.round(x[:, ::5])  # ties
@@ -419,7 +421,8 @@ def test_topk_rows_matches_a_stable_sort(k, columns, max_lanes):
     x[3, ::4], x[3, 1::4] = 0.0, -0.0
     x[4] = 1.0
     x[5, 2::3] = np.inf
-    got = _call(_kernel("topk_rows", k, max_lanes), x, np.zeros((8, k), np.int32))
+    kernel = _kernel_of(gpu_topk.topk_rows_blocked(k, emulate=True)) if blocked else _kernel("topk_rows", k)
+    got = _call(kernel, x, np.zeros((8, k), np.int32))
     for row, ids in zip(x, got):
         pickable = np.flatnonzero(row > np.float32(codecs.NEG_INF))  # NaN compares false
         best = pickable[np.argsort(-row[pickable].astype(np.float64) + 0.0, kind="stable")][:k]

@@ -259,6 +259,14 @@ def test_full_structure_compiles_without_weights(tmp_path, model, target, ranks)
     assert heads == {(cfg.num_heads // ranks, cfg.head_dim)}
     # A captured graph would not call the collectives (torch.distributed callbacks) again.
     assert manifest["vm"]["cuda_graph"] == (target == "sm90" and ranks == 1)
+    # At the real sizes no kernel keeps per-thread arrays in local memory (a head's output row,
+    # a top-512 list, an HCA window's 128 slots did, before the blocked GPU kernels) or spills.
+    if target == "sm90":
+        _cuobjdump()
+    _, rows = kernel_resources.kernel_resources(out)
+    assert len(rows) >= 60
+    memory = "stack" if target == "sm90" else "scratch"
+    assert {row["kernel"]: row for row in rows if row[memory] or row["spills"] != 0} == {}
 
 
 def test_device_check_logic_runs_on_the_cpu():

@@ -22,7 +22,7 @@ ATTN_ROW_BLOCK = 8  # KV rows decoded together into an L1 panel, one online-soft
 
 
 def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", rope_dim: int = 0,
-                fp8_format=None, head_block: int = ATTN_HEAD_BLOCK, max_lanes: int = 0, heads_at_once: int = 0):
+                fp8_format=None, head_block: int = ATTN_HEAD_BLOCK, heads_at_once: int = 0):
     """Softmax attention over each query's row list (``rows [N, M]``, -1 = none, see
     ``step_kernels.attention_rows``); rows >= R are this step's fresh KV.
     The per-head sink enters the denominator only.
@@ -32,8 +32,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     for its scores (vector dot products along the head dim) and, after an online-softmax update
     of the running max, denominator and output (rescaled when the max grows), for its weighted
     sum; ``heads_at_once`` heads (0: two) share each of those reads, which changes no bits. GPU
-    builds (``max_lanes``) take one head and one row at a time, in vectors of at most
-    ``max_lanes`` along the head dim.
+    targets build ``kernels.gpu_attention``'s kernel instead.
 
     ``main_storage`` is the pool's: fp32 takes one plane ``pool [R, dim]``; fp8 takes the two
     planes of that layout, ``nope_plane`` and ``rope_plane`` (the last ``rope_dim`` values are the
@@ -42,21 +41,19 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
     out) or (q, nope_plane, rope_plane, step, sink, rows, out)."""
     nope_dim = dim - rope_dim
     # A vector chunk never straddles the NoPE / rope boundary (nor, lanes dividing 64, a scale group).
-    widest = max_lanes or cpu_vector()[0]
-    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= widest)
+    lanes = next(l for l in (16, 8, 4, 2, 1) if dim % l == 0 and nope_dim % l == 0 and l <= cpu_vector()[0])
     chunks = dim // lanes
-    hb, rb = (1, 1) if max_lanes else (math.gcd(heads, head_block), ATTN_ROW_BLOCK)
+    hb, rb = math.gcd(heads, head_block), ATTN_ROW_BLOCK
     # Heads whose scores and weighted sums accumulate together, each panel vector loaded once
     # for all of them (two on any CPU), and the accumulator vectors a head keeps in registers:
     # half of the registers between the heads, at most 8. AVX-512: 2 x 8 of 32. AVX2: 2 x 4 of 16,
     # so a head's scores take the block's rows 4 at a time and its weighted sums strips of 4
     # vectors. One head with 8 (9 vector loads per 8 FMAs where two heads with 4 load 6) ran
     # slower (bench/RESULTS.md).
-    hp = math.gcd(hb, heads_at_once or 2)  # GPU builds: one (hb = 1)
-    per_head = 8 if max_lanes else max(1, min(8, cpu_vector()[1] // 2 // hp))
+    hp = math.gcd(hb, heads_at_once or 2)
+    per_head = max(1, min(8, cpu_vector()[1] // 2 // hp))
     strip = math.gcd(dim, per_head * lanes)  # the weighted sums' strip of the head dim
     rh = math.gcd(rb, per_head)  # rows a score pass takes
-    wide = T.serial if max_lanes else T.vectorized  # loops wider than a vector (GPU code generators refuse them)
     if main_storage == "fp8":
         check_main_fp8(nope_dim, fp8_format)
     elif main_storage != "fp32":
@@ -96,10 +93,10 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         if state[h, 2] > state[h, 0]:  # a new max: rescale what was summed so far
             state[h, 3] = T.exp(state[h, 0] - state[h, 2])
             state[h, 1] = state[h, 1] * state[h, 3]
-            for d in wide(dim):
+            for d in T.vectorized(dim):
                 o[h, d] = o[h, d] * state[h, 3]
             state[h, 0] = state[h, 2]
-        for j in wide(rb):
+        for j in T.vectorized(rb):
             score[h, j] = T.if_then_else(score[h, j] == T.float32(NEG_INF), T.float32(0),
                                          vector_exp(score[h, j] - state[h, 0]))
         for j in range(rb):
@@ -118,7 +115,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         for h in range(hb):
             state[h, 0] = SINK[h0 + h]  # the sink takes part in the max (for stability)
             state[h, 1] = T.float32(1)  # and in the denominator: exp(sink - max)
-            for d in wide(dim):
+            for d in T.vectorized(dim):
                 o[h, d] = T.float32(0)
         for kb in range((m + rb - 1) // rb):
             # A block without rows changes nothing (its weights are 0): skipped. Row lists hold
@@ -130,10 +127,10 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                 for j in range(rb):
                     # Zeros where there is no row: its weight is 0, and 0 times stale bits could be NaN.
                     if row_at(ROWS, m, t, kb * rb + j) < 0:
-                        for d in wide(dim):
+                        for d in T.vectorized(dim):
                             panel[j, d] = T.float32(0)
                     elif ROWS[t, kb * rb + j] >= r:  # this step's fresh KV
-                        for d in wide(dim):
+                        for d in T.vectorized(dim):
                             panel[j, d] = STEP[ROWS[t, kb * rb + j] - r, d]
                     else:
                         for c in range(chunks):
@@ -158,17 +155,17 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
                     # The weighted sums, in strips of the head dim that stay in registers over the rows.
                     for cs in range(dim // strip):
                         for hh in T.unroll(hp):
-                            for u in wide(strip):
+                            for u in T.vectorized(strip):
                                 acc[hh, u] = o[hq * hp + hh, cs * strip + u]
                         for j in T.unroll(rb):
                             for hh in T.unroll(hp):
-                                for u in wide(strip):
+                                for u in T.vectorized(strip):
                                     acc[hh, u] = acc[hh, u] + score[hq * hp + hh, j] * panel[j, cs * strip + u]
                         for hh in T.unroll(hp):
-                            for u in wide(strip):
+                            for u in T.vectorized(strip):
                                 o[hq * hp + hh, cs * strip + u] = acc[hh, u]
         for h in range(hb):
-            for d in wide(dim):
+            for d in T.vectorized(dim):
                 OUT[t, h0 + h, d] = o[h, d] / state[h, 1]
 
     if main_storage == "fp8":

@@ -88,9 +88,16 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     """Gated pooling of closed windows: out[w, c] = sum_s softmax_s(score)[c] * kv[c] over the
     window's slots src[w, s] (step row if >= 0, ring row -src-1 otherwise), for the windows
     whose entry has a pool row (``rows[w] >= 0``; the others are zero and cost nothing). With
-    overlap the first ``ratio`` slots read the first half of the columns, the rest the second half."""
+    overlap the first ``ratio`` slots read the first half of the columns, the rest the second half.
+
+    In parallel over (window, column), the slots read twice (their max, then the weighted sums)
+    rather than held: a GPU thread per (window, column) keeps nothing but scalars (holding the
+    128 slots of an HCA window took 1 KiB of local memory per thread)."""
     slots = 2 * ratio if overlap else ratio
     read = _compressor_source(width, ratio)
+
+    def column(s, c):  # the source column slot s reads for output column c
+        return T.if_then_else(overlap and s >= ratio, c + head_dim, c)
 
     @T.prim_func
     def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
@@ -107,25 +114,22 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
         SRC = T.match_buffer(src, (nw, slots), "int32")
         ROWS = T.match_buffer(rows, (nw,), "int32")
         OUT = T.match_buffer(out, (nw, head_dim), F32)
-        for w in T.parallel(nw):
-            sc = T.alloc_buffer((slots,), F32, scope="local", annotations=ON_STACK)
-            val = T.alloc_buffer((slots,), F32, scope="local", annotations=ON_STACK)
-            acc = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)
-            if ROWS[w] < 0:  # a window slot this step does not close: nothing to pool
-                for c in range(head_dim):
-                    OUT[w, c] = T.float32(0)
+        for i in T.parallel(nw * head_dim):  # (window, column)
+            val = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            sc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            acc = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)  # max, denominator, sum
+            if ROWS[i // head_dim] < 0:  # a window slot this step does not close: nothing to pool
+                OUT[i // head_dim, i % head_dim] = T.float32(0)
             else:
-                for c in range(head_dim):
-                    for s in range(slots):
-                        read(RKV, RSC, KV, GATE, POS, APE, SRC[w, s],
-                             T.if_then_else(overlap and s >= ratio, c + head_dim, c), val, sc, s)
-                    acc[0] = T.float32(NEG_INF)
-                    for s in range(slots):
-                        acc[0] = T.max(acc[0], sc[s])
-                    acc[1] = T.float32(0)
-                    acc[2] = T.float32(0)
-                    for s in range(slots):
-                        acc[1] = acc[1] + T.exp(sc[s] - acc[0])
-                        acc[2] = acc[2] + T.exp(sc[s] - acc[0]) * val[s]
-                    OUT[w, c] = acc[2] / acc[1]
+                acc[0] = T.float32(NEG_INF)
+                for s in range(slots):
+                    read(RKV, RSC, KV, GATE, POS, APE, SRC[i // head_dim, s], column(s, i % head_dim), val, sc, 0)
+                    acc[0] = T.max(acc[0], sc[0])
+                acc[1] = T.float32(0)
+                acc[2] = T.float32(0)
+                for s in range(slots):
+                    read(RKV, RSC, KV, GATE, POS, APE, SRC[i // head_dim, s], column(s, i % head_dim), val, sc, 0)
+                    acc[1] = acc[1] + T.exp(sc[0] - acc[0])
+                    acc[2] = acc[2] + T.exp(sc[0] - acc[0]) * val[0]
+                OUT[i // head_dim, i % head_dim] = acc[2] / acc[1]
     return f

@@ -39,6 +39,8 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
 
     @T.macro
     def coefficients(SRC, FN, BASE, SCALE, Y, PRE_OUT, POST_OUT, COMB_OUT, t):
+        # Loops that index the small local arrays are unrolled: constant indices keep them in
+        # registers on GPUs (indexed by a loop variable, gfx942 put them in scratch memory).
         acc = T.alloc_buffer((2,), F32, scope="local", annotations=ON_STACK)
         part = T.alloc_buffer((rows, lanes), F32, scope="local", annotations=ON_STACK)
         m = T.alloc_buffer((mix,), F32, scope="local", annotations=ON_STACK)
@@ -46,7 +48,7 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
         c = T.alloc_buffer((hc, hc), F32, scope="local", annotations=ON_STACK)
         for l in columns(lanes):  # the sum of squares (rmsnorm), in part's first row
             part[0, l] = T.float32(0)
-        for k in range(hc):
+        for k in T.unroll(hc):
             for dd in range(dim // lanes):
                 for l in columns(lanes):
                     part[0, l] = part[0, l] + SRC[t, k, dd * lanes + l] * SRC[t, k, dd * lanes + l]
@@ -54,11 +56,11 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
         for l in range(lanes):
             acc[0] = acc[0] + part[0, l]
         acc[0] = T.float32(1) / T.sqrt(acc[0] / T.float32(flat) + T.float32(norm_eps))
-        for rr in range(mix // rows):  # rows of fn together: independent sums
+        for rr in T.unroll(mix // rows):  # rows of fn together: independent sums
             for u in T.unroll(rows):
                 for l in columns(lanes):
                     part[u, l] = T.float32(0)
-            for k in range(hc):
+            for k in T.unroll(hc):
                 for dd in range(dim // lanes):
                     for u in T.unroll(rows):
                         for l in columns(lanes):
@@ -68,43 +70,43 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
                 for l in range(lanes):
                     acc[1] = acc[1] + part[u, l]
                 m[rr * rows + u] = acc[1] * acc[0]
-        for j in range(hc):
+        for j in T.unroll(hc):
             pre[j] = T.float32(1) / (T.float32(1) + T.exp(-(m[j] * SCALE[0] + BASE[j]))) + T.float32(hc_eps)
         if not head:
-            for j in range(hc):
+            for j in T.unroll(hc):
                 POST_OUT[t, j] = T.float32(2) / (T.float32(1) + T.exp(-(m[hc + j] * SCALE[1] + BASE[hc + j])))
-            for r in range(hc):  # row softmax + eps
+            for r in T.unroll(hc):  # row softmax + eps
                 acc[0] = T.float32(NEG_INF)
-                for k in range(hc):
+                for k in T.unroll(hc):
                     acc[0] = T.max(acc[0], m[2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k])
                 acc[1] = T.float32(0)
-                for k in range(hc):
+                for k in T.unroll(hc):
                     c[r, k] = T.exp(m[2 * hc + r * hc + k] * SCALE[2] + BASE[2 * hc + r * hc + k] - acc[0])
                     acc[1] = acc[1] + c[r, k]
-                for k in range(hc):
+                for k in T.unroll(hc):
                     c[r, k] = c[r, k] / acc[1] + T.float32(hc_eps)
             for it in range(2 * iters - 1):  # columns first, then rows / columns alternately
                 if it % 2 == 0:
-                    for k in range(hc):
+                    for k in T.unroll(hc):
                         acc[0] = T.float32(0)
-                        for r in range(hc):
+                        for r in T.unroll(hc):
                             acc[0] = acc[0] + c[r, k]
-                        for r in range(hc):
+                        for r in T.unroll(hc):
                             c[r, k] = c[r, k] / (acc[0] + T.float32(hc_eps))
                 else:
-                    for r in range(hc):
+                    for r in T.unroll(hc):
                         acc[0] = T.float32(0)
-                        for k in range(hc):
+                        for k in T.unroll(hc):
                             acc[0] = acc[0] + c[r, k]
-                        for k in range(hc):
+                        for k in T.unroll(hc):
                             c[r, k] = c[r, k] / (acc[0] + T.float32(hc_eps))
-            for r in range(hc):
-                for k in range(hc):
+            for r in T.unroll(hc):
+                for k in T.unroll(hc):
                     COMB_OUT[t, r, k] = c[r, k]
         for dd in range(dim // lanes):
             for l in columns(lanes):
                 Y[t, dd * lanes + l] = T.float32(0)
-            for j in range(hc):
+            for j in T.unroll(hc):
                 for l in columns(lanes):
                     Y[t, dd * lanes + l] = Y[t, dd * lanes + l] + pre[j] * SRC[t, j, dd * lanes + l]
 

@@ -13,7 +13,7 @@ TOPK_LANES = 16  # columns topk_rows compares at a time
 INT32_MIN = -(1 << 31)
 
 
-def _order_key(x):
+def order_key(x):
     """An int32 whose signed order is the float order of x, for x above NEG_INF (-0 and +0 one
     key: the sign bit spread over the magnitude bits of negative floats, flipping them); INT32_MIN
     for NEG_INF, -inf and NaN, which are never picked."""
@@ -21,18 +21,18 @@ def _order_key(x):
     return T.Select(x > T.float32(NEG_INF), bits ^ ((bits >> 31) & T.int32(0x7FFFFFFF)), T.int32(INT32_MIN))
 
 
-def topk_rows(k: int, max_lanes: int = 0):
+def topk_rows(k: int):
     """Per row, the column numbers of the k largest values, best first, lower columns first
     among equal values; NEG_INF (and -inf, NaN) columns are never picked (-1 fills the rest).
 
     In O(columns + k^2 / lanes) vector steps per row, without sorting the row: a binary search
-    over order keys (``_order_key``) finds the k-th largest, counting the keys above a candidate
+    over order keys (``order_key``) finds the k-th largest, counting the keys above a candidate
     16 at a time (32 counts); one pass keeps the columns above it and, in column order, as many
     equal to it as fit; each kept column's place is the number of kept columns that beat it.
     Same ids as an insertion sort, which cost O(columns x k) scalar steps: 2.7% of a 512-token
-    flash prefill at 2048 tokens of context, growing with the context. GPU builds
-    (``max_lanes``) count in vectors of at most that many lanes, a row per thread."""
-    lanes = min(TOPK_LANES, max_lanes or TOPK_LANES)
+    flash prefill at 2048 tokens of context, growing with the context. GPU targets build
+    ``kernels.gpu_topk``'s kernel instead: the same algorithm over a block of threads per row."""
+    lanes = TOPK_LANES
     kept_lanes = -(-k // lanes) * lanes
 
     @T.macro
@@ -48,7 +48,7 @@ def topk_rows(k: int, max_lanes: int = 0):
         for co in range((c + lanes - 1) // lanes):
             for l in T.vectorized(lanes):
                 lane_count[l] = lane_count[l] + T.Select(T.And(
-                    co * lanes + l < c, _order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
+                    co * lanes + l < c, order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
         lane_sum(lane_count, total)
 
     @T.prim_func
@@ -88,7 +88,7 @@ def topk_rows(k: int, max_lanes: int = 0):
             ties[0] = k - total[0]
             kept[0] = 0
             for col in range(c):
-                key[0] = _order_key(X[t, col])
+                key[0] = order_key(X[t, col])
                 if key[0] > threshold[0] or (key[0] == threshold[0] and ties[0] > 0):
                     if key[0] == threshold[0]:
                         ties[0] = ties[0] - 1

@@ -138,8 +138,8 @@ class SparseAttn(OpLowering):
         a, q = node.attrs, input_shapes(node)[0]
         compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
         main_format = main_row_format(cfg, plan)
-        # Prefill takes wider blocks of heads on the CPU (GPU builds run one head per thread
-        # either way, the same code under two symbols).
+        # Prefill takes wider blocks of heads on the CPU (GPU builds block the heads their own
+        # way either way, kernels.gpu_attention: the same code under two symbols).
         rows = kernel("attention_rows", cfg.sliding_window, cfg.window_rows_per_request, a["ratio"], compressed)
         return {"rows": rows,
                 "main": kernel("sparse_attn", q[1], q[2], a["scale"], *main_format),

@@ -1,0 +1,85 @@
+"""The GPU's blocked sparse attention (``kernels.gpu_attention``) built for the CPU with its phases
+run one after another, as its barriers order them on the GPU: the CPU kernel's outputs within
+rounding (its sums run in another order), and on fp8 pool rows exactly its own outputs on the
+decoded rows."""
+
+import numpy as np
+import pytest
+
+from dsv4c.codegen.gpu import gpu_kernel
+from dsv4c.codegen.kernels import gpu_attention
+from dsv4c.codegen.ops.base import kernel
+from dsv4c.frontend.config import resolve_model
+from dsv4c.targets import target_info
+from test_cpu_kernels import _call, _kernel, _kernel_of
+from test_pool_kernels import _pool, _row_lists, _written_rows
+
+F32 = np.float32
+
+
+def _blocked(*params):
+    return _kernel_of(gpu_attention.sparse_attn_blocked(*params, emulate=True))
+
+
+@pytest.mark.parametrize("heads, dim", [(4, 64), (64, 512), (6, 128), (2, 32), (16, 48)])
+def test_blocked_attention_is_the_cpu_kernels_within_rounding(heads, dim):
+    """Tiny's and Flash's shapes; head counts under a group or not a power of two (6: groups of
+    2); a head dim with few factors of two (48: 16 threads, several (head, row) pairs each).
+    Rows: pool rows, this step's fresh rows, -1 gaps, a whole block without rows, a query
+    without any row (its output 0: the sink alone), a list not a multiple of the row block."""
+    rng = np.random.default_rng(heads * dim)
+    n, m, pool_rows, step_rows = 4, 21, 40, 5
+    q = rng.standard_normal((n, heads, dim)).astype(F32)
+    pool = rng.standard_normal((pool_rows, dim)).astype(F32)
+    step = rng.standard_normal((step_rows, dim)).astype(F32)
+    sink = rng.standard_normal(heads).astype(F32)
+    rows = rng.integers(0, pool_rows + step_rows, (n, m)).astype(np.int32)
+    rows[0, 8:16] = -1
+    rows[1, ::3] = -1
+    rows[2, :] = -1
+    out = np.zeros((n, heads, dim), F32)
+    want = _call(_kernel("sparse_attn", heads, dim, dim ** -0.5), q, pool, step, sink, rows, out.copy())
+    got = _call(_blocked(heads, dim, dim ** -0.5), q, pool, step, sink, rows, out.copy())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[2].any()
+
+
+@pytest.mark.parametrize("model", ["tiny", "flash"])
+@pytest.mark.parametrize("target", ["sm90", "gfx942"])
+def test_blocked_attention_on_fp8_rows_equals_itself_on_decoded_rows(model, target):
+    """Values decoded as they are read into the panel, NoPE codes by their group's scale and rope
+    values from BF16, e4m3fn (sm90) and e4m3fnuz (gfx942): bit for bit."""
+    pool = _pool(model, target)
+    g = pool.geometry
+    heads, dim = 8, g.head_dim
+    rng = np.random.default_rng(6)
+    written = _written_rows(rng, pool.total_rows, 48)
+    values = rng.standard_normal((len(written), dim)) * 10.0 ** rng.uniform(-4, 1, (len(written), dim))
+    pool.write_main(written, values.astype(F32))
+    n, m = 3, 4
+    q = (rng.standard_normal((n, heads, dim)) * 0.1).astype(F32)
+    step = rng.standard_normal((m, dim)).astype(F32)
+    sink = rng.standard_normal(heads).astype(F32)
+    rows = _row_lists(rng, n, written, pool.total_rows, m, 20)
+    out = np.zeros((n, heads, dim), F32)
+    decoded = np.zeros((pool.total_rows, dim), F32)
+    decoded[written] = pool.read_main(written)
+    scale = dim ** -0.5
+    got = _call(_blocked(heads, dim, scale, "fp8", g.rope_dim, g.fp8_format), q, pool.planes["nope"],
+                pool.planes["rope"], step, sink, rows, out.copy())
+    want = _call(_blocked(heads, dim, scale), q, decoded, step, sink, rows, out.copy())
+    assert np.array_equal(got, want)
+
+
+def test_gpu_targets_build_the_blocked_kernel_for_both_head_blocks():
+    """Decode's and prefill's sparse_attn specs (their CPU head blocks differ) give GPU targets one
+    and the same blocked kernel."""
+    cfg = resolve_model("flash")
+    target = target_info("sm90").tvm_target()
+    decode = gpu_kernel(kernel("sparse_attn", cfg.num_heads, cfg.head_dim, 0.04, "fp8", cfg.rope_dim, "e4m3fn"),
+                        target)
+    prefill = gpu_kernel(kernel("sparse_attn", cfg.num_heads, cfg.head_dim, 0.04, "fp8", cfg.rope_dim, "e4m3fn",
+                                64), target)
+    blocked = gpu_attention.sparse_attn_blocked(cfg.num_heads, cfg.head_dim, 0.04, "fp8", cfg.rope_dim, "e4m3fn")
+    assert decode.script() == prefill.script() == blocked.script()
+    assert "threadIdx.x" in decode.script() and "shared" in decode.script()
