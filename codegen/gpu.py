@@ -65,18 +65,19 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
 
 def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
     """GPU version of a CPU kernel: a GPU-only kernel where one replaces it (tensor-core GEMMs,
-    ``kernels.gpu_matmul``; the parallel expert grouping, ``kernels.gpu_moe``; sparse attention
-    and top-k with a block of threads per row, ``kernels.gpu_attention`` / ``kernels.gpu_topk``),
-    dlight for other
+    ``kernels.gpu_matmul``; the parallel expert grouping, ``kernels.gpu_moe``; sparse attention,
+    index scoring and top-k with a block of threads per row or block of entries, in shared
+    memory, ``kernels.gpu_attention`` / ``gpu_index`` / ``gpu_topk``), dlight for other
     compute definitions, thread binding for TIR."""
     from dsv4c.codegen import kernels
     from dsv4c.codegen.kernels.gpu_attention import sparse_attn_kernel
+    from dsv4c.codegen.kernels.gpu_index import index_score_kernel
     from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
     from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
     from dsv4c.codegen.kernels.gpu_topk import topk_rows_kernel
     from dsv4c.codegen.lowering import kernel_factory
 
-    for rule in (mma_kernel, moe_group_kernel, sparse_attn_kernel, topk_rows_kernel):
+    for rule in (mma_kernel, moe_group_kernel, sparse_attn_kernel, index_score_kernel, topk_rows_kernel):
         if (gpu_only := rule(spec, target)) is not None:
             return gpu_only
     factory = kernel_factory(spec.factory)

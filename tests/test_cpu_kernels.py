@@ -13,7 +13,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.codegen import kernels
-from dsv4c.codegen.kernels import attention, codecs, formats, gpu_topk, matmul
+from dsv4c.codegen.kernels import attention, codecs, formats, gpu_index, gpu_topk, matmul
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG, cpu_vector
 from dsv4c.codegen import step_kernels as S
 from dsv4c.artifact import lowbit
@@ -384,9 +384,10 @@ def test_index_score_matches_numpy_on_every_cpu_level(heads):
 @pytest.mark.parametrize("storage, layout", [("fp32", None), ("fp8", ROW_MAJOR), ("fp4", ROW_MAJOR),
                                              ("fp4", FP4_PRESHUFFLED)])
 def test_gpu_index_score_gives_the_panel_kernels_bits(storage, layout):
-    """GPU builds score one (query, entry) per thread, decoding each key value as it is read (a
-    per-thread panel sat in local memory); the sums run in the same order, so the same bits as
-    the CPU's panel kernel, on every index row format (random bytes: every code, NaN included)."""
+    """GPU targets score a block of entries per block of threads (``kernels.gpu_index``, its
+    phases run in turn here); the sums run in the same order, so the same bits as the CPU's
+    panel kernel, on every index row format (random bytes: every code, NaN included), with
+    more entries than a block and a last block part full."""
     rng = np.random.default_rng(7)
     heads, dim, n, pool_rows, entries = 6, 64, 3, 64, 45  # whole tiles of preshuffled rows
     width, dtype = index_plane_row(dim, storage)
@@ -397,8 +398,9 @@ def test_gpu_index_score_gives_the_panel_kernels_bits(storage, layout):
     rows = rng.integers(0, pool_rows, (n, entries)).astype(np.int32)
     rows[2, ::3] = -1
     fmt = None if storage == "fp32" else "e4m3fn"
-    got = [_call(_kernel("index_score", heads, dim, storage, fmt, layout, lanes), q, w, pool, rows,
-                 np.zeros((n, entries), np.float32)) for lanes in (0, kernels.GPU_MAX_LANES)]
+    got = [_call(kernel, q, w, pool, rows, np.zeros((n, entries), np.float32)) for kernel in (
+        _kernel("index_score", heads, dim, storage, fmt, layout),
+        _kernel_of(gpu_index.index_score_blocked(heads, dim, storage, fmt, layout, emulate=True)))]
     np.testing.assert_array_equal(got[1], got[0])
     assert np.isfinite(got[0][rows >= 0]).any() and (got[0][rows < 0] == codecs.NEG_INF).all()
 

@@ -22,5 +22,5 @@ KERNELS = {f.__name__: f for f in (
 # GPU targets schedule these definitions with dlight.
 COMPUTE_DEFINITIONS = frozenset({"linear"})
 # Kernels that take ``max_lanes``: GPU builds cap their vectors at GPU_MAX_LANES lanes.
-VECTOR_KERNELS = frozenset({"expert_linear", "index_score", "swiglu", "mhc", "rmsnorm_rope"})
+VECTOR_KERNELS = frozenset({"expert_linear", "swiglu", "mhc", "rmsnorm_rope"})
 GPU_MAX_LANES = 4

@@ -15,7 +15,7 @@ from dsv4c.codegen.kernels.pool_rows import check_index_format, index_key
 INDEX_ENTRY_BLOCK = 32  # index entries scored together on the CPU: 4 AVX2 / 2 AVX-512 accumulators
 
 
-def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, layout=None, max_lanes: int = 0):
+def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, layout=None):
     """I[t, e] = sum_h w[t,h] H^-0.5 relu(<q[t,h], k[rows[t,e]]>) d^-0.5; -inf where rows < 0.
     The key rows are index pool rows in ``storage`` (fp32, or fp8 / fp4 bytes in the pool's
     ``fp8_format`` and ``layout``, decoded value by value exactly as _IndexCodec.read does, see
@@ -24,19 +24,17 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     In parallel over (query, block of entries): the block's keys are decoded once into an L1
     panel [dim, block], then every head's dot products with the block run as one vector per
     input (the entries are the lanes), several heads at a time, each summed in input order as a
-    single dot product would be. GPU builds (``max_lanes``) run one (query, entry) per thread
-    instead, decoding each key value as the dot products read it (once per head: GPU threads have
-    the arithmetic to spare, not the registers for a panel, which sat in local memory: 2 KiB at
-    Flash's sizes, ``scripts/kernel_resources.py``); summed in the same order, the same bits."""
+    single dot product would be. GPU targets build ``kernels.gpu_index``'s kernel instead: the
+    same sums in the same order over a block of threads, the same bits."""
     scale = (heads ** -0.5) * (dim ** -0.5)
     width, dtype = index_plane_row(dim, storage)
     check_index_format(storage, fp8_format, layout)
-    block = min(INDEX_ENTRY_BLOCK, max_lanes) if max_lanes else INDEX_ENTRY_BLOCK
+    block = INDEX_ENTRY_BLOCK
     # Heads whose dot products run together, their accumulators in half of the vector registers
     # (AVX-512: 8 heads x 2 vectors, AVX2: 2 x 4). One head's 2 or 4 chains of dependent FMAs
-    # kept the pipes half idle (bench/RESULTS.md). GPU builds: one head.
+    # kept the pipes half idle (bench/RESULTS.md).
     lanes, registers = cpu_vector()
-    hi = 1 if max_lanes else math.gcd(heads, max(1, registers // 2 // max(1, block // lanes)))
+    hi = math.gcd(heads, max(1, registers // 2 // max(1, block // lanes)))
 
     @T.macro
     def score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, t, first):  # query t's entries first ..
@@ -61,19 +59,6 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
             if first + j < e:
                 OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
 
-    @T.macro
-    def score_entry(Q, W, PLANE, ROWS, OUT, part, acc, t, j):  # query t's entry j, no scratch
-        acc[0] = T.float32(0)
-        for h in range(heads):
-            part[0] = T.float32(0)
-            for d in range(dim):
-                part[0] = part[0] + Q[t, h, d] * index_key(PLANE, T.max(ROWS[t, j], 0), d, dim, storage, fp8_format,
-                                                           layout)
-            acc[0] = acc[0] + T.max(part[0], T.float32(0)) * (W[t, h] * T.float32(scale))
-        OUT[t, j] = T.if_then_else(ROWS[t, j] < 0, T.float32(NEG_INF), acc[0])
-
-    per_entry = bool(max_lanes)
-
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
@@ -84,17 +69,11 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
         PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n, e), "int32")
         OUT = T.match_buffer(out, (n, e), F32)
-        if per_entry:  # a Python value: TVMScript builds one branch
-            for i in T.parallel(n * e):  # (query, entry)
-                part1 = T.alloc_buffer((1,), F32, scope="local")
-                acc1 = T.alloc_buffer((1,), F32, scope="local")
-                score_entry(Q, W, PLANE, ROWS, OUT, part1, acc1, i // e, i % e)
-        else:
-            for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
-                keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
-                part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
-                acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
-                score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
-                            i % ((e + block - 1) // block) * block)
+        for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
+            keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
+            part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
+            acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
+            score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
+                        i % ((e + block - 1) // block) * block)
     return f
 
