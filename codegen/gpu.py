@@ -1,15 +1,19 @@
 """GPU targets: the same kernels as the CPU target, bound to GPU threads, built ahead of time.
 
-The prefill GEMMs and the expert GEMM that tile onto tensor cores are ``kernels.gpu_matmul``'s
-(MMA / MFMA, float16 operands). Every other kernel of ``codegen.kernels`` is either a compute
-definition (the GEMVs and GEMMs of other widths: built with TE and scheduled by dlight's GPU
-rules) or hand-written TIR whose outermost loop runs over independent rows (tokens, windows,
-pool rows). For the latter, that loop is mapped onto
-blocks x threads (one thread per row), which is exactly the parallelism the CPU schedule
-uses. The kernels and the Relax entry functions that call them are one library holding machine
-code for the GPU: for sm90 a fatbin of sm_90a code that nvcc compiles from TVM's CUDA C++ at
-build time (:func:`export_options`); for gfx942 / gfx950 AMDGPU code objects from TVM's LLVM
-backend, linked by ``ld.lld`` >= 19 against the ROCm device bitcode.
+Where the CPU kernel's parallelism (one task per row) would starve a GPU or hold a row's whole
+working set in one thread, a GPU-only kernel of the same arguments replaces it: decode's GEMVs
+(``kernels.gpu_gemv``), prefill's GEMMs that tile onto tensor cores (``kernels.gpu_matmul``:
+MMA / MFMA, float16 operands), the expert grouping (``kernels.gpu_moe``), sparse attention,
+index scoring and top-k (``kernels.gpu_attention`` / ``gpu_index`` / ``gpu_topk``: a block of
+threads per query or block of entries, in shared memory). Every other kernel of
+``codegen.kernels`` is either a compute definition (GEMMs of other widths: built with TE and
+scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over independent
+rows (tokens, windows, pool rows); that loop is mapped onto blocks x threads (one thread per
+row), which is exactly the parallelism the CPU schedule uses. The kernels and the Relax entry
+functions that call them are one library holding machine code for the GPU: for sm90 a fatbin
+of sm_90a code that nvcc compiles from TVM's CUDA C++ at build time (:func:`export_options`);
+for gfx942 / gfx950 AMDGPU code objects from TVM's LLVM backend, linked by ``ld.lld`` >= 19
+against the ROCm device bitcode.
 """
 
 from __future__ import annotations
@@ -64,20 +68,20 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
 
 
 def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
-    """GPU version of a CPU kernel: a GPU-only kernel where one replaces it (tensor-core GEMMs,
-    ``kernels.gpu_matmul``; the parallel expert grouping, ``kernels.gpu_moe``; sparse attention,
-    index scoring and top-k with a block of threads per row or block of entries, in shared
-    memory, ``kernels.gpu_attention`` / ``gpu_index`` / ``gpu_topk``), dlight for other
+    """GPU version of a CPU kernel: a GPU-only kernel where one replaces it (module docstring),
+    dlight for other
     compute definitions, thread binding for TIR."""
     from dsv4c.codegen import kernels
     from dsv4c.codegen.kernels.gpu_attention import sparse_attn_kernel
+    from dsv4c.codegen.kernels.gpu_gemv import gemv_kernel
     from dsv4c.codegen.kernels.gpu_index import index_score_kernel
     from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
     from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
     from dsv4c.codegen.kernels.gpu_topk import topk_rows_kernel
     from dsv4c.codegen.lowering import kernel_factory
 
-    for rule in (mma_kernel, moe_group_kernel, sparse_attn_kernel, index_score_kernel, topk_rows_kernel):
+    for rule in (gemv_kernel, mma_kernel, moe_group_kernel, sparse_attn_kernel, index_score_kernel,
+                 topk_rows_kernel):
         if (gpu_only := rule(spec, target)) is not None:
             return gpu_only
     factory = kernel_factory(spec.factory)

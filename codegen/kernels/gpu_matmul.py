@@ -41,6 +41,7 @@ from tvm.script import tirx as T
 
 from dsv4c.codegen.kernels.codecs import F32
 from dsv4c.codegen.kernels.formats import column_tile, tir_format
+from dsv4c.codegen.kernels.gpu_gemv import decode_gemv
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
 from dsv4c.errors import DsvError
 
@@ -264,11 +265,12 @@ def mma_expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, lay
 
 
 def mma_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The tensor-core kernel for a prefill GEMM (``linear`` with gemv False) or an
-    ``expert_linear`` whose sizes tile (:func:`mma_shape_ok`); None for any other kernel."""
+    """The tensor-core kernel for a prefill GEMM (``linear`` with gemv False) or prefill's
+    ``expert_linear`` whose sizes tile (:func:`mma_shape_ok`); None for any other kernel (decode's
+    GEMVs are ``kernels.gpu_gemv``'s)."""
     if spec.factory == "linear" and not spec.params[3] and mma_shape_ok(*spec.params[:2]):
         out_dim, in_dim, quant, _, groups = spec.params
         return mma_linear(out_dim, in_dim, quant, groups, target_layout(target))
-    if spec.factory == "expert_linear" and mma_shape_ok(*spec.params[:2]):
-        return mma_expert_linear(*spec.params, target_layout(target))
+    if spec.factory == "expert_linear" and not decode_gemv(spec) and mma_shape_ok(*spec.params[:2]):
+        return mma_expert_linear(*spec.params[:4], target_layout(target))
     return None

@@ -327,29 +327,28 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, s
     (group-major runs faster, bench/RESULTS.md).
 
     The CPU kernel (``schedule``) runs ``_matmul_loops`` in parallel over (group, column tile):
-    the direct loop for GEMV, the panel loop for GEMM. ``schedule=False`` gives the compute
-    definition, which GPU targets schedule."""
+    the direct loop for GEMV, the panel loop for GEMM. ``schedule=False`` gives the GEMM's compute
+    definition, which GPU targets schedule where it does not tile onto tensor cores (their
+    GEMVs are ``kernels.gpu_gemv``'s)."""
     if schedule:
         return _cpu_linear(out_dim, in_dim, quant, gemv, groups)
     if gemv:
-        n = te.var("N")
-        rows = (n,)
-    else:
-        n = te.var("B")
-        rows = (n, GEMM_ROWS)
+        raise ValueError("linear: GPU targets build decode GEMVs with kernels.gpu_gemv, not a compute definition")
+    n = te.var("B")
+    rows = (n, GEMM_ROWS)
     fmt = tir_format(quant)
     lead = (groups,) if groups else ()
-    x = te.placeholder((rows + lead if gemv else lead + rows) + (in_dim,), F32, name="x")
+    x = te.placeholder(lead + rows + (in_dim,), F32, name="x")
     tile = column_tile(out_dim)
     args = [te.placeholder(lead + shape, dtype, name=name)
             for (shape, dtype), name in zip(fmt.parts(out_dim, in_dim), ("w", "s"))]
     tiled = lambda *i: fmt.value(args, i[:-3], *i[-3:])  # noqa: E731
-    if fmt.decoded and not gemv:
-        # Prefill decodes each weight tile once into a scratch tile that every row block reuses.
+    if fmt.decoded:
+        # Each weight tile decoded once into a scratch tile that every row block reuses.
         decoded = te.compute(lead + (out_dim // tile, in_dim, tile), tiled, name="w_decoded")
         tiled = lambda *i: decoded[i]  # noqa: E731
     k = te.reduce_axis((0, in_dim), "k")
-    x_row = (lambda idx: idx[:-1]) if gemv else (lambda idx: idx[len(rows):-1] + idx[:len(rows)])  # noqa: E731
+    x_row = lambda idx: idx[len(rows):-1] + idx[:len(rows)]  # noqa: E731
     y = te.compute(rows + lead + (out_dim,), lambda *idx: te.sum(
         x[x_row(idx) + (k,)] * tiled(*idx[len(rows):-1], idx[-1] // tile, k, idx[-1] % tile), axis=k), name="y")
     return te.create_prim_func([x] + args + [y])
@@ -398,15 +397,18 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
     return f
 
 
-def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, max_lanes: int = 0):
+def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode: bool = False, max_lanes: int = 0):
     """y[p] = x[p] @ W[e].T for the rows p of each expert e's group, offsets[e] <= p <
     offsets[e + 1] (rows sorted by expert, see step_kernels.moe_group); weights stacked
     [E, O / tile, I, tile] in any ``linear`` format. One kernel for decode and prefill, in
     parallel over (column tile, expert), tile-major so both halves of the jobs hold every
     expert: a group of up to GEMV_ROWS rows runs ``_matmul_loops``' direct loop, a larger one
     the panel loop; an expert without rows costs nothing. Summed like ``linear``, so an
-    expert's rows get the same bits whatever the group's size. GPU builds (``max_lanes``) run
-    the direct loop, with column vectors of at most ``max_lanes``."""
+    expert's rows get the same bits whatever the group's size. ``decode`` marks the decode
+    function's kernel: the CPU's is this one either way, GPU targets build
+    ``kernels.gpu_gemv``'s for it (and tensor-core GEMMs, ``kernels.gpu_matmul``, for
+    prefill's). GPU builds of this kernel (``max_lanes``: shapes that do not tile) run the
+    direct loop, with column vectors of at most ``max_lanes``."""
     tile = column_tile(out_dim)
     tiles = out_dim // tile
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial

@@ -53,9 +53,12 @@ class Experts(OpLowering):
         ins = input_shapes(node)
         e, inter, d = ins[3]
         q, k = self.weight_format(node, plan.fp8_format).name, ins[2][1]
-        return {"group": kernel("moe_group", k, e), "up": kernel("expert_linear", inter, d, q, e),
-                "act": kernel("swiglu", inter, node.attrs["limit"]), "down": kernel("expert_linear", d, inter, q, e),
-                "combine": kernel("moe_combine", d, k)}
+        # The decode function's expert matmuls are kernels of their own on GPU targets (a GEMV
+        # streaming the weights, kernels.gpu_gemv); the CPU builds one kernel for both.
+        return {"group": kernel("moe_group", k, e), "act": kernel("swiglu", inter, node.attrs["limit"]),
+                "up": kernel("expert_linear", inter, d, q, e), "down": kernel("expert_linear", d, inter, q, e),
+                "up_gemv": kernel("expert_linear", inter, d, q, e, True),
+                "down_gemv": kernel("expert_linear", d, inter, q, e, True), "combine": kernel("moe_combine", d, k)}
 
     def emit(self, em, node, roles, args):
         y, route_w, ids = args[:3]
@@ -67,10 +70,11 @@ class Experts(OpLowering):
         offsets, pair_token, token_pair = em.outputs(grouped, 3)
         xs = em.call("gather_rows", [y, pair_token], ([pairs, d], F32))
         w1, w2, w3 = (em.weight(v.name, roles["up"]) for v in node.inputs[3:6])
-        gate = em.call(roles["up"], [xs, offsets] + w1, ([pairs, inter], F32))
-        up = em.call(roles["up"], [xs, offsets] + w3, ([pairs, inter], F32))
+        up_role, down_role = ("up_gemv", "down_gemv") if em.gemv else ("up", "down")
+        gate = em.call(roles[up_role], [xs, offsets] + w1, ([pairs, inter], F32))
+        up = em.call(roles[up_role], [xs, offsets] + w3, ([pairs, inter], F32))
         act = em.call(roles["act"], [gate, up], ([pairs, inter], F32))
-        down = em.call(roles["down"], [act, offsets] + w2, ([pairs, d], F32))
+        down = em.call(roles[down_role], [act, offsets] + w2, ([pairs, d], F32))
         return [em.call(roles["combine"], [down, token_pair, route_w], ([t, d], F32))]
 
     def weight_format(self, node, fp8_format):
