@@ -1,7 +1,6 @@
 """The GPU's blocked sparse attention (``kernels.gpu_attention``) built for the CPU with its phases
 run one after another, as its barriers order them on the GPU: the CPU kernel's outputs within
-rounding (its sums run in another order), and on fp8 pool rows exactly its own outputs on the
-decoded rows."""
+rounding (its sums run in another order). On fp8 pool rows: tests/test_pool_kernels.py."""
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from dsv4c.codegen.ops.base import kernel
 from dsv4c.frontend.config import resolve_model
 from dsv4c.targets import target_info
 from test_cpu_kernels import _call, _kernel, _kernel_of
-from test_pool_kernels import _pool, _row_lists, _written_rows
 
 F32 = np.float32
 
@@ -42,33 +40,6 @@ def test_blocked_attention_is_the_cpu_kernels_within_rounding(heads, dim):
     got = _call(_blocked(heads, dim, dim ** -0.5), q, pool, step, sink, rows, out.copy())
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not got[2].any()
-
-
-@pytest.mark.parametrize("model", ["tiny", "flash"])
-@pytest.mark.parametrize("target", ["sm90", "gfx942"])
-def test_blocked_attention_on_fp8_rows_equals_itself_on_decoded_rows(model, target):
-    """Values decoded as they are read into the panel, NoPE codes by their group's scale and rope
-    values from BF16, e4m3fn (sm90) and e4m3fnuz (gfx942): bit for bit."""
-    pool = _pool(model, target)
-    g = pool.geometry
-    heads, dim = 8, g.head_dim
-    rng = np.random.default_rng(6)
-    written = _written_rows(rng, pool.total_rows, 48)
-    values = rng.standard_normal((len(written), dim)) * 10.0 ** rng.uniform(-4, 1, (len(written), dim))
-    pool.write_main(written, values.astype(F32))
-    n, m = 3, 4
-    q = (rng.standard_normal((n, heads, dim)) * 0.1).astype(F32)
-    step = rng.standard_normal((m, dim)).astype(F32)
-    sink = rng.standard_normal(heads).astype(F32)
-    rows = _row_lists(rng, n, written, pool.total_rows, m, 20)
-    out = np.zeros((n, heads, dim), F32)
-    decoded = np.zeros((pool.total_rows, dim), F32)
-    decoded[written] = pool.read_main(written)
-    scale = dim ** -0.5
-    got = _call(_blocked(heads, dim, scale, "fp8", g.rope_dim, g.fp8_format), q, pool.planes["nope"],
-                pool.planes["rope"], step, sink, rows, out.copy())
-    want = _call(_blocked(heads, dim, scale), q, decoded, step, sink, rows, out.copy())
-    assert np.array_equal(got, want)
 
 
 def test_gpu_targets_build_the_blocked_kernel_for_both_head_blocks():

@@ -15,7 +15,7 @@ from tvm.script import tirx as T
 
 from dsv4c.cli import main as cli
 from dsv4c.codegen import kernels
-from dsv4c.codegen.kernels import codecs
+from dsv4c.codegen.kernels import codecs, gpu_attention
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.targets import target_info
 from dsv4c.artifact import lowbit
@@ -245,12 +245,23 @@ def test_index_score_on_lowbit_rows_equals_fp32_on_decoded_rows(model, target):
     assert np.array_equal(got, want, equal_nan=True)  # rows of huge values overflow alike
 
 
+def _blocked_attention(*params):
+    func = gpu_attention.sparse_attn_blocked(*params, emulate=True)
+    return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target_info("llvm").tvm_target())["k"]
+
+
 @pytest.mark.parametrize("model", ["tiny", "flash"])
 @pytest.mark.parametrize("target", ["sm90", "gfx942"])
-def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model, target):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model, target, blocked):
+    """Values decoded as they are read (NoPE codes by their group's scale, rope values from BF16;
+    e4m3fn for sm90, e4m3fnuz for gfx942): bit for bit the kernel's outputs on the decoded rows,
+    the CPU's kernel and the GPU targets' blocked one (``kernels.gpu_attention``, its phases run
+    in turn here; 8 heads, a group of them) alike."""
     pool = _pool(model, target)
     g = pool.geometry
-    heads, dim = 4, g.head_dim
+    heads, dim = (8 if blocked else 4), g.head_dim
+    build = _blocked_attention if blocked else functools.partial(_kernel, "sparse_attn")
     rng = np.random.default_rng(5)
     written = _written_rows(rng, pool.total_rows, 48)
     # values over five decades within each 64-group: subnormal and zero codes among them
@@ -266,9 +277,9 @@ def test_sparse_attn_on_fp8_rows_equals_fp32_on_decoded_rows(model, target):
     scale = dim ** -0.5
     decoded = np.zeros((pool.total_rows, dim), F32)
     decoded[written] = pool.read_main(written)
-    got = _run(_kernel("sparse_attn", heads, dim, scale, "fp8", g.rope_dim, g.fp8_format), q, pool.planes["nope"],
+    got = _run(build(heads, dim, scale, "fp8", g.rope_dim, g.fp8_format), q, pool.planes["nope"],
                pool.planes["rope"], step, sink, rows, out)[-1]
-    want = _run(_kernel("sparse_attn", heads, dim, scale), q, decoded, step, sink, rows, out)[-1]
+    want = _run(build(heads, dim, scale), q, decoded, step, sink, rows, out)[-1]
     assert np.array_equal(got, want)
 
 

@@ -168,6 +168,19 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
             for d in T.vectorized(dim):
                 OUT[t, h0 + h, d] = o[h, d] / state[h, 1]
 
+    @T.macro
+    def blocks(Q, pool, STEP, SINK, ROWS, OUT, r, m, n):
+        for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
+            attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, i // (heads // hb), i % (heads // hb) * hb)
+    return sparse_attn_function(heads, dim, main_storage, rope_dim, blocks)
+
+
+def sparse_attn_function(heads: int, dim: int, main_storage: str, rope_dim: int, attend):
+    """The ``sparse_attn`` kernel, arguments (q, pool, step, sink, rows, out) or, for an fp8 main
+    pool, (q, nope_plane, rope_plane, step, sink, rows, out), whose work is the macro
+    ``attend(Q, pool, STEP, SINK, ROWS, OUT, r, m, n)`` (``pool``: the planes' buffers, ``r``:
+    their row count as int32): the CPU's, or the GPU targets' (``kernels.gpu_attention``)."""
+    nope_dim = dim - rope_dim
     if main_storage == "fp8":
         @T.prim_func
         def f(q: T.handle, nope_plane: T.handle, rope_plane: T.handle, step: T.handle, sink: T.handle,
@@ -183,8 +196,7 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
             SINK = T.match_buffer(sink, (heads,), F32)
             ROWS = T.match_buffer(rows, (n, m), "int32")
             OUT = T.match_buffer(out, (n, heads, dim), F32)
-            for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
-                attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, i // (heads // hb), i % (heads // hb) * hb)
+            attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, n)
         return f
 
     @T.prim_func
@@ -199,6 +211,5 @@ def sparse_attn(heads: int, dim: int, scale: float, main_storage: str = "fp32", 
         SINK = T.match_buffer(sink, (heads,), F32)
         ROWS = T.match_buffer(rows, (n, m), "int32")
         OUT = T.match_buffer(out, (n, heads, dim), F32)
-        for i in T.parallel(n * (heads // hb)):  # (query, block of heads)
-            attend(Q, (POOL,), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, i // (heads // hb), i % (heads // hb) * hb)
+        attend(Q, (POOL,), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, n)
     return f

@@ -16,23 +16,22 @@ output row, the panel): 4 KiB of local memory per thread at V4-Flash's head_dim 
    registers (consecutive threads, consecutive columns).
 
 Shared rows are padded by ``split`` floats so the threads of one dot product, and the rows a
-warp reads at once, fall in different banks. The CPU builds the same phases (``emulate``), a loop
-over the threads each with global scratch, which is what a barrier between the phases
-guarantees on the GPU, so tests compare it with the CPU kernel. The sums run in another order
+warp reads at once, fall in different banks. The CPU builds the same phases (``emulate``, ``gpu_block``),
+so tests compare it with the CPU kernel. The sums run in another order
 than the CPU kernel's: equal within rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from dsv4c.artifact.pool_rows import main_nope_width
+from dsv4c.codegen.kernels.attention import sparse_attn_function
 from dsv4c.codegen.kernels.codecs import F32, NEG_INF
+from dsv4c.codegen.kernels.gpu_block import block_phases
 from dsv4c.codegen.kernels.pool_rows import check_main_fp8, main_fp8_value
 
 THREADS = 128  # at most; fewer when the head dim has fewer factors of two
@@ -56,10 +55,7 @@ def sparse_attn_blocked(heads: int, dim: int, scale: float, main_storage: str = 
     stride = dim + split  # shared row pitch (module docstring)
     per = dim // threads  # output columns a thread accumulates, per head
     assert group <= threads, (heads, dim)  # thread h runs head h's softmax
-    scope = "global" if emulate else "shared"
-    own = 1 if emulate else 0  # emulated, each thread's registers are a row of one buffer
-    thread_loop = T.serial if emulate else functools.partial(T.thread_binding, thread="threadIdx.x")
-    block_loop = T.parallel if emulate else functools.partial(T.thread_binding, thread="blockIdx.x")
+    block_loop, thread_loop, barrier, scope, registers, own = block_phases(emulate)
 
     def row_at(ROWS, m, t, k):
         """Entry k of query t's row list, -1 (no row) past its end m."""
@@ -69,11 +65,6 @@ def sparse_attn_blocked(heads: int, dim: int, scale: float, main_storage: str = 
         if main_storage == "fp32":
             return pool[0][row, d]
         return main_fp8_value(pool[0], pool[1], row, d, 0, nope_dim, fp8_format)
-
-    @T.macro
-    def barrier():  # the GPU's threads all done with the phase before; the CPU runs phases in turn
-        if not emulate:
-            T.tvm_storage_sync("shared")
 
     @T.macro
     def fill(pool, STEP, ROWS, panel, r, m, t, kb, tx):  # phase 1
@@ -141,7 +132,7 @@ def sparse_attn_blocked(heads: int, dim: int, scale: float, main_storage: str = 
             top = T.alloc_buffer((group,), F32, scope=scope)  # per head: the running max,
             denom = T.alloc_buffer((group,), F32, scope=scope)  # the denominator,
             factor = T.alloc_buffer((group,), F32, scope=scope)  # and this block's rescale factor
-            o = T.alloc_buffer((threads if emulate else 1, group * per), F32, scope="global" if emulate else "local")
+            o = T.alloc_buffer((threads if emulate else 1, group * per), F32, scope=registers)
             for tx in thread_loop(threads):
                 for h in range(group):
                     for i in T.unroll(per):
@@ -171,38 +162,7 @@ def sparse_attn_blocked(heads: int, dim: int, scale: float, main_storage: str = 
                         OUT[b // (heads // group), b % (heads // group) * group + h, i * threads + tx] = \
                             o[tx * own, h * per + i] / denom[h]
 
-    if main_storage == "fp8":
-        @T.prim_func
-        def f(q: T.handle, nope_plane: T.handle, rope_plane: T.handle, step: T.handle, sink: T.handle,
-              rows: T.handle, out: T.handle):
-            n = T.int32()
-            r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
-            s = T.int32()
-            m = T.int32()
-            Q = T.match_buffer(q, (n, heads, dim), F32)
-            NOPE = T.match_buffer(nope_plane, (r, main_nope_width(nope_dim)), "uint8")
-            ROPE = T.match_buffer(rope_plane, (r, rope_dim), "uint16")
-            STEP = T.match_buffer(step, (s, dim), F32)
-            SINK = T.match_buffer(sink, (heads,), F32)
-            ROWS = T.match_buffer(rows, (n, m), "int32")
-            OUT = T.match_buffer(out, (n, heads, dim), F32)
-            attend(Q, (NOPE, ROPE), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, n)
-        return f
-
-    @T.prim_func
-    def f(q: T.handle, pool: T.handle, step: T.handle, sink: T.handle, rows: T.handle, out: T.handle):
-        n = T.int32()
-        r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
-        s = T.int32()
-        m = T.int32()
-        Q = T.match_buffer(q, (n, heads, dim), F32)
-        POOL = T.match_buffer(pool, (r, dim), F32)
-        STEP = T.match_buffer(step, (s, dim), F32)
-        SINK = T.match_buffer(sink, (heads,), F32)
-        ROWS = T.match_buffer(rows, (n, m), "int32")
-        OUT = T.match_buffer(out, (n, heads, dim), F32)
-        attend(Q, (POOL,), STEP, SINK, ROWS, OUT, T.Cast("int32", r), m, n)
-    return f
+    return sparse_attn_function(heads, dim, main_storage, rope_dim, attend)
 
 
 def sparse_attn_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:

@@ -19,13 +19,11 @@ each weight tile in fragment order. An expert without rows reads nothing.
 
 Numerics: each weight decoded to its float32 value (code x scale), summed in input order within
 a split, the splits added in order: within rounding of the CPU kernels (which sum each scale
-group raw and scale it once), not bit for bit. The CPU builds the same phases (``emulate``), a
-loop over the threads each, so tests compare them with the CPU kernels.
+group raw and scale it once), not bit for bit. The CPU builds the same phases (``emulate``,
+``gpu_block``), so tests compare them with the CPU kernels.
 """
 
 from __future__ import annotations
-
-import functools
 
 import tvm
 from tvm import tirx
@@ -33,6 +31,8 @@ from tvm.script import tirx as T
 
 from dsv4c.codegen.kernels.codecs import F32
 from dsv4c.codegen.kernels.formats import column_tile, tir_format
+from dsv4c.codegen.kernels.gpu_block import block_phases
+from dsv4c.codegen.kernels.matmul import expert_linear_function
 
 SPLIT = 4  # thread groups along the inputs: 64-column tiles make blocks of 256 threads
 ROWS = 4  # rows a pass takes (decode steps have at most 4 tokens)
@@ -48,22 +48,14 @@ def _gemv(fmt, out_dim: int, in_dim: int, leads: int, emulate: bool, x_index, y_
     per_word = fmt.inputs_per_word
     words = in_dim // per_word
     span = -(-words // SPLIT)  # words of a split
-    scope = "global" if emulate else "shared"
-    own = 1 if emulate else 0  # emulated, each thread's registers are a row of one buffer
-    thread_loop = T.serial if emulate else functools.partial(T.thread_binding, thread="threadIdx.x")
-    block_loop = T.parallel if emulate else functools.partial(T.thread_binding, thread="blockIdx.x")
-
-    @T.macro
-    def barrier():  # the GPU's threads all done with the phase before; the CPU runs phases in turn
-        if not emulate:
-            T.tvm_storage_sync("shared")
+    block_loop, thread_loop, barrier, scope, registers, own = block_phases(emulate)
 
     @T.macro
     def grid(X, parts, Y, bounds):
         for job in block_loop(leads * tiles):  # lead job % leads, column tile job // leads
             partial = T.alloc_buffer((SPLIT * ROWS * tile,), F32, scope=scope)
-            acc = T.alloc_buffer((threads if emulate else 1, ROWS), F32, scope="global" if emulate else "local")
-            weight = T.alloc_buffer((threads if emulate else 1,), F32, scope="global" if emulate else "local")
+            acc = T.alloc_buffer((threads if emulate else 1, ROWS), F32, scope=registers)
+            weight = T.alloc_buffer((threads if emulate else 1,), F32, scope=registers)
             for rp in range((count(bounds, job % leads) + ROWS - 1) // ROWS):
                 barrier()
                 for tx in thread_loop(threads):  # split tx // tile, column tx % tile
@@ -96,35 +88,13 @@ def _gemv(fmt, out_dim: int, in_dim: int, leads: int, emulate: bool, x_index, y_
 def expert_gemv(out_dim: int, in_dim: int, quant: str, n_experts: int, emulate: bool = False):
     """``matmul.expert_linear``'s outputs (x [P, I], offsets [E + 1], stacked weights -> y [P, O],
     the same arguments), for decode's few rows per expert (module docstring)."""
-    fmt = tir_format(quant)
-    storage = [((n_experts,) + shape, dtype) for shape, dtype in fmt.parts(out_dim, in_dim)]
-    (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
-    grid = _gemv(fmt, out_dim, in_dim, n_experts, emulate, lambda e, p, k: (p, k), lambda e, p, o: (p, o),
-                 lambda off, e: off[e], lambda off, e: off[e + 1] - off[e])
+    grid = _gemv(tir_format(quant), out_dim, in_dim, n_experts, emulate, lambda e, p, k: (p, k),
+                 lambda e, p, o: (p, o), lambda off, e: off[e], lambda off, e: off[e + 1] - off[e])
 
-    if len(storage) == 2:
-        @T.prim_func
-        def f(x: T.handle, offsets: T.handle, w: T.handle, s: T.handle, y: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            p = T.int32()
-            X = T.match_buffer(x, (p, in_dim), F32)
-            OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
-            W = T.match_buffer(w, w_shape, w_dtype)
-            S = T.match_buffer(s, s_shape, s_dtype)
-            Y = T.match_buffer(y, (p, out_dim), F32)
-            grid(X, (W, S), Y, OFF)
-        return f
-
-    @T.prim_func
-    def f(x: T.handle, offsets: T.handle, w: T.handle, y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        p = T.int32()
-        X = T.match_buffer(x, (p, in_dim), F32)
-        OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
-        W = T.match_buffer(w, w_shape, w_dtype)
-        Y = T.match_buffer(y, (p, out_dim), F32)
-        grid(X, (W,), Y, OFF)
-    return f
+    @T.macro
+    def run(X, OFF, parts, Y):
+        grid(X, parts, Y, OFF)
+    return expert_linear_function(out_dim, in_dim, quant, n_experts, run).with_attr("tirx.noalias", True)
 
 
 def linear_gemv(out_dim: int, in_dim: int, quant: str, groups: int = 0, emulate: bool = False):

@@ -13,20 +13,18 @@ Per block:
 The dot products run in input order and the terms are added in head order, as the CPU's panel
 kernel does: the same bits (``tests/test_cpu_kernels.py``). One thread per entry decoding each
 key value as it read it (the kernel before this one) decoded every key once per head. The CPU
-builds the same phases (``emulate``), a loop over the threads each with global scratch, which is
-what a barrier between the phases guarantees on the GPU.
+builds the same phases (``emulate``, ``gpu_block``).
 """
 
 from __future__ import annotations
-
-import functools
 
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from dsv4c.artifact.pool_rows import index_plane_row
 from dsv4c.codegen.kernels.codecs import F32, NEG_INF
+from dsv4c.codegen.kernels.gpu_block import block_phases
+from dsv4c.codegen.kernels.index import index_score_function
 from dsv4c.codegen.kernels.pool_rows import check_index_format, index_key
 
 THREADS = 128
@@ -37,12 +35,9 @@ def index_score_blocked(heads: int, dim: int, storage: str = "fp32", fp8_format=
                         emulate: bool = False):
     """``index.index_score``'s outputs with the same arguments, in blocks (module docstring)."""
     scale = (heads ** -0.5) * (dim ** -0.5)
-    width, dtype = index_plane_row(dim, storage)
     check_index_format(storage, fp8_format, layout)
     eb, stride = ENTRY_BLOCK, dim + 1
-    scope = "global" if emulate else "shared"
-    thread_loop = T.serial if emulate else functools.partial(T.thread_binding, thread="threadIdx.x")
-    block_loop = T.parallel if emulate else functools.partial(T.thread_binding, thread="blockIdx.x")
+    block_loop, thread_loop, barrier, scope, _, _ = block_phases(emulate)
 
     def query(b, e):  # block b's query
         return b // ((e + eb - 1) // eb)
@@ -51,20 +46,7 @@ def index_score_blocked(heads: int, dim: int, storage: str = "fp32", fp8_format=
         return b % ((e + eb - 1) // eb) * eb
 
     @T.macro
-    def barrier():  # the GPU's threads all done with the phase before; the CPU runs phases in turn
-        if not emulate:
-            T.tvm_storage_sync("shared")
-
-    @T.prim_func
-    def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
-        n = T.int32()
-        r = T.int64()  # 64-bit offsets (see kernels.pool_rows, "Pool rows")
-        e = T.int32()
-        Q = T.match_buffer(q, (n, heads, dim), F32)
-        W = T.match_buffer(w, (n, heads), F32)
-        PLANE = T.match_buffer(plane, (r, width), dtype)
-        ROWS = T.match_buffer(rows, (n, e), "int32")
-        OUT = T.match_buffer(out, (n, e), F32)
+    def score(Q, W, PLANE, ROWS, OUT, n, e):
         for b in block_loop(n * ((e + eb - 1) // eb)):  # (query, block of entries)
             panel = T.alloc_buffer((eb * stride,), F32, scope=scope)
             terms = T.alloc_buffer((heads * eb,), F32, scope=scope)
@@ -91,7 +73,7 @@ def index_score_blocked(heads: int, dim: int, storage: str = "fp32", fp8_format=
                             (W[query(b, e), h] * T.float32(scale))
                     OUT[query(b, e), first(b, e) + tx] = T.if_then_else(
                         ROWS[query(b, e), first(b, e) + tx] < 0, T.float32(NEG_INF), part[0])
-    return f
+    return index_score_function(heads, dim, storage, score)
 
 
 def index_score_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:

@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 from dsv4c.codegen.kernels.codecs import F32
 from dsv4c.codegen.kernels.formats import column_tile, tir_format
 from dsv4c.codegen.kernels.gpu_gemv import decode_gemv
-from dsv4c.codegen.kernels.matmul import GEMM_ROWS
+from dsv4c.codegen.kernels.matmul import GEMM_ROWS, expert_linear_function
 from dsv4c.errors import DsvError
 
 F16 = "float16"
@@ -233,35 +233,13 @@ def mma_expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, lay
     arguments) on tensor cores of ``layout``, or emulated on the CPU: expert e's rows are
     offsets[e] <= p < offsets[e + 1]; every expert gets the row tiles of all P rows, and those
     past its group return at once."""
-    fmt = tir_format(quant)
-    storage = [((n_experts,) + shape, dtype) for shape, dtype in fmt.parts(out_dim, in_dim)]
-    (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
-    grid = _gemm(fmt, out_dim, in_dim, layout, emulate, lambda s, r, k: (r, k), lambda s, r, o: (r, o),
+    grid = _gemm(tir_format(quant), out_dim, in_dim, layout, emulate, lambda s, r, k: (r, k), lambda s, r, o: (r, o),
                  lambda off, s: off[s], lambda off, s: off[s + 1] - off[s])
 
-    if len(storage) == 2:
-        @T.prim_func
-        def f(x: T.handle, offsets: T.handle, w: T.handle, s: T.handle, y: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            p = T.int32()
-            X = T.match_buffer(x, (p, in_dim), F32)
-            OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
-            W = T.match_buffer(w, w_shape, w_dtype)
-            S = T.match_buffer(s, s_shape, s_dtype)
-            Y = T.match_buffer(y, (p, out_dim), F32)
-            grid(X, (W, S), Y, n_experts, _row_tiles(p), OFF)
-        return f
-
-    @T.prim_func
-    def f(x: T.handle, offsets: T.handle, w: T.handle, y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        p = T.int32()
-        X = T.match_buffer(x, (p, in_dim), F32)
-        OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
-        W = T.match_buffer(w, w_shape, w_dtype)
-        Y = T.match_buffer(y, (p, out_dim), F32)
-        grid(X, (W,), Y, n_experts, _row_tiles(p), OFF)
-    return f
+    @T.macro
+    def run(X, OFF, parts, Y):
+        grid(X, parts, Y, n_experts, _row_tiles(X.shape[0]), OFF)
+    return expert_linear_function(out_dim, in_dim, quant, n_experts, run).with_attr("tirx.noalias", True)
 
 
 def mma_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:

@@ -8,17 +8,17 @@ count) are done; ``offsets[e]`` is a binary search of the sorted ids. An id of -
 another rank holds, expert parallel) sorts as ``n_experts``: after every expert's pairs, with a
 ``token_pair`` of -1, as the serial kernel places them.
 
-The CPU builds the same phases (``emulate``) as one loop over the threads each, which is what a
-barrier between the phases guarantees on the GPU, so tests compare it with the serial kernel.
+The CPU builds the same phases (``emulate``, ``gpu_block``), so tests compare it with the serial
+kernel.
 """
 
 from __future__ import annotations
 
-import functools
-
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
+
+from dsv4c.codegen.kernels.gpu_block import block_phases
 
 THREADS = 256
 
@@ -27,7 +27,6 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
     """``step_kernels.moe_group(k, n_experts)``'s outputs, in parallel (module docstring)."""
     passes = max(1, n_experts.bit_length())  # keys 0 .. n_experts (another rank's)
     passes += passes % 2  # even: the sorted pair numbers end in pair_token (a last pass on a zero bit keeps them)
-    scope = "global" if emulate else "shared"
 
     # Shared counters are read and written through a register within a phase: a shared value a
     # thread both reads and writes in a loop would make TVM place a barrier inside the loop's
@@ -89,13 +88,7 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
         for q in range(tx, total, THREADS):
             PAIRS[q] = q
 
-    threads = T.serial if emulate else functools.partial(T.thread_binding, thread="threadIdx.x")
-    block = T.serial if emulate else functools.partial(T.thread_binding, thread="blockIdx.x")
-
-    @T.macro
-    def barrier():  # the GPU's threads all done with the phase before; the CPU runs phases in turn
-        if not emulate:
-            T.tvm_storage_sync("shared")
+    block, threads, barrier, scope, _, _ = block_phases(emulate)
 
     @T.prim_func
     def f(ids: T.handle, offsets: T.handle, pair_token: T.handle, token_pair: T.handle):

@@ -16,39 +16,28 @@ Here:
 3. each kept column's rank among the kept (a larger key, or an equal one to its left), kept
    columns split over the threads.
 
-The CPU builds the same phases (``emulate``), a loop over the threads each with global scratch,
-which is what a barrier between the phases guarantees on the GPU, so tests compare it with
-the CPU kernel.
+The CPU builds the same phases (``emulate``, ``gpu_block``), so tests compare it with the CPU
+kernel.
 """
 
 from __future__ import annotations
-
-import functools
 
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from dsv4c.codegen.kernels.codecs import F32
-from dsv4c.codegen.kernels.topk import INT32_MIN, order_key
+from dsv4c.codegen.kernels.gpu_block import block_phases
+from dsv4c.codegen.kernels.topk import INT32_MIN, order_key, topk_rows_function
 
 THREADS = 256
 
 
 def topk_rows_blocked(k: int, emulate: bool = False):
     """``topk.topk_rows(k)``'s outputs, in blocks (module docstring)."""
-    scope = "global" if emulate else "shared"
-    own = 1 if emulate else 0  # emulated, each thread's registers are an element of one buffer
-    thread_loop = T.serial if emulate else functools.partial(T.thread_binding, thread="threadIdx.x")
-    block_loop = T.parallel if emulate else functools.partial(T.thread_binding, thread="blockIdx.x")
+    block_loop, thread_loop, barrier, scope, registers, own = block_phases(emulate)
 
     def chunk(c, tx):  # thread tx's columns
         return T.serial(tx * ((c + THREADS - 1) // THREADS), T.min(c, (tx + 1) * ((c + THREADS - 1) // THREADS)))
-
-    @T.macro
-    def barrier():  # the GPU's threads all done with the phase before; the CPU runs phases in turn
-        if not emulate:
-            T.tvm_storage_sync("shared")
 
     @T.macro
     def count_above(X, t, c, tx, threshold, counts, run):  # counts[tx]: keys > threshold among tx's
@@ -63,12 +52,8 @@ def topk_rows_blocked(k: int, emulate: bool = False):
         for u in range(THREADS):
             run[tx * own, 0] = run[tx * own, 0] + counts[u]
 
-    @T.prim_func
-    def f(x: T.handle, ids: T.handle):
-        n = T.int32()
-        c = T.int32()
-        X = T.match_buffer(x, (n, c), F32)
-        IDS = T.match_buffer(ids, (n, k), "int32")
+    @T.macro
+    def select(X, IDS, n, c):
         for t in block_loop(n):
             counts = T.alloc_buffer((THREADS,), "int32", scope=scope)  # above the candidate / threshold
             equal = T.alloc_buffer((THREADS,), "int32", scope=scope)  # equal to the threshold
@@ -77,9 +62,8 @@ def topk_rows_blocked(k: int, emulate: bool = False):
             kept_col = T.alloc_buffer((k,), "int32", scope=scope)
             # Per thread: the search's [lo, hi] (the largest key below the k-th largest, with at
             # least k keys above lo) and the midpoint; identical in every thread.
-            search = T.alloc_buffer((THREADS if emulate else 1, 3), "int64",
-                                    scope="global" if emulate else "local")
-            run = T.alloc_buffer((THREADS if emulate else 1, 3), "int32", scope="global" if emulate else "local")
+            search = T.alloc_buffer((THREADS if emulate else 1, 3), "int64", scope=registers)
+            run = T.alloc_buffer((THREADS if emulate else 1, 3), "int32", scope=registers)
             for tx in thread_loop(THREADS):
                 search[tx * own, 0] = T.int64(INT32_MIN)
                 search[tx * own, 1] = T.int64(-INT32_MIN - 2)
@@ -148,7 +132,7 @@ def topk_rows_blocked(k: int, emulate: bool = False):
                     IDS[t, run[tx * own, 0]] = kept_col[i]
                 for j in range(run[tx * own, 2] + tx, k, THREADS):
                     IDS[t, j] = -1
-    return f
+    return topk_rows_function(k, select)
 
 
 def topk_rows_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:

@@ -27,7 +27,6 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
     single dot product would be. GPU targets build ``kernels.gpu_index``'s kernel instead: the
     same sums in the same order over a block of threads, the same bits."""
     scale = (heads ** -0.5) * (dim ** -0.5)
-    width, dtype = index_plane_row(dim, storage)
     check_index_format(storage, fp8_format, layout)
     block = INDEX_ENTRY_BLOCK
     # Heads whose dot products run together, their accumulators in half of the vector registers
@@ -59,6 +58,23 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
             if first + j < e:
                 OUT[t, first + j] = T.if_then_else(ROWS[t, first + j] < 0, T.float32(NEG_INF), acc[j])
 
+    @T.macro
+    def score(Q, W, PLANE, ROWS, OUT, n, e):
+        for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
+            keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
+            part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
+            acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
+            score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
+                        i % ((e + block - 1) // block) * block)
+    return index_score_function(heads, dim, storage, score)
+
+
+def index_score_function(heads: int, dim: int, storage: str, score):
+    """The ``index_score`` kernel (q [N, H, D], w [N, H], the index plane, rows [N, E] -> out
+    [N, E]) whose work is the macro ``score(Q, W, PLANE, ROWS, OUT, n, e)``: the CPU's, or the GPU
+    targets' (``kernels.gpu_index``)."""
+    width, dtype = index_plane_row(dim, storage)
+
     @T.prim_func
     def f(q: T.handle, w: T.handle, plane: T.handle, rows: T.handle, out: T.handle):
         n = T.int32()
@@ -69,11 +85,5 @@ def index_score(heads: int, dim: int, storage: str = "fp32", fp8_format=None, la
         PLANE = T.match_buffer(plane, (r, width), dtype)
         ROWS = T.match_buffer(rows, (n, e), "int32")
         OUT = T.match_buffer(out, (n, e), F32)
-        for i in T.parallel(n * ((e + block - 1) // block)):  # (query, block of entries)
-            keys = T.alloc_buffer((dim, block), F32, scope="local", annotations=ON_STACK)
-            part = T.alloc_buffer((hi, block), F32, scope="local", annotations=ON_STACK)
-            acc = T.alloc_buffer((block,), F32, scope="local", annotations=ON_STACK)
-            score_block(Q, W, PLANE, ROWS, OUT, keys, part, acc, e, i // ((e + block - 1) // block),
-                        i % ((e + block - 1) // block) * block)
+        score(Q, W, PLANE, ROWS, OUT, n, e)
     return f
-

@@ -414,8 +414,6 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
     cpu = not max_lanes
     direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu)
-    storage = [((n_experts,) + shape, dtype) for shape, dtype in tir_format(quant).parts(out_dim, in_dim)]
-    (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
 
     @T.macro
     def body(X, OFF, parts, Y, job):  # expert job % E, column tile job // E
@@ -426,6 +424,19 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
             direct_rows(X, parts, Y, job % n_experts, 0, job // n_experts, OFF[job % n_experts],
                         OFF[job % n_experts + 1] - OFF[job % n_experts])
 
+    @T.macro
+    def jobs(X, OFF, parts, Y):
+        for job in T.parallel(n_experts * tiles):
+            body(X, OFF, parts, Y, job)
+    return expert_linear_function(out_dim, in_dim, quant, n_experts, jobs)
+
+
+def expert_linear_function(out_dim: int, in_dim: int, quant: str, n_experts: int, run):
+    """The ``expert_linear`` kernel (x [P, I], offsets [E + 1], the stacked weight's parts -> y
+    [P, O]) whose work is the macro ``run(X, OFF, parts, Y)``: the CPU's, or the GPU targets'
+    (``kernels.gpu_matmul``, ``kernels.gpu_gemv``)."""
+    storage = [((n_experts,) + shape, dtype) for shape, dtype in tir_format(quant).parts(out_dim, in_dim)]
+    (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
     if len(storage) == 2:
         @T.prim_func
         def f(x: T.handle, offsets: T.handle, w: T.handle, s: T.handle, y: T.handle):
@@ -435,8 +446,7 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
             W = T.match_buffer(w, w_shape, w_dtype)
             S = T.match_buffer(s, s_shape, s_dtype)
             Y = T.match_buffer(y, (p, out_dim), F32)
-            for job in T.parallel(n_experts * tiles):
-                body(X, OFF, (W, S), Y, job)
+            run(X, OFF, (W, S), Y)
         return f
 
     @T.prim_func
@@ -446,6 +456,5 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
         OFF = T.match_buffer(offsets, (n_experts + 1,), "int32")
         W = T.match_buffer(w, w_shape, w_dtype)
         Y = T.match_buffer(y, (p, out_dim), F32)
-        for job in T.parallel(n_experts * tiles):
-            body(X, OFF, (W,), Y, job)
+        run(X, OFF, (W,), Y)
     return f

@@ -51,12 +51,8 @@ def topk_rows(k: int):
                     co * lanes + l < c, order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
         lane_sum(lane_count, total)
 
-    @T.prim_func
-    def f(x: T.handle, ids: T.handle):
-        n = T.int32()
-        c = T.int32()
-        X = T.match_buffer(x, (n, c), F32)
-        IDS = T.match_buffer(ids, (n, k), "int32")
+    @T.macro
+    def select(X, IDS, n, c):
         for t in T.parallel(n):
             lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
             total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
@@ -108,4 +104,17 @@ def topk_rows(k: int):
                 IDS[t, total[0]] = kept_col[i]
             for j in range(k - kept[0]):
                 IDS[t, kept[0] + j] = -1
+    return topk_rows_function(k, select)
+
+
+def topk_rows_function(k: int, select):
+    """The ``topk_rows`` kernel (x [N, C] -> ids [N, k]) whose work is the macro
+    ``select(X, IDS, n, c)``: the CPU's, or the GPU targets' (``kernels.gpu_topk``)."""
+    @T.prim_func
+    def f(x: T.handle, ids: T.handle):
+        n = T.int32()
+        c = T.int32()
+        X = T.match_buffer(x, (n, c), F32)
+        IDS = T.match_buffer(ids, (n, k), "int32")
+        select(X, IDS, n, c)
     return f
