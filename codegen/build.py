@@ -12,10 +12,9 @@ from tvm import relax, tirx
 
 from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
-from dsv4c.codegen.lowering import compiled_nodes, kernel_factory, kernel_table
+from dsv4c.codegen.lowering import kernel_factory, kernel_table, replays_cuda_graphs
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
-from dsv4c.ir.ops import COLLECTIVE_OPS
 from dsv4c.targets import TargetInfo
 
 LIBRARY = "model.so"
@@ -72,9 +71,7 @@ def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_toke
         from dsv4c.codegen.gpu import gpu_kernel
 
         kernels = {symbol: gpu_kernel(spec, target) for symbol, spec in items}
-    # A multi-rank step's collectives are callbacks into torch.distributed, which a captured graph
-    # would not call again: such steps launch their kernels one by one.
-    cuda_graph = info.cuda_graph and not any(n.op in COLLECTIVE_OPS for n in compiled_nodes(program))
+    cuda_graph = replays_cuda_graphs(program, plan)
     step = build_step_module(program, plan, geometry, kernels, max_step_tokens, cuda_graph)
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         lowered = relax_pipeline(target, cuda_graph)(step.module)

@@ -18,6 +18,8 @@ from dsv4c.artifact.quant import FP8_BLOCK, FP32, I32, I64, Fp8Blocks, WeightFor
 from dsv4c.codegen.ops.base import KernelSpec
 from dsv4c.frontend.checkpoint import Rows
 from dsv4c.ir.core import Node, Program
+from dsv4c.ir.ops import COLLECTIVE_OPS
+from dsv4c.targets import target_info
 
 
 def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
@@ -57,11 +59,20 @@ def compiled_nodes(program: Program) -> list:
     return [node for fn in program.functions.values() for node in fn.nodes]
 
 
+def replays_cuda_graphs(program: Program, plan) -> bool:
+    """Whether the step's decode functions replay captured CUDA graphs: on a target that has them,
+    unless the step joins ranks (its collectives are callbacks into torch.distributed, which a
+    captured graph would not call again: such steps launch their kernels one by one)."""
+    return target_info(plan.target).cuda_graph and not any(n.op in COLLECTIVE_OPS for n in compiled_nodes(program))
+
+
 def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[dict[str, str]]]:
-    """Distinct kernels of the compiled functions (the pool functions' row kernels included),
-    and per node (``compiled_nodes``) the symbol of each role."""
+    """Distinct kernels of the compiled functions (the pool functions' row kernels, and the graph
+    copies where decode replays CUDA graphs, included), and per node (``compiled_nodes``) the
+    symbol of each role."""
     specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
-    specs.update((spec.symbol, spec) for spec in GRAPH_COPY_KERNELS.values())
+    if replays_cuda_graphs(program, plan):
+        specs.update((spec.symbol, spec) for spec in GRAPH_COPY_KERNELS.values())
     for dtype in sorted({t.dtype for t in PoolGeometry.build(program.config, plan).tensors()}):
         specs.update((spec.symbol, spec) for spec in pool_row_kernels(dtype).values())
     per_node = []
