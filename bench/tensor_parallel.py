@@ -6,8 +6,11 @@ engine feeds a ``--context``-token prompt, then times ``--steps`` decode steps o
 (``Engine.step``, the whole step: both ranks' kernels, the broadcast of the step's inputs and the
 collectives). Each round keeps its median step, each configuration its best round; the ratio
 TP 2 / TP 1 is the figure to compare (the goal: at most 1.25), and beside it the median over
-rounds of each round's own ratio, which a drifting machine moves less. The ranks are pinned one per
-core (``runtime.tensor_parallel.core_shares``), the one-process engine runs 2 threads.
+rounds of each round's own ratio. A round's processes are fresh, and on this project's VM each
+process's memory lands in fast or slow memory (two cores stream 33-35 or 58-64 GB/s, drawn per
+process: bench/RESULTS.md), so a TP 2 round needs both ranks to draw well: the default of 5
+rounds gives that a fair chance. The ranks are pinned one per core
+(``runtime.tensor_parallel.core_shares``), the one-process engine runs 2 threads.
 
 It also prints what a decode step moves: the collectives' payload (every ``all_reduce`` /
 ``all_gather`` of the step program at one token, from the artifact's ``program.json``) and the
@@ -15,14 +18,16 @@ bytes each rank sends over gloo's ring for it, beside the weight bytes each rank
 (``flash_slice.decode_weight_bytes``: dense weights whole, the routed experts' top-k share).
 Last, the collective choice: two ranks time an all-reduce of a decode step's and a 512-token
 prefill chunk's partial sums against a reduce-scatter + all-gather and an all-to-all of them, and
-a broadcast of the same (one round trip). And why ranks poll while they wait
-(``Group.finish``): two ranks run a head-sized BF16 GEMV in lockstep, meeting in a barrier between
-calls, once sleeping in the barrier's wait and once polling it; the kernel's own time is what
-differs (a VM halts an idle vCPU). ``--kernels`` prints instead, per configuration, rank 0's most
-expensive kernels and collectives per decode step (the VM's instrument hook).
+a broadcast of the same (one round trip); a plain loopback round trip between two pinned
+processes, both spinning and both sleeping (why waiting ranks poll: ``Group.finish``). And how the
+cores share the memory bandwidth, which bounds what two ranks can gain: a rank's half of the head
+(a BF16 GEMV) run by one rank alone, by both ranks at once (meeting in a barrier before each call,
+as a step's collectives make them), and the whole head in one process on 2 threads. ``--kernels``
+prints instead, per configuration, rank 0's most expensive kernels and collectives per decode step
+(the VM's instrument hook).
 
     python bench/tensor_parallel.py ONE_DEVICE_ARTIFACT TP2_ARTIFACT [--expert-parallel EP2_ARTIFACT]
-                                    [--context 1024] [--steps 32] [--rounds 3] [--json out.json]
+                                    [--context 1024] [--steps 32] [--rounds 5] [--json out.json]
 
 Both artifacts are the flash slice (``bench/flash_slice.py`` builds the checkpoint; compile it with
 ``dsv4c compile --model CKPT --target llvm [-tp 2]``).
@@ -112,10 +117,8 @@ def collective_choice(hidden: int, tokens: list[int], repeats: int) -> dict:
     return json.loads(outs[0].splitlines()[-1])
 
 
-def wakeup_child(rank: int, port: int, poll: bool, rows: int, calls: int) -> dict:
-    """One of two ranks (pinned to core ``rank``, one TVM thread): milliseconds of a [rows, 4096]
-    BF16 GEMV, each call after a barrier with the other rank, which this rank waits for by
-    polling (``Group.finish``) or by sleeping in the wait."""
+def _head_gemv(rows: int, seed: int):
+    """A [rows, 4096] BF16 GEMV (the head's kernel) over fresh random weights: (call, weight bytes)."""
     import numpy as np
     import tvm
 
@@ -123,10 +126,8 @@ def wakeup_child(rank: int, port: int, poll: bool, rows: int, calls: int) -> dic
     from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
     from dsv4c.runtime import tvm_runtime as rt
     from dsv4c.runtime.kv_pool import aligned_empty
-    from dsv4c.runtime.tensor_parallel import Group, pin_to
     from dsv4c.targets import target_info
 
-    pin_to([rank % os.cpu_count()])
     target = target_info("llvm").tvm_target()
     with target:
         func = KERNELS["linear"](rows, 4096, "bf16", True)
@@ -134,32 +135,119 @@ def wakeup_child(rank: int, port: int, poll: bool, rows: int, calls: int) -> dic
         kernel = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)["k"]
     shape = formats.tir_format("bf16").parts(rows, 4096)[0][0]
     w, x, y = aligned_empty(shape, np.uint16), aligned_empty((1, 4096), np.float32), aligned_empty((1, rows), np.float32)
-    w[...], x[...] = np.random.default_rng(rank).integers(0, 1 << 14, shape, dtype=np.uint16), 1.0
+    w[...], x[...] = np.random.default_rng(seed).integers(0, 1 << 14, shape, dtype=np.uint16), 1.0
     args = [rt.from_numpy(a) for a in (x, w, y)]
-    group = Group(f"127.0.0.1:{port}", rank, 2, 60.0, gpu=False)
+    return (lambda: kernel(*args)), w.nbytes
+
+
+def _timed(call, nbytes: int, calls: int, before=lambda: None) -> dict:
+    """Median milliseconds and GB/s of ``calls`` calls (after 10 untimed), ``before`` ahead of each."""
     times = []
     for i in range(calls + 10):
-        work = group.control.barrier()
-        group.finish(work) if poll else work.wait()
+        before()
         start = time.perf_counter()
-        kernel(*args)
+        call()
         if i >= 10:
             times.append(time.perf_counter() - start)
     ms = statistics.median(times) * 1e3
-    return {"ms": ms, "gb_s": w.nbytes / ms / 1e6}
+    return {"ms": ms, "gb_s": nbytes / ms / 1e6}
 
 
-def wakeup_cost(rows: int, calls: int) -> dict:
-    """Both ranks of :func:`wakeup_child`, sleeping then polling: each rank's GEMV figures."""
+def bandwidth_child(rank: int, port: int, together: bool, rows: int, calls: int) -> dict:
+    """One of two ranks (pinned to core ``rank``, one TVM thread) running a [rows, 4096] BF16 GEMV:
+    ``together``, both ranks, meeting in a (polled) barrier before each call as a step's
+    collectives make them; else rank 0 alone while rank 1 waits in a barrier (its result: {})."""
+    from dsv4c.runtime.tensor_parallel import Group, pin_to
+
+    pin_to([rank % os.cpu_count()])
+    call, nbytes = _head_gemv(rows, rank)
+    group = Group(f"127.0.0.1:{port}", rank, 2, 600.0, gpu=False)
+    result = {}
+    if together:
+        result = _timed(call, nbytes, calls, lambda: group.finish(group.control.barrier()))
+    elif rank == 0:
+        result = _timed(call, nbytes, calls)
+    group.finish(group.control.barrier())
+    return result
+
+
+def bandwidth(rows: int, calls: int) -> dict:
+    """How the cores share the memory bandwidth: :func:`bandwidth_child` alone and together, and
+    the GEMV twice the size in one process on 2 threads (TP 1's head)."""
     from dsv4c.runtime.tensor_parallel import free_port
 
     out = {}
-    for way in ("sleeping", "polling"):
+    for way in ("alone", "together"):
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--wakeup-child", str(rank), str(port),
-                                   str(int(way == "polling")), str(rows), str(calls)], stdout=subprocess.PIPE, text=True)
+        procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--bandwidth-child", str(rank), str(port),
+                                   str(int(way == "together")), str(rows), str(calls)], stdout=subprocess.PIPE, text=True)
                  for rank in range(2)]
-        out[way] = [json.loads(p.communicate()[0].splitlines()[-1]) for p in procs]
+        out[way] = [r for r in (json.loads(p.communicate()[0].splitlines()[-1]) for p in procs) if r]
+    env = {**os.environ, "TVM_NUM_THREADS": "2"}
+    one = subprocess.run([sys.executable, __file__, "x", "x", "--one-process-child", str(2 * rows), str(calls)],
+                         capture_output=True, text=True, env=env, check=True)
+    out["one_process"] = json.loads(one.stdout.splitlines()[-1])
+    return out
+
+
+def roundtrip_child(rank: int, port: int, spin: bool, calls: int) -> dict:
+    """One end (pinned to core ``rank``) of a 16 KiB TCP ping-pong over loopback, both ends
+    spinning on non-blocking sockets or sleeping in blocking ones: rank 0's round trips in us."""
+    import socket
+
+    from dsv4c.runtime.tensor_parallel import pin_to
+
+    pin_to([rank % os.cpu_count()])
+    if rank == 0:
+        server = socket.create_server(("127.0.0.1", port))
+        sock = server.accept()[0]
+    else:
+        deadline = time.monotonic() + 60
+        while True:  # until rank 0 listens
+            try:
+                sock = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(not spin)
+    size = 16 << 10
+    message, received = memoryview(b"x" * size), memoryview(bytearray(size))
+
+    def move(op, view) -> None:
+        done = 0
+        while done < size:
+            try:
+                done += op(view[done:])
+            except BlockingIOError:
+                pass
+
+    times = []
+    for _ in range(calls + 100):
+        start = time.perf_counter()
+        if rank == 0:
+            move(sock.send, message)
+            move(sock.recv_into, received)
+        else:
+            move(sock.recv_into, received)
+            move(sock.send, message)
+        times.append(time.perf_counter() - start)
+    return {"us": statistics.median(times[100:]) * 1e6} if rank == 0 else {}
+
+
+def roundtrips(calls: int) -> dict:
+    """Median loopback round trips (us) of :func:`roundtrip_child`, both ends spinning and sleeping."""
+    from dsv4c.runtime.tensor_parallel import free_port
+
+    out = {}
+    for way in ("spinning", "sleeping"):
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--roundtrip-child", str(rank), str(port),
+                                   str(int(way == "spinning")), str(calls)], stdout=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        out[way] = next(r for r in (json.loads(p.communicate()[0].splitlines()[-1]) for p in procs) if r)["us"]
     return out
 
 
@@ -223,7 +311,7 @@ def main() -> None:
     p.add_argument("tp2", type=Path)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--expert-parallel", type=Path, metavar="EP2_ARTIFACT",
                    help="also the same model compiled with -tp 2 --expert-parallel (whole experts per rank)")
     p.add_argument("--json", type=Path)
@@ -232,13 +320,23 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true",
                    help="instead: each configuration's most expensive kernels and collectives (rank 0), one run each")
     p.add_argument("--kernels-child", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--wakeup-child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--bandwidth-child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--one-process-child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--roundtrip-child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.wakeup_child:
-        rank, port, poll, rows, calls = map(int, args.wakeup_child)
-        result = wakeup_child(rank, port, bool(poll), rows, calls)
+    if args.bandwidth_child:
+        rank, port, together, rows, calls = map(int, args.bandwidth_child)
+        result = bandwidth_child(rank, port, bool(together), rows, calls)
         print(json.dumps(result), flush=True)
         os._exit(0)  # a process holding gloo groups aborts in interpreter shutdown
+    if args.roundtrip_child:
+        rank, port, spin, calls = map(int, args.roundtrip_child)
+        print(json.dumps(roundtrip_child(rank, port, bool(spin), calls)))
+        return
+    if args.one_process_child:
+        rows, calls = map(int, args.one_process_child)
+        print(json.dumps(_timed(*_head_gemv(rows, 0), calls)))
+        return
     if args.kernels_child:
         print(json.dumps(kernels_child(args.kernels_child[0], int(args.kernels_child[1]), int(args.kernels_child[2]))))
         return
@@ -287,7 +385,7 @@ def main() -> None:
               "weight_bytes_per_token": weights,
               "collectives": collective_bytes(args.tp2),
               "collective_choice_us": collective_choice(4096, [1, 512], 50),
-              "wakeup": wakeup_cost(16000, 100)}
+              "bandwidth": bandwidth(16000, 100), "loopback_roundtrip_us": roundtrips(2000)}
     c = report["collectives"]
     print(f"CPU: {report['cpu']}; flash slice, context {args.context}, {args.steps} decode steps x {args.rounds} rounds")
     print(f"decode step  TP 1 (1 process x 2 threads) {best['tp1'] * 1e3:8.2f} ms   "
@@ -306,10 +404,17 @@ def main() -> None:
     print("joining two ranks' partial sums (hidden 4096, us per call):")
     for name, us in report["collective_choice_us"].items():
         print(f"  {name:<40} {us:10.1f}")
-    print("two ranks' [16000, 4096] BF16 GEMV in lockstep, a barrier between calls (ms per call, GB/s per rank):")
-    for way, ranks in report["wakeup"].items():
-        print(f"  {way + ' in the barrier':<28} " + "   ".join(f"rank {r}: {x['ms']:6.2f} ms {x['gb_s']:5.1f} GB/s"
-                                                      for r, x in enumerate(ranks)))
+    r = report["loopback_roundtrip_us"]
+    print(f"a 16 KiB loopback round trip between two pinned processes (why waiting ranks poll): both spinning "
+          f"{r['spinning']:.0f} us, both sleeping in recv {r['sleeping']:.0f} us")
+    b = report["bandwidth"]
+    print("how the cores share the memory bandwidth: a [16000, 4096] BF16 GEMV (a TP 2 rank's half of the head):")
+    print(f"  one rank alone, the other idle           rank 0: {b['alone'][0]['ms']:6.2f} ms {b['alone'][0]['gb_s']:5.1f} GB/s")
+    print("  both ranks at once, a barrier per call   " +
+          "   ".join(f"rank {r}: {x['ms']:6.2f} ms {x['gb_s']:5.1f} GB/s" for r, x in enumerate(b["together"])) +
+          f"   together {sum(x['gb_s'] for x in b['together']):5.1f} GB/s")
+    print(f"  the whole head [32000, 4096] in one process, 2 threads: {b['one_process']['ms']:6.2f} ms "
+          f"{b['one_process']['gb_s']:5.1f} GB/s")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

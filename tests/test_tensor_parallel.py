@@ -141,8 +141,9 @@ class _Work:
 
 
 def test_a_cpu_rank_polls_its_collectives_before_sleeping_in_the_wait():
-    """A rank keeps its core while the other ranks catch up (a VM halts an idle vCPU, and kernels
-    run slower after it wakes: bench/tensor_parallel.py); an idle rank polls only briefly."""
+    """A rank keeps its core while the other ranks catch up (a VM halts an idle vCPU, and the
+    message ending the wait must wake it first: bench/tensor_parallel.py); an idle rank polls
+    only briefly."""
     from dsv4c.runtime.tensor_parallel import poll_then_wait
 
     work = _Work(polls=50)
