@@ -171,18 +171,21 @@ def bandwidth_child(rank: int, port: int, together: bool, rows: int, calls: int)
     return result
 
 
+def _two_ranks(flag: str, *args) -> list[dict]:
+    """Run this script's child ``flag`` as ranks 0 and 1 (rank, a free port, ``args``): the
+    results of the ranks that report one."""
+    from dsv4c.runtime.tensor_parallel import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "x", "x", flag, str(rank), str(port), *map(str, args)],
+                              stdout=subprocess.PIPE, text=True) for rank in range(2)]
+    return [r for r in (json.loads(p.communicate()[0].splitlines()[-1]) for p in procs) if r]
+
+
 def bandwidth(rows: int, calls: int) -> dict:
     """How the cores share the memory bandwidth: :func:`bandwidth_child` alone and together, and
     the GEMV twice the size in one process on 2 threads (TP 1's head)."""
-    from dsv4c.runtime.tensor_parallel import free_port
-
-    out = {}
-    for way in ("alone", "together"):
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--bandwidth-child", str(rank), str(port),
-                                   str(int(way == "together")), str(rows), str(calls)], stdout=subprocess.PIPE, text=True)
-                 for rank in range(2)]
-        out[way] = [r for r in (json.loads(p.communicate()[0].splitlines()[-1]) for p in procs) if r]
+    out = {way: _two_ranks("--bandwidth-child", int(way == "together"), rows, calls) for way in ("alone", "together")}
     env = {**os.environ, "TVM_NUM_THREADS": "2"}
     one = subprocess.run([sys.executable, __file__, "x", "x", "--one-process-child", str(2 * rows), str(calls)],
                          capture_output=True, text=True, env=env, check=True)
@@ -239,16 +242,8 @@ def roundtrip_child(rank: int, port: int, spin: bool, calls: int) -> dict:
 
 def roundtrips(calls: int) -> dict:
     """Median loopback round trips (us) of :func:`roundtrip_child`, both ends spinning and sleeping."""
-    from dsv4c.runtime.tensor_parallel import free_port
-
-    out = {}
-    for way in ("spinning", "sleeping"):
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "x", "x", "--roundtrip-child", str(rank), str(port),
-                                   str(int(way == "spinning")), str(calls)], stdout=subprocess.PIPE, text=True)
-                 for rank in range(2)]
-        out[way] = next(r for r in (json.loads(p.communicate()[0].splitlines()[-1]) for p in procs) if r)["us"]
-    return out
+    return {way: _two_ranks("--roundtrip-child", int(way == "spinning"), calls)[0]["us"]
+            for way in ("spinning", "sleeping")}
 
 
 def kernels_child(artifact: str, context: int, steps: int) -> dict:
