@@ -33,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -232,6 +233,20 @@ def timings(work: Path, target: str, label: str, prompt_tokens: int, steps: int)
           f"{share}")
 
 
+def _checked(name: str, check, *args) -> bool:
+    """Run one check; an exception fails that check alone (the GPU run is one try: every other
+    check still reports), with its traceback for the record."""
+    start = time.perf_counter()
+    try:
+        return check(*args) is not False
+    except Exception as error:  # noqa: BLE001 - reported, and the run fails
+        traceback.print_exc()
+        print(f"{name}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} -> FAIL")
+        return False
+    finally:
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("sm90", "llvm"), default="sm90")
@@ -253,11 +268,13 @@ def main(argv=None) -> int:
                 return 0
             print(f"GPU: {device.device_name}")
         drafting = [label for label in args.models if _has_mtp(work, args.target, label)]
-        ok = all([gemm_kernels(args.target)] + [parity(work, args.target, label, 8) for label in args.models]
-                 + [speculation(work, args.target, label, 8) for label in drafting])
-        for label in args.models:
-            timings(work, args.target, label, args.prompt_tokens, args.decode_steps)
-        return 0 if ok else 1
+        checks = [("gemm kernels", gemm_kernels, (args.target,))]
+        checks += [(f"{label}: parity", parity, (work, args.target, label, 8)) for label in args.models]
+        checks += [(f"{label}: speculation", speculation, (work, args.target, label, 8)) for label in drafting]
+        checks += [(f"{label}: timings", timings, (work, args.target, label, args.prompt_tokens, args.decode_steps))
+                   for label in args.models]
+        results = [_checked(name, check, *check_args) for name, check, check_args in checks]
+        return 0 if all(results) else 1
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
