@@ -7,13 +7,15 @@
    (``kernels.gpu_matmul``: prefill GEMMs, grouped and not, and the expert GEMM, FP8 / FP4 /
    BF16) on the GPU against the same kernels built for the CPU with the MMA emulated on its
    fragment layout (same float16 operands: only the float32 summation order differs, so a
-   wrong lane layout shows as an O(1) error); then runs both artifacts on the GPU through the
+   wrong lane layout or weight decode shows as an O(1) error), and decode's GEMVs
+   (``kernels.gpu_gemv``) likewise against their phases run in turn on the CPU; then runs both artifacts on the GPU through the
    engine and compares their logits and greedy tokens with the reference backend (the IR
    interpreter in numpy) on a KV pool of the same format (FP8 rows); checks that speculative
    decoding with the MTP layer (tiny has one; the pool rows of rejected drafts put back by the artifact's
    pool functions on the device, decode steps replaying CUDA graphs) gives plain greedy's
    tokens; then prints prefill and decode timings of the GPU artifact, and what fraction of the
-   GPU's memory bandwidth a decode token's weight reads reach.
+   GPU's memory bandwidth a decode token's weight reads reach; with ``--profile``, decode's kernel
+   time by op family (a copy of the artifact without CUDA graphs).
 
 Without such a GPU it says so and stops after step 1. Budget: under 8 minutes on an H200 host.
 ``--target llvm`` runs the same checks on this CPU (artifacts with the same FP8 pool format; the
@@ -21,7 +23,7 @@ GEMMs emulated with sm90's fragment layout against the MFMA's), which is how the
 is tested where no GPU is.
 
     scripts/device_check [--target sm90|llvm] [--models tiny flash-slice] [--prompt-tokens 256]
-                         [--decode-steps 16] [--keep DIR]
+                         [--decode-steps 16] [--keep DIR] [--profile]
 """
 
 from __future__ import annotations
@@ -48,10 +50,15 @@ PARITY_BOUND = {"llvm": 1e-3, "sm90": 1e-2}
 GEMM_BOUND = 1e-5  # a tensor-core GEMM vs its CPU emulation: float32 summation order only
 # Bytes per second a decode step's weight reads are measured against (H200: HBM3e, 4.8 TB/s).
 PEAK_BANDWIDTH = {"sm90": 4.8e12}
-# (kind, out, in, format, groups or experts): shapes of two row tiles and two column tiles
-GEMM_CASES = [("linear", 128, 512, "fp8_b128", 0), ("linear", 128, 256, "bf16", 2),
-              ("expert_linear", 128, 256, "fp4_g32", 4)]
+# (kind, out, in, format, groups or experts): shapes of two row tiles and two column tiles; every
+# format on both kernels (the FP4 decode's sign was wrong in CUDA C, right on the CPU).
+GEMM_CASES = [("linear", 128, 512, "fp8_b128", 0), ("linear", 128, 256, "bf16", 2), ("linear", 128, 256, "fp4_g32", 0),
+              ("expert_linear", 128, 256, "fp4_g32", 4), ("expert_linear", 128, 512, "fp8_b128", 4),
+              ("expert_linear", 128, 256, "bf16", 4)]
 EXPERT_ROWS = [3, 0, 70, 9]  # rows per expert: none, part of a tile, more than one
+# Decode's GEMVs (kernels.gpu_gemv), the same shapes: 3 rows (linear), experts of 0-2 rows.
+GEMV_CASES = [(kind, out, inp, quant, groups) for kind, out, inp, quant, groups in GEMM_CASES]
+GEMV_EXPERT_ROWS = [1, 0, 2, 1]
 
 
 def _compile(model: Path, target: str, out: Path) -> float:
@@ -106,48 +113,84 @@ def _weight_parts(rng, quant: str, out_dim: int, in_dim: int, lead: tuple) -> li
     return parts
 
 
+def _operands(rng, kind: str, out_dim: int, in_dim: int, quant: str, groups: int, rows: int, expert_rows: list[int]):
+    """Random inputs of a ``kind`` kernel (x, [offsets,] weight parts, y)."""
+    if kind == "linear":
+        lead = (groups,) if groups else ()
+        return [rng.standard_normal(lead + (rows, in_dim)).astype(np.float32),
+                *_weight_parts(rng, quant, out_dim, in_dim, lead)]
+    offsets = np.concatenate([[0], np.cumsum(expert_rows)]).astype(np.int32)
+    return [rng.standard_normal((offsets[-1], in_dim)).astype(np.float32), offsets,
+            *_weight_parts(rng, quant, out_dim, in_dim, (groups,))]
+
+
+def _compare(target: str, label: str, device_func, cpu_func, inputs: list[np.ndarray], out_shape: tuple) -> bool:
+    """``device_func`` on the target's device (llvm: the CPU) against ``cpu_func`` on the CPU,
+    the same inputs: max |difference| / max |y| within GEMM_BOUND."""
+    import tvm
+
+    from dsv4c.targets import target_info
+
+    device = tvm.cpu() if target == "llvm" else target_info(target).device()
+    outputs = []
+    for func, tvm_target, dev in ((device_func, target_info(target).tvm_target(), device),
+                                  (cpu_func, target_info("llvm").tvm_target(), tvm.cpu())):
+        kernel = tvm.compile(tvm.IRModule({"main": func}), target=tvm_target)["main"]
+        tensors = [tvm.runtime.tensor(a, device=dev) for a in inputs + [np.zeros(out_shape, np.float32)]]
+        kernel(*tensors)
+        outputs.append(tensors[-1].numpy())
+    err = float(np.abs(outputs[0] - outputs[1]).max() / max(np.abs(outputs[1]).max(), 1e-30))
+    good = err <= GEMM_BOUND
+    print(f"{label}: max |{target} - cpu emulation| / max |y| = {err:.1e} -> {'PASS' if good else 'FAIL'}")
+    return good
+
+
 def gemm_kernels(target: str) -> bool:
     """Each GEMM_CASES kernel on ``target``'s tensor cores (llvm: emulated with sm90's layout)
     against its CPU emulation (the MFMA's layout on llvm), on the same random operands."""
-    import tvm
-
     from dsv4c.codegen.kernels import gpu_matmul as gm
     from dsv4c.targets import target_info
 
     if target == "llvm":
-        device, dev_target, layout = tvm.cpu(), target_info("llvm").tvm_target(), gm.CUDA_LAYOUT
-        reference_layout = gm.ROCM_LAYOUT
+        layout, reference_layout = gm.CUDA_LAYOUT, gm.ROCM_LAYOUT
     else:
-        device, dev_target = target_info(target).device(), target_info(target).tvm_target()
-        layout = reference_layout = gm.target_layout(dev_target)
+        layout = reference_layout = gm.target_layout(target_info(target).tvm_target())
     rng = np.random.default_rng(3)
     ok = True
     for kind, out_dim, in_dim, quant, groups in GEMM_CASES:
+        inputs = _operands(rng, kind, out_dim, in_dim, quant, groups, 9 * 8, EXPERT_ROWS)
         if kind == "linear":
             lead = (groups,) if groups else ()
-            parts = _weight_parts(rng, quant, out_dim, in_dim, lead)
-            inputs = [rng.standard_normal(lead + (9, 8, in_dim)).astype(np.float32), *parts,
-                      np.zeros((9, 8) + lead + (out_dim,), np.float32)]
+            inputs[0] = inputs[0].reshape(lead + (9, 8, in_dim))
+            out_shape = (9, 8) + lead + (out_dim,)
             make = functools.partial(gm.mma_linear, out_dim, in_dim, quant, groups)
         else:
-            parts = _weight_parts(rng, quant, out_dim, in_dim, (groups,))
-            offsets = np.concatenate([[0], np.cumsum(EXPERT_ROWS)]).astype(np.int32)
-            inputs = [rng.standard_normal((offsets[-1], in_dim)).astype(np.float32), offsets, *parts,
-                      np.zeros((offsets[-1], out_dim), np.float32)]
+            out_shape = (len(inputs[0]), out_dim)
             make = functools.partial(gm.mma_expert_linear, out_dim, in_dim, quant, groups)
-        outputs = []
-        for func, tvm_target, dev in ((make(layout, emulate=target == "llvm"), dev_target, device),
-                                      (make(reference_layout, emulate=True), target_info("llvm").tvm_target(),
-                                       tvm.cpu())):
-            kernel = tvm.compile(tvm.IRModule({"main": func}), target=tvm_target)["main"]
-            tensors = [tvm.runtime.tensor(a, device=dev) for a in inputs]
-            kernel(*tensors)
-            outputs.append(tensors[-1].numpy())
-        err = float(np.abs(outputs[0] - outputs[1]).max() / max(np.abs(outputs[1]).max(), 1e-30))
-        good = err <= GEMM_BOUND
-        ok &= good
-        print(f"{kind} {out_dim}x{in_dim} {quant} ({groups}): max |{target} - cpu emulation| / max |y| = "
-              f"{err:.1e} -> {'PASS' if good else 'FAIL'}")
+        ok &= _compare(target, f"{kind} {out_dim}x{in_dim} {quant} ({groups})",
+                       make(layout, emulate=target == "llvm"), make(reference_layout, emulate=True), inputs, out_shape)
+    return ok
+
+
+def gemv_kernels(target: str) -> bool:
+    """Each GEMV_CASES decode GEMV on ``target`` (llvm: its phases emulated) against its CPU
+    emulation, on the same random operands."""
+    from dsv4c.codegen.kernels import gpu_gemv
+
+    rng = np.random.default_rng(5)
+    ok = True
+    for kind, out_dim, in_dim, quant, groups in GEMV_CASES:
+        inputs = _operands(rng, kind, out_dim, in_dim, quant, groups, 3, GEMV_EXPERT_ROWS)
+        if kind == "linear":
+            if groups:
+                inputs[0] = np.ascontiguousarray(inputs[0].transpose(1, 0, 2))  # x [N, G, I]
+            out_shape = inputs[0].shape[:-1] + (out_dim,)
+            make = functools.partial(gpu_gemv.linear_gemv, out_dim, in_dim, quant, groups)
+        else:
+            out_shape = (len(inputs[0]), out_dim)
+            make = functools.partial(gpu_gemv.expert_gemv, out_dim, in_dim, quant, groups)
+        ok &= _compare(target, f"{kind} gemv {out_dim}x{in_dim} {quant} ({groups})", make(emulate=target == "llvm"),
+                       make(emulate=True), inputs, out_shape)
     return ok
 
 
@@ -233,6 +276,31 @@ def timings(work: Path, target: str, label: str, prompt_tokens: int, steps: int)
           f"{share}")
 
 
+def profile(work: Path, target: str, label: str, prompt_tokens: int, steps: int) -> None:
+    """Decode's kernel time by op family (``dsv4c generate --profile``) on the target. A GPU's
+    decode replays CUDA graphs, whose kernels cannot be timed one by one, so a GPU profile runs
+    a copy of the artifact compiled without them (the same kernels, launched one at a time)."""
+    from unittest import mock
+
+    from dsv4c.runtime.engine import Engine
+    from dsv4c.runtime.profile import report_lines
+    from dsv4c.runtime.sampling import SamplingParams
+
+    artifact = work / f"{label}-{target}"
+    if target != "llvm":
+        artifact = work / f"{label}-{target}-no-graphs"
+        if not artifact.exists():
+            with mock.patch("dsv4c.codegen.build.replays_cuda_graphs", lambda *_: False):
+                _compile(work / label, target, artifact)
+    engine = Engine(artifact, max_step_tokens=prompt_tokens, max_requests=1, max_context=prompt_tokens + steps + 1,
+                    profile=True)
+    prompt = np.random.default_rng(6).integers(0, engine.config.vocab_size, prompt_tokens).tolist()
+    engine.generate(prompt, SamplingParams(max_new_tokens=steps))
+    print(f"{label}: profile of prefill {prompt_tokens} tokens and {steps} decode steps on {target}")
+    for line in report_lines(engine):
+        print(line)
+
+
 def _checked(name: str, check, *args) -> bool:
     """Run one check; an exception fails that check alone (the GPU run is one try: every other
     check still reports), with its traceback for the record."""
@@ -254,6 +322,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--keep", help="build in this directory and keep it")
+    parser.add_argument("--profile", action="store_true", help="also time decode's kernels by op family")
     args = parser.parse_args(argv)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="dsv4c-device-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -268,11 +337,14 @@ def main(argv=None) -> int:
                 return 0
             print(f"GPU: {device.device_name}")
         drafting = [label for label in args.models if _has_mtp(work, args.target, label)]
-        checks = [("gemm kernels", gemm_kernels, (args.target,))]
+        checks = [("gemm kernels", gemm_kernels, (args.target,)), ("gemv kernels", gemv_kernels, (args.target,))]
         checks += [(f"{label}: parity", parity, (work, args.target, label, 8)) for label in args.models]
         checks += [(f"{label}: speculation", speculation, (work, args.target, label, 8)) for label in drafting]
         checks += [(f"{label}: timings", timings, (work, args.target, label, args.prompt_tokens, args.decode_steps))
                    for label in args.models]
+        if args.profile:
+            checks += [(f"{label}: profile", profile, (work, args.target, label, args.prompt_tokens, args.decode_steps))
+                       for label in args.models]
         results = [_checked(name, check, *check_args) for name, check, check_args in checks]
         return 0 if all(results) else 1
     finally:

@@ -3,6 +3,8 @@ instruction emulated on its fragment layout (sm90's and the MFMA's): tiling, mas
 past the matrix or an expert's group, weight decoding and row mapping against numpy on
 float16-rounded operands, and the documented error against the exact product."""
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -86,3 +88,22 @@ def test_only_tiling_matmuls_take_tensor_cores():
     assert gm.mma_kernel(kernel("linear", 160, 64, "bf16", False, 0), cuda) is None  # 160: not whole blocks
     with pytest.raises(gm.MmaTargetError, match="no tensor-core GEMM for target kind 'llvm'"):
         gm.target_layout(tvm.target.Target({"kind": "llvm"}))
+
+
+NARROW_RIGHT_SHIFT = re.compile(r">>\s*\(\s*(short|ushort|char|uchar|signed char)\s*\)")
+
+
+@pytest.mark.parametrize("quant", ["fp4_g32", "fp8_b128", "bf16"])
+def test_cuda_source_shifts_no_16_bit_value_right(quant):
+    """CUDA C promotes a 16- or 8-bit operand to int before a shift, so a right shift that TIR
+    means on an int16 (sign spreading from bit 15) shifts a positive int there: the FP4 decode
+    that did so read negative codes as positive on an H200 (scripts/device_check). The sm90
+    source of every weight-decoding GPU kernel has no such shift."""
+    from dsv4c.codegen.kernels import gpu_gemv
+    from dsv4c.targets import target_info
+
+    target = target_info("sm90").tvm_target()
+    for func in (gm.mma_expert_linear(128, 256, quant, 4, gm.CUDA_LAYOUT), gm.mma_linear(128, 256, quant, 0, gm.CUDA_LAYOUT),
+                 gpu_gemv.expert_gemv(128, 256, quant, 4), gpu_gemv.linear_gemv(128, 256, quant)):
+        source = tvm.tirx.build(tvm.IRModule({"main": func}), target=target).imports[0].inspect_source()
+        assert "__global__" in source and not NARROW_RIGHT_SHIFT.search(source)

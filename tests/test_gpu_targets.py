@@ -279,12 +279,14 @@ def test_device_check_logic_runs_on_the_cpu():
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
     done = subprocess.run([sys.executable, str(script), "--target", "llvm", "--models", "tiny", "--prompt-tokens",
-                           "32", "--decode-steps", "2"], capture_output=True, text=True, timeout=600)
+                           "32", "--decode-steps", "2", "--profile"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "same tokens: True -> PASS" in done.stdout
-    assert done.stdout.count("| = 0.0e+00 -> PASS") == 3  # the GEMMs: both emulations sum alike
+    assert done.stdout.count("| = 0.0e+00 -> PASS") == 12  # 6 GEMMs, 6 GEMVs: both emulations sum alike
     assert "decode at 32 context" in done.stdout and "GB/s" in done.stdout
     assert "equal plain greedy's: True -> PASS" in done.stdout
+    assert "tiny: profile of prefill 32 tokens and 2 decode steps on llvm" in done.stdout
+    assert "outside kernels (VM, host)" in done.stdout
 
 
 def _tool(*names: str, extra_dirs: tuple[Path, ...] = (), install: str) -> str:

@@ -62,15 +62,15 @@ def decode_e4m3fnuz(code):
 DECODE_FP8 = {"e4m3fn": decode_e4m3fn, "e4m3fnuz": decode_e4m3fnuz}  # by FP8 format (quant_plan.fp8_format)
 
 
-def decode_e2m1_high(bits):
-    """float32 value of the e2m1 code in bits 12..15 of int16 ``bits`` (lower bits ignored): an
-    arithmetic shift puts the magnitude on float16 bits 9..11 and keeps the sign, times 2**14."""
-    return _f16_scaled(tirx.shift_right(bits, _i16(3)) & _i16(0x8E00), 14)
-
-
 def decode_e2m1(nibble):
-    """float32 value of an e2m1 code (0..15): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6."""
-    return decode_e2m1_high(tirx.shift_left(tirx.Cast("int16", nibble), _i16(12)))
+    """float32 value of an e2m1 code (0..15): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6. The sign and
+    magnitude bits are placed on float16 bits 15 and 9..11 (then times 2**14) with int32
+    operations, not by an arithmetic right shift of the code at the top of an int16: CUDA C
+    promotes a 16-bit operand to int before a shift, so that shift did not spread the sign on
+    sm90 (negative codes decoded positive; found by scripts/device_check on an H200)."""
+    code = tirx.Cast("int32", nibble)
+    bits = tirx.shift_left(code & 8, tirx.const(12, "int32")) | tirx.shift_left(code & 7, tirx.const(9, "int32"))
+    return _f16_scaled(tirx.Cast("uint16", bits), 14)
 
 
 def decode_fp4_word(word, index):
