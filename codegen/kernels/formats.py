@@ -1,5 +1,6 @@
 """Each matmul weight format's TIR decode, in one place, keyed by the ``artifact.quant`` format
-name (:func:`tir_format`).
+name (:func:`tir_format`): the kernel side of the format objects there, whose parameters (FP8
+block size and encoding, FP4 group) it reads rather than repeats.
 
 A weight ``[out, in]`` is stored in column tiles ``[out / tile, in, tile]`` (:func:`column_tile`),
 so that a thread streams one contiguous tile. A format's :class:`TirFormat` lists its stored
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from dsv4c.artifact.quant import BF16, FP4_G32, FP8_B128, FP8FNUZ_B128, FP32, WeightFormat
+from dsv4c.artifact.lowbit import FP8_EXPONENT_BIAS
+from dsv4c.artifact.quant import FP32, WEIGHT_FORMATS, Bf16Bits, Fp4Groups, Fp8Blocks, WeightFormat
 from dsv4c.codegen.kernels.codecs import (F32, DECODE_FP8, decode_bf16, decode_e8m0, decode_fp4_word, raw_e2m1,
                                           raw_e2m1_by_table, raw_e4m3)
 
@@ -136,8 +138,8 @@ class TirScaled(TirFormat):
 @dataclass(frozen=True)
 class TirFp8Blocks(TirScaled):
     """e4m3 codes (e4m3fn, or e4m3fnuz on gfx942), one byte an input, with the float32 scales of
-    their 128x128 blocks expanded per column and tiled the same way, [O / tile, ceil(I/128),
-    tile] (a vector of columns then reads a vector of scales)."""
+    their B x B blocks (B = ``group``) expanded per column and tiled the same way, [O / tile,
+    ceil(I/B), tile] (a vector of columns then reads a vector of scales)."""
     word_bytes = 1
 
     def parts(self, out_dim, in_dim):
@@ -183,11 +185,19 @@ class TirFp4Groups(TirScaled):
 
 # Prefetch distances: the best measured for each format, FP8 and BF16 on Zen 3, FP4 on Zen 4
 # (bench/RESULTS.md); ``matmul.PREFETCH_BYTES_BY_CPU`` overrides them where a CPU differs.
-TIR_FORMATS = {f.name: f for f in (
-    TirFp32(FP32), TirBf16(BF16, prefetch_bytes=1024),
-    TirFp8Blocks(FP8_B128, prefetch_bytes=2048, raw_power=127 - 7),
-    TirFp8Blocks(FP8FNUZ_B128, prefetch_bytes=2048, raw_power=127 - 8),
-    TirFp4Groups(FP4_G32, prefetch_bytes=2048, raw_power=127 - 1))}
+def _tir_side(fmt: WeightFormat) -> TirFormat:
+    if isinstance(fmt, Fp8Blocks):
+        return TirFp8Blocks(fmt, prefetch_bytes=2048, raw_power=127 - FP8_EXPONENT_BIAS[fmt.fp8_format])
+    if isinstance(fmt, Fp4Groups):
+        return TirFp4Groups(fmt, prefetch_bytes=2048, raw_power=127 - 1)  # e2m1: exponent bias 1
+    if isinstance(fmt, Bf16Bits):
+        return TirBf16(fmt, prefetch_bytes=1024)
+    return TirFp32(fmt)
+
+
+# Every format a matmul reads: the low-bit ones, BF16 and fp32 (integer weights are not multiplied).
+TIR_FORMATS = {name: _tir_side(f) for name, f in WEIGHT_FORMATS.items()
+               if f.scaled or isinstance(f, Bf16Bits) or f is FP32}
 
 
 def tir_format(name: str) -> TirFormat:
