@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -47,6 +48,7 @@ class WeightFormat:
     name: str
     scaled: bool = False  # codes + a ``.scale`` tensor; the kernels sum each scale group raw
     group: int = 0  # inputs per scale along a row (scaled formats)
+    inputs_per_word: ClassVar[int] = 1  # inputs in one element of the codes / values tensor
 
     def stored(self, cols: int) -> dict[str, tuple[str, int]]:
         """Artifact tensor suffix ("" for the codes / values, ".scale") -> (safetensors dtype,
@@ -105,8 +107,10 @@ class Fp8Blocks(WeightFormat):
 
 @dataclass(frozen=True)
 class Fp4Groups(WeightFormat):
+    inputs_per_word: ClassVar[int] = 8  # eight e2m1 codes to an int32 word (fp4_words)
+
     def stored(self, cols):
-        return {"": ("I32", cols // 8), ".scale": ("U8", cols // FP4_GROUP)}
+        return {"": ("I32", cols // self.inputs_per_word), ".scale": ("U8", cols // self.group)}
 
     def lay_out(self, name, parts):
         packed, scales = [], []
@@ -176,13 +180,6 @@ I64 = PlainValues("i64", dtype="I64")
 WEIGHT_FORMATS = {f.name: f for f in (*FP8_FORMATS, FP4_G32, BF16, FP32, I32, I64)}
 
 
-def weight_format(name: str) -> WeightFormat:
-    """The format named ``name`` (a plan entry's, an IR ``quant`` attribute, a kernel's)."""
-    if name not in WEIGHT_FORMATS:
-        raise UsageError(f"unknown weight format {name!r}; dsv4c stores {', '.join(WEIGHT_FORMATS)}")
-    return WEIGHT_FORMATS[name]
-
-
 def fp4_words(packed: np.ndarray) -> np.ndarray:
     """Packed e2m1 pairs ``[n, cols / 2]`` (U8, input 2i in the low nibble) as int32 words of
     eight codes ``[n, cols / 8]``: four bytes read little-endian, so input 8i + j lies on bits
@@ -240,7 +237,8 @@ class WeightQuant:
     def format(self) -> WeightFormat:
         """The artifact format of this entry: the lowering's kernels read it, the converter writes it."""
         if self.storage in ("fp8", "fp8_fnuz"):
-            return WEIGHT_FORMATS[fp8_format_name(self.block[1], "e4m3fnuz" if self.storage == "fp8_fnuz" else "e4m3fn")]
+            encoding = "e4m3fnuz" if self.storage == "fp8_fnuz" else "e4m3fn"
+            return WEIGHT_FORMATS[fp8_format_name(self.block[1], encoding)]
         return WEIGHT_FORMATS[_PLAIN_FORMAT[self.storage]]
 
     @classmethod

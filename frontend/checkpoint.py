@@ -191,7 +191,8 @@ class Rows:
     def decode(self) -> np.ndarray:
         """float32 values (int64 for INT), FP8 / FP4 dequantized as SPEC §3 defines them."""
         if self.storage == "FP8":
-            return lowbit.decode_e4m3fn(self.values) * np.repeat(self.scales, self.block, axis=1)[:, :self.values.shape[1]]
+            scale = np.repeat(self.scales, self.block, axis=1)[:, :self.values.shape[1]]
+            return lowbit.decode_e4m3fn(self.values) * scale
         if self.storage == "FP4":
             return lowbit.dequantize_fp4_groups(self.values, self.scales, 32)
         if self.storage == "BF16":

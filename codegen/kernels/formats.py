@@ -16,6 +16,7 @@ from tvm import tirx
 
 from dsv4c.artifact.lowbit import FP8_EXPONENT_BIAS
 from dsv4c.artifact.quant import FP32, WEIGHT_FORMATS, Bf16Bits, Fp4Groups, Fp8Blocks, WeightFormat
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES
 from dsv4c.codegen.kernels.codecs import (F32, DECODE_FP8, decode_bf16, decode_e8m0, decode_fp4_word, raw_e2m1,
                                           raw_e2m1_by_table, raw_e4m3)
 
@@ -57,8 +58,6 @@ class TirFormat:
     weight: WeightFormat
     prefetch_bytes: int = 0  # how far ahead the CPU's decode loop prefetches a streamed tile; 0: not at all
     decoded = True  # the stored values need decoding (fp32 weights are read in place)
-    inputs_per_word = 1  # inputs in one stored element of the tile
-    word_bytes = 4  # bytes of one stored element
 
     @property
     def name(self) -> str:
@@ -72,10 +71,23 @@ class TirFormat:
     def group(self) -> int:
         return self.weight.group
 
+    @property
+    def inputs_per_word(self) -> int:
+        """Inputs in one stored element of the tile (FP4: a word of eight codes)."""
+        return self.weight.inputs_per_word
+
+    @property
+    def word_bytes(self) -> int:
+        """Bytes of one stored element of the tile."""
+        dtype, _ = self.weight.stored(self.inputs_per_word)[""]
+        return STORAGE_DTYPES[dtype].itemsize
+
     def parts(self, out_dim: int, in_dim: int) -> list[tuple[tuple, str]]:
-        """(shape, dtype) of each stored part of an [out_dim, in_dim] weight: the codes or values
-        in column tiles [O / tile, I, tile], then their scales when scaled."""
-        raise NotImplementedError
+        """(shape, dtype) of each stored part of an [out_dim, in_dim] weight: the artifact tensors
+        of the format (the codes or values, then their scales when scaled) in column tiles
+        [O / tile, stored columns, tile]."""
+        return [(_tiled(out_dim, cols), STORAGE_DTYPES[dtype].name)
+                for dtype, cols in self.weight.stored(in_dim).values()]
 
     def value(self, parts, lead: tuple, a, kk, c):
         """float32 value of the weight."""
@@ -92,20 +104,12 @@ class TirFormat:
 class TirFp32(TirFormat):
     decoded = False
 
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim), F32)]
-
     def value(self, parts, lead, a, kk, c):
         return parts[0][lead + (a, kk, c)]
 
 
 @dataclass(frozen=True)
 class TirBf16(TirFormat):
-    word_bytes = 2
-
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim), "uint16")]
-
     def value(self, parts, lead, a, kk, c):
         return decode_bf16(parts[0][lead + (a, kk, c)])  # BF16 bits: the float32 with the same top half
 
@@ -140,10 +144,6 @@ class TirFp8Blocks(TirScaled):
     """e4m3 codes (e4m3fn, or e4m3fnuz on gfx942), one byte an input, with the float32 scales of
     their B x B blocks (B = ``group``) expanded per column and tiled the same way, [O / tile,
     ceil(I/B), tile] (a vector of columns then reads a vector of scales)."""
-    word_bytes = 1
-
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim), "uint8"), (_tiled(out_dim, -(-in_dim // self.group)), F32)]
 
     def code(self, parts, lead, a, kk, c):
         return DECODE_FP8[self.weight.fp8_format](parts[0][lead + (a, kk, c)])
@@ -160,11 +160,6 @@ class TirFp4Groups(TirScaled):
     """Eight e2m1 codes per int32 word along the input dim (input 8i + j on bits 4j..4j+3: the
     checkpoint's packed bytes, four at a time, little-endian), one E8M0 scale per 32 inputs of a
     row: the checkpoint's own groups, tiled along the output."""
-    inputs_per_word = 8
-
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim // self.inputs_per_word), "int32"),
-                (_tiled(out_dim, in_dim // self.group), "uint8")]
 
     def code(self, parts, lead, a, kk, c):
         return decode_fp4_word(self._word(parts, lead, a, kk, c), kk % self.inputs_per_word)

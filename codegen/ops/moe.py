@@ -16,7 +16,8 @@ class MoeRoute(OpLowering):
     def kernels(self, node, cfg, plan):
         a, ins = node.attrs, input_shapes(node)
         e, d = ins[1]
-        out = {**matmul_kernels("gate_", e, d, self.weight_format(node, plan).name), "scores": kernel("route_scores", e),
+        out = {**matmul_kernels("gate_", e, d, self.weight_format(node, plan).name),
+               "scores": kernel("route_scores", e),
                "weights": kernel("route_weights", e, a["k"], a["scale"])}
         if a["mode"] == "hash":
             out["select"] = kernel("hash_ids", ins[2][0], a["k"])
