@@ -75,7 +75,7 @@ def _cmd_inspect(args) -> int:
     plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
     sharding = ShardingPlan.build(cfg, args.tensor_parallel)
     geometry = PoolGeometry.build(cfg, plan)
-    weights = stored_weights(cfg, args.target, args.numerics, plan.fp8_format)
+    weights = stored_weights(cfg, plan)
     device_weight_bytes = sharding.device_weight_bytes(weights)
     report = {"model": cfg.name, "target": args.target, "numerics": args.numerics, **geometry.summary(),
               "fp8_format": plan.fp8_format, "expert_format": plan.expert_format,

@@ -25,7 +25,7 @@ from dsv4c import __version__
 from dsv4c.artifact.manifest import staging, write_manifest
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import PoolGeometry
-from dsv4c.artifact.quant import WeightFormat
+from dsv4c.artifact.quant import QuantPlan, WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
 from dsv4c.errors import UsageError
@@ -101,16 +101,15 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def stored_weights(cfg: ModelConfig, target: str, numerics: str, fp8_format: str
-                   ) -> list[tuple[str, tuple[int, ...], WeightFormat]]:
-    """Every weight an artifact of ``cfg`` for ``target`` stores, as (checkpoint name, shape,
-    the format its layout stores it in), merged projections as their parts: what
+def stored_weights(cfg: ModelConfig, plan: QuantPlan) -> list[tuple[str, tuple[int, ...], WeightFormat]]:
+    """Every weight an artifact of ``cfg`` under quantization ``plan`` stores, as (checkpoint name,
+    shape, the format its layout stores it in), merged projections as their parts: what
     ``dsv4c inspect`` sizes per device under a sharding plan."""
     from dsv4c.codegen.lowering import weight_layouts
 
-    program = trace(cfg, numerics)
+    program = trace(cfg, plan.numerics)
     shapes = {name: tuple(v.type.shape) for fn in program.functions.values() for name, v in fn.weights.items()}
-    layouts = weight_layouts(run_pipeline(program), target, fp8_format)
+    layouts = weight_layouts(run_pipeline(program), plan)
     return [(part, shapes[part], layout.format) for layout in layouts.values()
             for part in concat_parts(layout.name) or [layout.name]]
 
@@ -165,7 +164,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                                               progress=progress and sources is None)
                 reports = []
                 if sources is not None:
-                    layouts = weight_layouts(program, target, plan.fp8_format)
+                    layouts = weight_layouts(program, plan)
                     for rank in range(tensor_parallel):  # each rank's parts, read from the checkpoint alone
                         reports.append(convert_weights(layouts, rank_sources(program, sharding, rank, sources), tmp,
                                                        shard_bytes or SHARD_BYTES, progress=progress,

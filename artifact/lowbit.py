@@ -326,6 +326,7 @@ def decode_e4m3fnuz(codes) -> np.ndarray:
 # What an e4m3fn code's scale is multiplied by when its bits are stored in each FP8 format.
 FP8_SCALE_FACTOR = {"e4m3fn": 1.0, "e4m3fnuz": 2.0}
 FP8_FORMATS = tuple(FP8_SCALE_FACTOR)
+FP8_EXPONENT_BIAS = {"e4m3fn": 1 - _E4M3.emin, "e4m3fnuz": 1 - _E4M3FNUZ.emin}  # 7, 8
 
 
 def _check_fp8_format(fp8_format: str) -> None:

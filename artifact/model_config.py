@@ -91,9 +91,10 @@ class LayerSpec:
 class WeightFormats:
     """How the checkpoint stores weights (SPEC §3); the loader also accepts other dtypes."""
 
-    dense: str = "fp8"  # fp8 (128x128 blocks) / bf16 / fp32
+    dense: str = "fp8"  # fp8 (fp8_block x fp8_block blocks) / bf16 / fp32
     experts: str = "fp4"  # fp4 (1x32 groups) / fp8 / bf16 / fp32
     scale: str = "e8m0"  # e8m0 / fp32 scales of fp8 blocks
+    fp8_block: int = 128  # quantization_config.weight_block_size: 128 (V4), 32 (V4.1's dense weights)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class ModelConfig:
                 "fmt": "e4m3",
                 "activation_scheme": "dynamic",
                 "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
-                "weight_block_size": [128, 128],
+                "weight_block_size": [self.weights.fp8_block] * 2,
             }
         # Always written: the loader's default depends on the dense format (fp4 beside fp8).
         d["expert_dtype"] = self.weights.experts
@@ -309,7 +310,8 @@ class ModelConfig:
                 max_position_embeddings=d["max_position_embeddings"], bos_token_id=d["bos_token_id"],
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                 weights=WeightFormats(dense, d["expert_dtype"],
-                                      "e8m0" if (qc or {}).get("scale_fmt", "ue8m0") == "ue8m0" else "fp32"),
+                                      "e8m0" if (qc or {}).get("scale_fmt", "ue8m0") == "ue8m0" else "fp32",
+                                      (qc or {}).get("weight_block_size", [128])[0]),
                 name=name,
             )
         except (KeyError, TypeError, AttributeError) as e:

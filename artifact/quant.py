@@ -1,28 +1,32 @@
-"""Quantization formats and the per-target quantization plan (SPEC §3, §5).
+"""Weight formats and the per-target quantization plan (docs/artifact.md lists the stored bytes).
 
 A :class:`WeightFormat` is one way the artifact stores a weight matrix ``[rows, cols]``, the
 way a vLLM quantization method owns its format: its artifact tensors (:meth:`stored`), how
 rows read from a checkpoint become their bytes (:meth:`lay_out`, which takes the checkpoint's
 own codes where it holds this format and quantizes anything else), and a numpy codec back to
-float32 (:meth:`dequantize`). The formats, by name (the IR's ``quant`` attribute and the
-kernels' key):
+float32 (:meth:`dequantize`). Its parameters (block size, scale group, FP8 encoding) are
+defined here once; the kernels' TIR side of each format (``codegen.kernels.formats``) reads
+them from the same object. The formats, by name (the IR's ``quant`` attribute and the
+kernels' key), all in :data:`WEIGHT_FORMATS`:
 
-* ``fp8_b128`` / ``fp8fnuz_b128``: e4m3 codes (U8) with float32 scales of 128x128 blocks,
-  stored per row as the scale of each 128-column block (``.scale``); fnuz (gfx942) keeps the
-  e4m3fn bits and doubles the scale;
+* ``fp8_b<B>`` / ``fp8fnuz_b<B>``: e4m3 codes (U8) with float32 scales of B x B blocks, stored
+  per row as the scale of each B-column block (``.scale``); fnuz (gfx942) keeps the e4m3fn bits
+  and doubles the scale. B is the checkpoint's ``weight_block_size``: 128 for V4, 32 for V4.1's
+  dense weights (:data:`FP8_BLOCK_SIZES`);
 * ``fp4_g32``: e2m1 codes, eight to an int32 word (input 8i + j on bits 4j..4j+3: the
   checkpoint's packed pairs, four bytes little-endian), with one E8M0 scale per 32 (``.scale``);
 * ``bf16``: BF16 bits (U16); ``fp32``, ``i32``, ``i64``: plain values.
 
-The TIR decode of each format sits in one place in the kernels (``codegen.kernels.formats``),
-keyed by the format's name. :class:`QuantPlan` says which format every weight kind and pool
-plane takes on a target (``passes.quant_plan.plan_for`` chooses); the manifest records it.
+:class:`QuantPlan` says which format every weight kind and pool plane takes on a target
+(``passes.quant_plan.plan_for`` chooses); the lowering reads each weight's format from it and
+the manifest records it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -30,7 +34,7 @@ from dsv4c.artifact import lowbit
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES
 from dsv4c.errors import UsageError
 
-FP8_BLOCK = 128
+FP8_BLOCK_SIZES = (128, 32)  # square FP8 weight blocks: V4's, V4.1's dense weights'
 FP4_GROUP = 32
 
 
@@ -44,6 +48,7 @@ class WeightFormat:
     name: str
     scaled: bool = False  # codes + a ``.scale`` tensor; the kernels sum each scale group raw
     group: int = 0  # inputs per scale along a row (scaled formats)
+    inputs_per_word: ClassVar[int] = 1  # inputs in one element of the codes / values tensor
 
     def stored(self, cols: int) -> dict[str, tuple[str, int]]:
         """Artifact tensor suffix ("" for the codes / values, ".scale") -> (safetensors dtype,
@@ -71,19 +76,23 @@ class WeightFormat:
 
 @dataclass(frozen=True)
 class Fp8Blocks(WeightFormat):
+    """e4m3 codes with one scale per ``group`` x ``group`` block (square blocks: the row block
+    only matters where rows are quantized here, which starts them on a block, ``row_step``)."""
     fp8_format: str = "e4m3fn"
 
     def stored(self, cols):
-        return {"": ("U8", cols), ".scale": ("F32", -(-cols // FP8_BLOCK))}
+        return {"": ("U8", cols), ".scale": ("F32", -(-cols // self.group))}
 
     def lay_out(self, name, parts):
         codes, scales = [], []
         for p in parts:
-            if p.storage == "FP8":
+            # The checkpoint's codes and scales as they are where its column blocks are these
+            # (per-row scales: the row block does not matter), else requantized.
+            if p.storage == "FP8" and p.scales.shape[1] == -(-p.values.shape[1] // self.group):
                 c, s = p.values, p.scales
-            else:  # quantized with E8M0 scales: the rows start on a 128-row boundary (row_step)
-                c, grid = lowbit.quantize_fp8_blocks(p.decode(), FP8_BLOCK, "e8m0")
-                s = np.repeat(lowbit.decode_e8m0(grid), FP8_BLOCK, axis=0)[:c.shape[0]]
+            else:  # quantized with E8M0 scales: the rows start on a block boundary (row_step)
+                c, grid = lowbit.quantize_fp8_blocks(p.decode(), self.group, "e8m0")
+                s = np.repeat(lowbit.decode_e8m0(grid), self.group, axis=0)[:c.shape[0]]
             codes.append(c)
             scales.append(s)
         codes, scales = _joined(codes), _joined(scales).astype(np.float32, copy=False)
@@ -92,14 +101,16 @@ class Fp8Blocks(WeightFormat):
 
     def dequantize(self, arrays):
         codes = arrays[""]
-        scale = np.repeat(arrays[".scale"], FP8_BLOCK, axis=1)[:, :codes.shape[1]]
+        scale = np.repeat(arrays[".scale"], self.group, axis=1)[:, :codes.shape[1]]
         return (lowbit.decode_fp8(codes, self.fp8_format) * scale).astype(np.float32)
 
 
 @dataclass(frozen=True)
 class Fp4Groups(WeightFormat):
+    inputs_per_word: ClassVar[int] = 8  # eight e2m1 codes to an int32 word (fp4_words)
+
     def stored(self, cols):
-        return {"": ("I32", cols // 8), ".scale": ("U8", cols // FP4_GROUP)}
+        return {"": ("I32", cols // self.inputs_per_word), ".scale": ("U8", cols // self.group)}
 
     def lay_out(self, name, parts):
         packed, scales = [], []
@@ -155,14 +166,18 @@ class PlainValues(WeightFormat):
         return arrays[""].astype(np.float32)
 
 
-FP8_B128 = Fp8Blocks("fp8_b128", True, FP8_BLOCK)
-FP8FNUZ_B128 = Fp8Blocks("fp8fnuz_b128", True, FP8_BLOCK, "e4m3fnuz")
+def fp8_format_name(block: int, fp8_format: str = "e4m3fn") -> str:
+    """The name of the FP8 format of ``block`` x ``block`` blocks in ``fp8_format``."""
+    return f"fp8{'fnuz' if fp8_format == 'e4m3fnuz' else ''}_b{block}"
+
+
+FP8_FORMATS = tuple(Fp8Blocks(fp8_format_name(b, f), True, b, f) for b in FP8_BLOCK_SIZES for f in lowbit.FP8_FORMATS)
 FP4_G32 = Fp4Groups("fp4_g32", True, FP4_GROUP)
 BF16 = Bf16Bits("bf16")
 FP32 = PlainValues("fp32")
 I32 = PlainValues("i32", dtype="I32")
 I64 = PlainValues("i64", dtype="I64")
-WEIGHT_FORMATS = {f.name: f for f in (FP8_B128, FP8FNUZ_B128, FP4_G32, BF16, FP32, I32, I64)}
+WEIGHT_FORMATS = {f.name: f for f in (*FP8_FORMATS, FP4_G32, BF16, FP32, I32, I64)}
 
 
 def fp4_words(packed: np.ndarray) -> np.ndarray:
@@ -172,14 +187,27 @@ def fp4_words(packed: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed, dtype=np.uint8).view("<i4")
 
 
+def checkpoint_quants(weights) -> dict[str, str]:
+    """The format each matmul storage kind arrives in from a checkpoint whose config says
+    ``weights`` (``model_config.WeightFormats``): the IR's ``quant`` attributes (``frontend.trace``).
+    Compressors, weights_proj, the gate and the head ship as BF16 (fp32 in an fp32 checkpoint)."""
+    def name(storage: str) -> str:
+        return {"fp8": fp8_format_name(weights.fp8_block), "fp4": FP4_G32.name}.get(storage, storage)
+
+    return {"dense": name(weights.dense), "expert": name(weights.experts),
+            "bf16": FP32.name if weights.dense == "fp32" else BF16.name}
+
+
 def dense_format(quant: str, fp8_format: str = "e4m3fn") -> WeightFormat:
     """The format a compiled target multiplies a dense weight of IR ``quant`` in: FP8 blocks stay
-    FP8 (fnuz on gfx942), BF16 stays BF16; the rest fp32."""
+    FP8 blocks of the same size (fnuz on gfx942), BF16 stays BF16; the rest fp32. The rule
+    ``passes.quant_plan`` writes into the plan, which the lowering reads."""
     if quant == BF16.name:
         return BF16
-    if quant != FP8_B128.name:
+    fmt = WEIGHT_FORMATS.get(quant)
+    if not isinstance(fmt, Fp8Blocks):
         return FP32
-    return FP8FNUZ_B128 if fp8_format == "e4m3fnuz" else FP8_B128
+    return WEIGHT_FORMATS[fp8_format_name(fmt.group, fp8_format)]
 
 
 def expert_format(quant: str) -> WeightFormat:
@@ -190,13 +218,39 @@ def expert_format(quant: str) -> WeightFormat:
 # --------------------------------------------------------------------------- the plan
 
 
+# A plan entry's storage -> its format's name (FP8: by block and encoding, fp8_format_name).
+_PLAIN_FORMAT = {"fp4": FP4_G32.name, "bf16": BF16.name, "fp32": FP32.name, "int": I32.name}
+
+
 @dataclass(frozen=True)
 class WeightQuant:
-    """How one checkpoint storage kind is quantized on a target."""
-    storage: str  # fp8 / fp4 / bf16 / fp32 / int
+    """How one checkpoint storage kind is stored and multiplied on a target."""
+    storage: str  # fp8 / fp8_fnuz / fp4 / bf16 / fp32 / int
     block: tuple[int, int] | None  # quantization block (rows, cols); None when unquantized
     scale: str | None  # e8m0 / fp32 / None
-    compute: str  # dtype the kernel multiplies in
+    # What the matmul kernels multiply: fp32 on CPUs (decoded values, fp32 sums); on GPUs fp16,
+    # the tensor-core GEMMs' operands (prefill; fp32 sums), where decode's GEMVs multiply the
+    # decoded fp32 values; int32 ids are not multiplied.
+    compute: str
+
+    @property
+    def format(self) -> WeightFormat:
+        """The artifact format of this entry: the lowering's kernels read it, the converter writes it."""
+        if self.storage in ("fp8", "fp8_fnuz"):
+            encoding = "e4m3fnuz" if self.storage == "fp8_fnuz" else "e4m3fn"
+            return WEIGHT_FORMATS[fp8_format_name(self.block[1], encoding)]
+        return WEIGHT_FORMATS[_PLAIN_FORMAT[self.storage]]
+
+    @classmethod
+    def of(cls, fmt: WeightFormat, compute: str) -> "WeightQuant":
+        """The entry that stores weights in ``fmt`` (the inverse of :attr:`format`)."""
+        if isinstance(fmt, Fp8Blocks):
+            storage = "fp8_fnuz" if fmt.fp8_format == "e4m3fnuz" else "fp8"
+            return cls(storage, (fmt.group, fmt.group), "e8m0", compute)
+        if fmt is FP4_G32:
+            return cls("fp4", (1, fmt.group), "e8m0", compute)
+        storage = next(s for s, name in _PLAIN_FORMAT.items() if name == fmt.name)
+        return cls(storage, None, None, compute)
 
 
 @dataclass(frozen=True)
@@ -219,6 +273,15 @@ class QuantPlan:
     @property
     def expert_format(self) -> str:
         return self.weights["expert"].storage
+
+    def weight_format(self, kind: str) -> WeightFormat:
+        """The artifact format of the weights of checkpoint storage ``kind`` (a ``weights`` key)."""
+        return self.weights[kind].format
+
+    def format_of(self, quant: str) -> WeightFormat:
+        """The format of a dense (not routed-expert) weight the IR marks ``quant`` (the checkpoint's
+        own format, ``frontend.trace``): FP8 blocks are the dense kind's, BF16 / fp32 their own."""
+        return self.weight_format("dense" if isinstance(WEIGHT_FORMATS.get(quant), Fp8Blocks) else quant)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -30,7 +30,7 @@ per layer at 1M context) to save 12.6 M parameters a layer. MTP's ``e_proj`` / `
 rather than add an all-gather to every draft.
 
 ``N`` is a power of two (the 2, 4, 8 devices of a node's NVLink / xGMI domain, and the doubling
-``min_devices`` searches), columns split from FP8 128x128-block weights stay whole blocks and
+``min_devices`` searches), columns split from FP8 block weights stay whole blocks and
 those of FP4 experts whole 32-column scale groups.
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import PoolGeometry
-from dsv4c.artifact.quant import FP8_BLOCK, WeightFormat
+from dsv4c.artifact.quant import FP4_GROUP, WeightFormat
 from dsv4c.errors import ShardingError
 
 # Per-rank int weights (rank_values), not from a checkpoint: a rank's first vocab row and expert.
@@ -113,15 +113,16 @@ class ShardingPlan:
             if size % n:
                 raise ShardingError(f"--tensor-parallel {n}: {cfg.name} does not split its {unit} across {n} devices "
                                     f"({field} = {size} is not a multiple of {n})")
-        # Columns of FP8 weights are cut between 128-column scale blocks, never inside one.
+        # Columns of FP8 weights are cut between their column blocks' scales, never inside one.
+        block = cfg.weights.fp8_block
         column_splits = [("wo_b", "o_groups * o_lora_rank", cfg.o_groups * cfg.o_lora_rank),
                          ("shared expert w2", "moe_intermediate_size", cfg.moe_intermediate_size)]
         for weight, field, cols in column_splits if dense_fp8 else ():
-            if (cols // n) % FP8_BLOCK:
+            if (cols // n) % block:
                 raise ShardingError(f"--tensor-parallel {n}: {cfg.name}'s {weight} would split inside its FP8 "
-                                    f"128-column scale blocks ({field} = {cols}, {cols // n} columns per device)")
-        # The routed experts' w2 columns split between their scale groups (FP4: 32, FP8: 128).
-        group = {"fp4": 32, "fp8": FP8_BLOCK}.get(cfg.weights.experts, 1)
+                                    f"{block}-column scale blocks ({field} = {cols}, {cols // n} columns per device)")
+        # The routed experts' w2 columns split between their scale groups (FP4: 32, FP8: a block).
+        group = {"fp4": FP4_GROUP, "fp8": block}.get(cfg.weights.experts, 1)
         if not expert_parallel and (cfg.moe_intermediate_size // n) % group:
             raise ShardingError(f"--tensor-parallel {n}: {cfg.name}'s routed expert w2 would split inside its "
                                 f"{group}-column scale groups (moe_intermediate_size = {cfg.moe_intermediate_size}); "

@@ -124,10 +124,11 @@ def _convert_only(ckpt: Path, out: Path) -> None:
     from dsv4c.frontend.trace import trace
     from dsv4c.passes.merge_projections import base_weight_names, weight_sources
     from dsv4c.passes.pipeline import run_pipeline
+    from dsv4c.passes.quant_plan import plan_for
 
     cfg = load_config(ckpt / "config.json")
     program = run_pipeline(trace(cfg, "exact"))
-    layouts = weight_layouts(program, "llvm")  # imports TVM (the kernels' tile rule) before the clock starts
+    layouts = weight_layouts(program, plan_for(cfg, "llvm"))  # imports TVM (the kernels' tile rule) before the clock starts
     out.mkdir()
     with Checkpoint(ckpt) as checkpoint:
         start = time.perf_counter()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsv4c.artifact.pool import PoolGeometry
-from dsv4c.artifact.quant import FP8_BLOCK, FP32, I32, I64, Fp8Blocks, WeightFormat
+from dsv4c.artifact.quant import FP32, I32, I64, Fp8Blocks, QuantPlan, WeightFormat
 from dsv4c.codegen.ops.base import KernelSpec
 from dsv4c.frontend.checkpoint import Rows
 from dsv4c.ir.core import Node, Program
@@ -124,9 +124,9 @@ class WeightLayout:
     @property
     def row_step(self) -> int:
         """Row ranges converted on their own start on multiples of this: whole tiles, and whole
-        128-row blocks where FP8 scales may have to be computed."""
+        row blocks where FP8 block scales may have to be computed."""
         step = self.tile or 1
-        return math.lcm(step, FP8_BLOCK) if isinstance(self.format, Fp8Blocks) else step
+        return math.lcm(step, self.format.group) if isinstance(self.format, Fp8Blocks) else step
 
     def lay_out(self, parts: list[Rows]) -> dict[str, np.ndarray]:
         """The artifact bytes of a range of rows (starting on a multiple of ``row_step``), given
@@ -151,26 +151,27 @@ def column_tiles(rows: np.ndarray, tile: int) -> np.ndarray:
     return np.ascontiguousarray(blocks.transpose(0, 1, 3, 2)).reshape(n // tile, cols, tile)
 
 
-def weight_layouts(program: Program, target: str, fp8_format: str = "e4m3fn") -> dict[str, WeightLayout]:
-    """The layout of every weight of every function, in program order. The reference target
-    stores float32 / int64 as is; the others as the llvm kernels read them (the GPU targets
-    share the layout): the weights the compiled functions multiply in column tiles, FP8 128x128
-    blocks as e4m3 codes with per-column scales, FP4 experts packed with E8M0 scales per 32,
-    BF16 matmul weights as BF16 bits, tid2eid as int32, everything else float32."""
-    if target == "reference":
+def weight_layouts(program: Program, plan: QuantPlan) -> dict[str, WeightLayout]:
+    """The layout of every weight of every function, in program order, for ``plan``'s target.
+    The reference target stores float32 / int64 as is; the others as the llvm kernels read them
+    (the GPU targets share the layout): the weights the compiled functions multiply in column
+    tiles, in the format the plan gives them (FP8 blocks as e4m3 codes with per-column scales,
+    FP4 experts packed with E8M0 scales per 32, BF16 matmul weights as BF16 bits), tid2eid as
+    int32, everything else float32."""
+    if plan.target == "reference":
         return {name: WeightLayout(name, tuple(v.type.shape), I64 if v.type.dtype.startswith("i") else FP32)
                 for fn in program.functions.values() for name, v in fn.weights.items()}
     from dsv4c.codegen.kernels.formats import column_tile
     from dsv4c.codegen.ops.registry import lowering_of
 
-    # A weight the compiled step multiplies keeps its low-bit format (its op's rule) and, when
-    # it stacks independent projections, is tiled per group; everything else is fp32.
+    # A weight the compiled step multiplies takes the plan's format for it (its op says which
+    # entry) and, when it stacks independent projections, is tiled per group; the rest is fp32.
     matmul: dict[str, WeightFormat] = {}
     groups: dict[str, int] = {}
     for node in compiled_nodes(program):
         lowering = lowering_of(node.op)
         for v in lowering.matmul_weights(node):
-            matmul[v.name] = lowering.weight_format(node, fp8_format)
+            matmul[v.name] = lowering.weight_format(node, plan)
             groups[v.name] = lowering.weight_groups(node)
 
     out: dict[str, WeightLayout] = {}

@@ -25,12 +25,13 @@ import numpy as np
 
 from dsv4c.artifact import lowbit
 from dsv4c.artifact.model_config import CSA, HASH_MOE, LayerSpec, ModelConfig
+from dsv4c.artifact.quant import FP8_BLOCK_SIZES
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile, SafetensorsWriter
 from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.threads import BoundedPool
 
 # Storage kinds of SPEC §3.
-DENSE = "dense"  # FP8 e4m3 with 128x128 block scales in released checkpoints
+DENSE = "dense"  # FP8 e4m3 with block scales (128x128 in V4's checkpoints)
 EXPERT = "expert"  # FP4 e2m1 packed, 1x32 E8M0 scales
 BF16 = "bf16"  # compressors, weights_proj, gate, embed, head
 FP32 = "fp32"  # mHC, sinks, router bias, norms, ape
@@ -177,7 +178,7 @@ class Rows:
 
     ``storage`` says what ``values`` and ``scales`` hold: ``F32`` / ``F16`` / ``BF16``: float32,
     float16 or uint16 bits ``[n, cols]``; ``FP8``: e4m3fn codes ``[n, cols]`` and, per row, the
-    float32 scale of each 128-column block ``[n, ceil(cols / 128)]``; ``FP4``: e2m1 pairs (element
+    float32 scale of each ``block``-column block ``[n, ceil(cols / block)]``; ``FP4``: e2m1 pairs (element
     2i in the low nibble) ``[n, cols / 2]`` and their E8M0 scale codes ``[n, cols / 32]``; ``INT``:
     int64 ``[n, cols]``. The artifact's weight formats (``artifact.quant``) take the checkpoint's
     own bytes where it holds their format and quantize only rows stored in another."""
@@ -185,11 +186,13 @@ class Rows:
     storage: str
     values: np.ndarray
     scales: np.ndarray | None = None
+    block: int = 128  # FP8: the checkpoint's square block size (its scales' columns span this many)
 
     def decode(self) -> np.ndarray:
         """float32 values (int64 for INT), FP8 / FP4 dequantized as SPEC §3 defines them."""
         if self.storage == "FP8":
-            return lowbit.decode_e4m3fn(self.values) * np.repeat(self.scales, 128, axis=1)[:, :self.values.shape[1]]
+            scale = np.repeat(self.scales, self.block, axis=1)[:, :self.values.shape[1]]
+            return lowbit.decode_e4m3fn(self.values) * scale
         if self.storage == "FP4":
             return lowbit.dequantize_fp4_groups(self.values, self.scales, 32)
         if self.storage == "BF16":
@@ -222,7 +225,7 @@ class TensorRows(RowSource):
     of a merged transformers expert tensor."""
 
     def __init__(self, where: str, st: SafetensorsFile, stored: str, storage: str, shape: tuple[int, ...],
-                 scale: tuple[SafetensorsFile, str, str] | None = None, row_offset: int = 0,
+                 scale: tuple | None = None, row_offset: int = 0,
                  n_experts: int | None = None):
         self.where, self.st, self.stored, self.storage, self.shape = where, st, stored, storage, shape
         self.scale, self.row_offset, self.n_experts = scale, row_offset, n_experts
@@ -235,11 +238,12 @@ class TensorRows(RowSource):
             if self.n_experts is not None and ((values < 0) | (values >= self.n_experts)).any():
                 raise CheckpointError(f"{self.where} holds expert ids outside [0, {self.n_experts})")
         elif self.storage == "FP8":
-            sst, sname, fmt = self.scale
-            first = start // 128
-            grid = sst.read_rows(sname, first, -(-stop // 128))
+            sst, sname, fmt, block = self.scale
+            first = start // block
+            grid = sst.read_rows(sname, first, -(-stop // block))
             grid = lowbit.decode_e8m0(grid) if fmt == "e8m0" else grid.astype(np.float32)
-            scales = grid[np.arange(start, stop) // 128 - first]
+            scales = grid[np.arange(start, stop) // block - first]
+            return [Rows(self.storage, values, scales, block)]
         elif self.storage == "FP4":
             values = values.view(np.uint8)
             sst, sname, _ = self.scale
@@ -305,7 +309,8 @@ class ShardRows(RowSource):
 def _columns(rows: Rows, start: int, stop: int) -> Rows:
     """Columns ``[start, stop)`` of some rows, in their storage."""
     if rows.storage == "FP8":
-        return Rows("FP8", rows.values[:, start:stop], rows.scales[:, start // 128:-(-stop // 128)])
+        b = rows.block
+        return Rows("FP8", rows.values[:, start:stop], rows.scales[:, start // b:-(-stop // b)], b)
     if rows.storage == "FP4":
         return Rows("FP4", rows.values[:, start // 2:stop // 2], rows.scales[:, start // 32:stop // 32])
     return Rows(rows.storage, rows.values[:, start:stop])
@@ -450,17 +455,21 @@ class Checkpoint:
         st = self._open(f)
         return st, stored, st.dtype(stored)
 
-    def _fp8_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str]:
+    def _fp8_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str, int]:
+        """The scale tensor of an FP8 tensor, its format and its block size, which its shape tells
+        (blocks of every size agree on a tensor of one block)."""
         sst, sname, sdtype = self._companion_scale(name, where)
         if len(shape) != 2:
             raise CheckpointError(f"{where}: FP8 tensors must be 2-D, got {list(shape)}")
-        grid = (-(-shape[0] // 128), -(-shape[1] // 128))
-        if tuple(sst.shape(sname)) != grid:
-            raise CheckpointError(f"{where}: scale has shape {list(sst.shape(sname))}; 128x128 blocks need {list(grid)}")
+        grids = {b: [-(-shape[0] // b), -(-shape[1] // b)] for b in FP8_BLOCK_SIZES}
+        block = next((b for b, grid in grids.items() if grid == list(sst.shape(sname))), None)
+        if block is None:
+            raise CheckpointError(f"{where}: scale has shape {list(sst.shape(sname))}; FP8 blocks of "
+                                  + " or ".join(f"{b}x{b} need {grid}" for b, grid in grids.items()))
         fmt = {"F8_E8M0": "e8m0", "F32": "fp32", "U8": "e8m0"}.get(sdtype)
         if fmt is None:
             raise CheckpointError(f"{where}: scale dtype {sdtype} is neither E8M0 nor F32")
-        return sst, sname, fmt
+        return sst, sname, fmt, block
 
     def _fp4_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str]:
         sst, sname, sdtype = self._companion_scale(name, where)
@@ -542,8 +551,8 @@ def _ir_name(official: str) -> str:
 # --------------------------------------------------------------------------- writing
 
 # Rows generated, quantized and written at a time: float64 bytes of random values (a 128-row
-# multiple, so FP8 blocks never straddle two pieces). The writers hold a few pieces at once, and
-# quantizing one takes about ten times its float32 size in int64 temporaries.
+# multiple, so FP8 blocks, 128 or 32 rows, never straddle two pieces). The writers hold a few
+# pieces at once, and quantizing one takes about ten times its float32 size in int64 temporaries.
 PIECE_BYTES = 8 << 20
 
 
@@ -567,7 +576,8 @@ def _stored_entries(spec: TensorSpec, cfg: ModelConfig) -> dict[str, tuple[str, 
     """The stored tensors (value and, when quantized, its scale) of one logical tensor: dtype and shape."""
     storage, shape = _storage(spec, cfg), spec.shape
     if storage == "fp8":
-        grid = (-(-shape[0] // 128), -(-shape[1] // 128))
+        block = cfg.weights.fp8_block
+        grid = (-(-shape[0] // block), -(-shape[1] // block))
         return {spec.name: ("F8_E4M3", shape),
                 _scale_name(spec.name): ("F8_E8M0" if cfg.weights.scale == "e8m0" else "F32", grid)}
     if storage == "fp4":
@@ -576,13 +586,13 @@ def _stored_entries(spec: TensorSpec, cfg: ModelConfig) -> dict[str, tuple[str, 
 
 
 def _encode(spec: TensorSpec, rows: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The stored bytes of rows of one logical tensor (FP8 pieces start on a 128-row block)."""
+    """The stored bytes of rows of one logical tensor (FP8 pieces start on a row block)."""
     storage = _storage(spec, cfg)
     if storage == "index":
         return {spec.name: rows.astype(np.int64)}
     rows = np.asarray(rows, np.float32)
     if storage == "fp8":
-        codes, scales = lowbit.quantize_fp8_blocks(rows, 128, cfg.weights.scale)
+        codes, scales = lowbit.quantize_fp8_blocks(rows, cfg.weights.fp8_block, cfg.weights.scale)
         return {spec.name: codes, _scale_name(spec.name): scales}
     if storage == "fp4":
         packed, scales = lowbit.quantize_fp4_groups(rows, 32)
@@ -596,7 +606,8 @@ def _write_piece(writer: SafetensorsWriter, spec: TensorSpec, start: int, rows: 
     """Encode rows ``start ...`` of ``spec`` and write them where they belong; the bytes written."""
     written = 0
     for name, array in _encode(spec, rows, cfg).items():
-        first = start // 128 if _storage(spec, cfg) == "fp8" and name != spec.name else start  # block-scale rows
+        fp8_scales = _storage(spec, cfg) == "fp8" and name != spec.name
+        first = start // cfg.weights.fp8_block if fp8_scales else start  # block-scale rows
         row_bytes = array.nbytes // array.shape[0] if array.shape[0] else 0
         writer.write(name, array, first * row_bytes)
         written += array.nbytes
@@ -647,8 +658,9 @@ def _checked_pieces(specs: list[TensorSpec], pieces: Iterable[tuple[str, np.ndar
             if rows.shape[1:] != spec.shape[1:] or done + len(rows) > spec.shape[0]:
                 raise CheckpointError(f"cannot write checkpoint: a piece of tensor {spec.name} has shape "
                                       f"{list(rows.shape)} at row {done}; the config implies {list(spec.shape)}")
-            if done % 128 and _storage(spec, cfg) == "fp8":
-                raise ValueError(f"pieces of FP8 tensor {spec.name} must start on a 128-row block (row {done})")
+            if done % cfg.weights.fp8_block and _storage(spec, cfg) == "fp8":
+                raise ValueError(f"pieces of FP8 tensor {spec.name} must start on a {cfg.weights.fp8_block}-row "
+                                 f"block (row {done})")
             yield spec, done, rows
             done += len(rows)
     leftover = next(stream, None)

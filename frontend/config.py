@@ -26,6 +26,7 @@ from typing import Any
 
 from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_MLP_TYPES, ROUTED_MOE, SLIDING, LayerSpec,
                                          ModelConfig, Rope, WeightFormats, Yarn)
+from dsv4c.artifact.quant import FP8_BLOCK_SIZES
 from dsv4c.errors import ConfigError, UnsupportedModelError
 
 PRESETS = ("pro", "flash", "tiny")
@@ -365,7 +366,7 @@ def _moe_schedule(raw: dict[str, Any], f: dict[str, Any], n: int) -> list[str]:
 
 def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
     qc = raw.get("quantization_config")
-    dense, scale = "bf16", "e8m0"
+    dense, scale, fp8_block = "bf16", "e8m0", 128
     if raw.get("dtype") in ("fp8", "bf16"):  # official inference/config.json
         dense = raw["dtype"]
         scale = "e8m0" if raw.get("scale_fmt") == "ue8m0" or raw.get("scale_dtype") == "fp8" else "fp32"
@@ -375,8 +376,11 @@ def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
             raise UnsupportedModelError(
                 f"config field quantization_config: quant_method={method!r} fmt={fmt!r}; only fp8 e4m3 is implemented"
             )
-        if qc.get("weight_block_size", [128, 128]) != [128, 128]:
-            raise UnsupportedModelError("config field quantization_config.weight_block_size must be [128, 128]")
+        block = qc.get("weight_block_size", [128, 128])
+        if not isinstance(block, list) or block not in ([b, b] for b in FP8_BLOCK_SIZES) or type(block[0]) is not int:
+            raise UnsupportedModelError(f"config field quantization_config.weight_block_size = {block!r}; dsv4c "
+                                        f"implements square FP8 blocks of {' or '.join(map(str, FP8_BLOCK_SIZES))}")
+        fp8_block = block[0]
         dense = "fp8"
         scale = "e8m0" if qc.get("scale_fmt") == "ue8m0" else "fp32"
     elif qc is not None:
@@ -392,7 +396,8 @@ def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
         raise UnsupportedModelError(f"config field expert_dtype = {experts!r}; expected fp4, fp8, bf16 or fp32")
     # Released FP8 V4 checkpoints store routed experts as FP4 even where the hub config
     # (V4-Flash) does not say so; the loader follows each tensor's real dtype anyway.
-    return WeightFormats(dense=dense, experts=experts or ("fp4" if dense == "fp8" else dense), scale=scale)
+    return WeightFormats(dense=dense, experts=experts or ("fp4" if dense == "fp8" else dense), scale=scale,
+                         fp8_block=fp8_block)
 
 
 def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:

@@ -22,6 +22,7 @@ holds is data, not structure (``artifact.sharding.RANK_VALUES``, one int each pe
 from __future__ import annotations
 
 from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, SLIDING, LayerSpec, ModelConfig
+from dsv4c.artifact.quant import checkpoint_quants
 from dsv4c.artifact.sharding import EXPERT_FIRST, VOCAB_FIRST, ShardingPlan
 from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.ir.core import Builder, Function, Program, Value
@@ -47,12 +48,9 @@ class Model:
                     f"qat numerics need head_dim - qk_rope_head_dim divisible by 64 (got {cfg.nope_dim}) and a "
                     f"power-of-two index_head_dim divisible by 32 (got {d_i}), as the official FP8/FP4 blocks do"
                 )
-        w = cfg.weights
-        # The storage format each projection arrives in; passes re-plan it per target.
-        self.dense_quant = {"fp8": "fp8_b128"}.get(w.dense, w.dense)
-        self.expert_quant = {"fp4": "fp4_g32", "fp8": "fp8_b128"}.get(w.experts, w.experts)
-        # Compressors, weights_proj and the head ship as BF16 (fp32 in an fp32 checkpoint).
-        self.bf16_quant = "fp32" if w.dense == "fp32" else "bf16"
+        # The storage format each projection arrives in; the quantization plan says how a target stores it.
+        quants = checkpoint_quants(cfg.weights)
+        self.dense_quant, self.expert_quant, self.bf16_quant = quants["dense"], quants["expert"], quants["bf16"]
 
     # ------------------------------------------------------------------ helpers
     def _w(self, b: Builder, name: str, *shape: int) -> Value:

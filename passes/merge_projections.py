@@ -3,18 +3,19 @@ one GEMM over their weights concatenated along the output dimension (``linear_sp
 
 In V4 this merges ``wq_a`` + ``wkv`` (FP8), the compressor's and the indexer's ``wkv`` /
 ``wgate`` with ``weights_proj`` (BF16), and ``wq_b`` + ``indexer.wq_b``. FP8 weights are
-only merged where the concatenation keeps every 128x128 scale block inside one weight, so
-the merged weight holds exactly the original codes and scales.
+only merged where the concatenation keeps every scale block (128x128, or V4.1's 32x32) inside
+one weight, so the merged weight holds exactly the original codes and scales.
 """
 
 from __future__ import annotations
 
+from dsv4c.artifact.quant import WEIGHT_FORMATS, Fp8Blocks
 from dsv4c.ir.core import Builder, Function, Node, Program, concat_name, concat_parts
 from dsv4c.ir.ops import f32
 
 
-def _block_aligned(nodes: list[Node]) -> bool:
-    return all(n.inputs[1].type.shape[0] % 128 == 0 for n in nodes[:-1])
+def _block_aligned(nodes: list[Node], block: int) -> bool:
+    return all(n.inputs[1].type.shape[0] % block == 0 for n in nodes[:-1])
 
 
 def _merge(fn: Function) -> None:
@@ -25,7 +26,8 @@ def _merge(fn: Function) -> None:
     b = Builder(fn)
     replace: dict[int, Node | None] = {}
     for (_, quant), nodes in groups.items():
-        if len(nodes) < 2 or (quant.startswith("fp8") and not _block_aligned(nodes)):
+        fmt = WEIGHT_FORMATS.get(quant)
+        if len(nodes) < 2 or (isinstance(fmt, Fp8Blocks) and not _block_aligned(nodes, fmt.group)):
             continue
         weights = [n.inputs[1] for n in nodes]
         sizes = [w.type.shape[0] for w in weights]

@@ -1,14 +1,15 @@
-"""Choosing the per-target quantization plan (SPEC §5; the plan itself is
-``artifact.quant.QuantPlan``): how every weight kind and every pool plane is stored, its block
-shape, scale format and compute dtype. Computed once per (model, target, numerics) and passed
-on: the pool geometry, the weight converter, the kernels and the artifact manifest read it.
+"""Choosing the per-target quantization plan (the plan itself is ``artifact.quant.QuantPlan``):
+how every weight kind and every pool plane is stored, its block shape, scale format and the
+dtype the kernels multiply in. Computed once per (model, target, numerics) and passed on: the
+pool geometry, the lowering (each weight's format), the weight converter and the artifact
+manifest read it.
 """
 
 from __future__ import annotations
 
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, MAIN_FP8_LAYOUT, ROW_MAJOR, index_row_bytes_of, main_row_bytes
-from dsv4c.artifact.quant import PoolLayout, QuantPlan, WeightQuant
+from dsv4c.artifact.quant import PoolLayout, QuantPlan, WeightQuant, checkpoint_quants, dense_format, expert_format
 from dsv4c.errors import UsageError
 from dsv4c.targets import target_info
 
@@ -19,21 +20,17 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
     info = target_info(target)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise UsageError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-    fnuz = info.fp8_format == "e4m3fnuz"
     cpu = not info.gpu
-    fp8 = "fp8_fnuz" if fnuz else "fp8"
-    # gfx942 keeps the e4m3fn bits and doubles the (still power-of-two) scale.
-    blocks = WeightQuant(fp8, (128, 128), "e8m0", "fp32" if cpu else "bf16")
-    if info.fp4_math:
-        expert = WeightQuant("fp4", (1, 32), "e8m0", "fp4")  # native MX FP4 math
-    else:
-        # No FP4 math on sm90 / gfx942: the kernels dequantize FP4 to BF16 (CPU: fp32).
-        expert = WeightQuant("fp4", (1, 32), "e8m0", "fp32" if cpu else "bf16")
-    compute = "fp32" if cpu else "bf16"
+    # The kernels multiply decoded fp32 values on CPUs; GPU tensor cores take fp16 operands (the
+    # MMA / MFMA GEMMs of kernels.gpu_matmul, gfx950 included: its FP4 math is not used for weights).
+    compute = "fp32" if cpu else "fp16"
+    quants = checkpoint_quants(cfg.weights)
+    # FP8 blocks keep their block size (fnuz bits with doubled scales on gfx942), FP4 experts their
+    # groups, BF16 its bits; other experts are stored fp32 (artifact.quant.dense_format / expert_format).
     weights = {
-        "dense": blocks,
-        "expert": expert,
-        "bf16": WeightQuant("bf16", None, None, compute),
+        "dense": WeightQuant.of(dense_format(quants["dense"], info.fp8_format), compute),
+        "expert": WeightQuant.of(expert_format(quants["expert"]), compute),
+        "bf16": WeightQuant.of(dense_format(quants["bf16"]), compute),
         "fp32": WeightQuant("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
         "index": WeightQuant("int", None, None, "int32"),
     }

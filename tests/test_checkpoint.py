@@ -130,15 +130,17 @@ def test_bf16_round_trip_rounds_once(tmp_path):
     assert_same(load_weights(cfg, out), stacked(cfg, want))
 
 
-def _fp8_scale_per_element(w, scale_format):
-    _, scales = lowbit.quantize_fp8_blocks(w, 128, scale_format)
+def _fp8_scale_per_element(w, scale_format, block):
+    _, scales = lowbit.quantize_fp8_blocks(w, block, scale_format)
     scales = lowbit.decode_e8m0(scales) if scale_format == "e8m0" else scales
-    return np.repeat(np.repeat(scales, 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
+    return np.repeat(np.repeat(scales, block, 0), block, 1)[: w.shape[0], : w.shape[1]]
 
 
-@pytest.mark.parametrize("experts, scale", [("fp4", "e8m0"), ("fp4", "fp32"), ("fp8", "e8m0")])
-def test_fp8_and_fp4_round_trip(tmp_path, experts, scale):
-    cfg = with_weights(EDGE, experts=experts, scale=scale)
+@pytest.mark.parametrize("experts, scale, block", [("fp4", "e8m0", 128), ("fp4", "fp32", 128), ("fp8", "e8m0", 128),
+                                                   ("fp4", "e8m0", 32), ("fp8", "e8m0", 32)])
+def test_fp8_and_fp4_round_trip(tmp_path, experts, scale, block):
+    """Checkpoints of V4's 128 x 128 FP8 blocks and V4.1's 32 x 32 ones, written and read back."""
+    cfg = with_weights(EDGE, experts=experts, scale=scale, fp8_block=block)
     weights = random_weights(cfg, 2)
     out = write_checkpoint(cfg, weights, tmp_path / "ckpt")
     dtypes = stored(out)
@@ -150,9 +152,9 @@ def test_fp8_and_fp4_round_trip(tmp_path, experts, scale):
         if fmt == "fp8":
             assert dtypes[spec.name] == "F8_E4M3"
             assert dtypes[spec.name[: -len("weight")] + "scale"] == {"e8m0": "F8_E8M0", "fp32": "F32"}[scale]
-            want[spec.name] = lowbit.dequantize_fp8_blocks(*lowbit.quantize_fp8_blocks(w, 128, scale), 128, scale)
+            want[spec.name] = lowbit.dequantize_fp8_blocks(*lowbit.quantize_fp8_blocks(w, block, scale), block, scale)
             # e4m3: half a step is 2**-4 of the value, or 2**-10 of the block scale among subnormals
-            bound = np.maximum(np.abs(w) * 2.0**-4, _fp8_scale_per_element(w, scale) * 2.0**-10)
+            bound = np.maximum(np.abs(w) * 2.0**-4, _fp8_scale_per_element(w, scale, block) * 2.0**-10)
         elif fmt == "fp4":
             assert dtypes[spec.name] == "I8" and dtypes[spec.name[: -len("weight")] + "scale"] == "F8_E8M0"
             want[spec.name] = lowbit.dequantize_fp4_groups(*lowbit.quantize_fp4_groups(w, 32), 32)

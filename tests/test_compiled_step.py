@@ -91,6 +91,25 @@ def test_a_bf16_checkpoint_runs_like_its_reference(tmp_path):
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
 
 
+def test_a_checkpoint_of_32_x_32_fp8_blocks_runs_like_its_reference(tmp_path):
+    """V4.1's dense FP8 blocks (``weight_block_size`` [32, 32], UE8M0 scales): the block size goes
+    from the config through the checkpoint and the quantization plan to the artifact's scales and
+    the kernels, and the step computes what the reference does."""
+    cfg = with_weights(preset("tiny"), fp8_block=32)
+    model = write_checkpoint(cfg, iter_random_weights(cfg, 0), tmp_path / "model")
+    assert json.loads((model / "config.json").read_text())["quantization_config"]["weight_block_size"] == [32, 32]
+    ref, cpu = compile_pair(tmp_path, model)
+    manifest = json.loads((cpu / "manifest.json").read_text())
+    assert manifest["quant_plan"]["weights"]["dense"]["block"] == [32, 32]
+    symbols = manifest["vm"]["profile"]["kernels"]
+    assert any("fp8_b32" in s for s in symbols) and not any("fp8_b128" in s for s in symbols)
+    prompt, params = list(range(1, 24)), SamplingParams(max_new_tokens=6)
+    want = Engine(ref).generate(prompt, params, record_logits=True)
+    got = Engine(cpu).generate(prompt, params, record_logits=True)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
+
+
 def _lowered(target):
     cfg = preset("tiny")
     program = run_pipeline(trace(cfg))

@@ -18,9 +18,10 @@ from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG, cpu_vector
 from dsv4c.codegen import step_kernels as S
 from dsv4c.artifact import lowbit
 from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, ROW_MAJOR, index_plane_row
+from dsv4c.artifact.quant import Fp8Blocks
 from dsv4c.targets import target_info
 
-QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp4_g32", "bf16")
+QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp8_b32", "fp4_g32", "bf16")  # fp8_b32: V4.1's 32 x 32 blocks
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +48,8 @@ def _call(kernel, *arrays):
 
 def _stored(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()):
     """Random stored weight parts (``TirFormat.parts``) and the float64 matrix [*lead, O, I] they hold."""
-    parts = []
+    parts, fmt = [], formats.tir_format(quant).weight
+    fp8 = isinstance(fmt, Fp8Blocks)
     for shape, dtype in formats.tir_format(quant).parts(out_dim, in_dim):
         shape = lead + shape
         if dtype == "float32":
@@ -60,15 +62,15 @@ def _stored(rng, out_dim: int, in_dim: int, quant: str, lead: tuple = ()):
             parts.append(rng.integers(120, 134, shape, dtype=np.uint8))
         else:
             codes = rng.integers(0, 256, shape, dtype=np.uint8)
-            if quant == "fp8_b128":
+            if fp8 and fmt.fp8_format == "e4m3fn":
                 codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes
-            elif quant == "fp8fnuz_b128":
+            elif fp8:
                 codes[codes == 0x80] = 0
             parts.append(codes)
     w = parts[0]
-    if quant in ("fp8_b128", "fp8fnuz_b128"):
-        decode = lowbit.decode_e4m3fn if quant == "fp8_b128" else lowbit.decode_e4m3fnuz
-        values = decode(w).astype(np.float32) * np.repeat(parts[1], 128, axis=-2)[..., :in_dim, :]
+    if fp8:
+        values = lowbit.decode_fp8(w, fmt.fp8_format).astype(np.float32) * \
+            np.repeat(parts[1], fmt.group, axis=-2)[..., :in_dim, :]
     elif quant == "fp4_g32":
         codes = np.stack([(w >> (4 * j)) & 15 for j in range(8)], axis=-2).astype(np.uint8)  # input 8i + j
         values = lowbit.decode_e2m1(codes).reshape(w.shape[:-2] + (in_dim, w.shape[-1])) * \

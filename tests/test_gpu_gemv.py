@@ -12,7 +12,7 @@ from dsv4c.codegen.ops.base import kernel
 from dsv4c.targets import target_info
 from test_cpu_kernels import _call, _close, _kernel_of, _stored
 
-FORMATS = [("fp4_g32", 128, 256), ("fp8_b128", 80, 384), ("bf16", 64, 96), ("fp32", 72, 40)]
+FORMATS = [("fp4_g32", 128, 256), ("fp8_b128", 80, 384), ("fp8_b32", 80, 112), ("bf16", 64, 96), ("fp32", 72, 40)]
 
 
 @pytest.mark.parametrize("quant, out_dim, in_dim", FORMATS)

@@ -13,7 +13,7 @@ from dsv4c.codegen.kernels import gpu_matmul as gm
 from test_cpu_kernels import _call, _kernel_of, _stored
 
 LAYOUTS = {"sm90": gm.CUDA_LAYOUT, "rocm": gm.ROCM_LAYOUT}
-QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp4_g32", "bf16")
+QUANTS = ("fp32", "fp8_b128", "fp8fnuz_b128", "fp8_b32", "fp4_g32", "bf16")  # fp8_b32: V4.1's 32 x 32 blocks
 
 
 def _f16(a):

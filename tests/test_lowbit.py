@@ -25,6 +25,8 @@ from dsv4c.artifact.lowbit import (
     quantize_fp8_blocks,
     unpack_fp4,
 )
+from dsv4c.artifact.quant import FP8_BLOCK_SIZES, WEIGHT_FORMATS, fp8_format_name
+from dsv4c.frontend.checkpoint import Rows
 
 RNG = np.random.default_rng(0)
 
@@ -309,3 +311,34 @@ def test_hadamard_is_orthogonal():
 def test_hadamard_rejects_non_power_of_two():
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(np.zeros((2, 6), np.float32))
+
+
+@pytest.mark.parametrize("block", FP8_BLOCK_SIZES)
+def test_fp8_blocks_of_every_size_round_trip(block):
+    """V4's 128 x 128 blocks and V4.1's 32 x 32 (UE8M0 scales): a scale per block, values on the
+    grid recovered exactly, and the artifact's format of that block size holds the same values
+    whether it takes the checkpoint's codes or quantizes the float rows itself."""
+    finite = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)
+    shape = (3 * block + 5, 2 * block + 7)
+    grid = (-(-shape[0] // block), -(-shape[1] // block))
+    codes = RNG.choice(finite, shape)
+    codes[::block, ::block] = 0x7E  # one 448 per block pins amax, so the scale is exactly 2**k
+    block_scale = np.exp2(RNG.integers(-20, 10, grid)).astype(np.float32)
+    w = decode_e4m3fn(codes) * np.repeat(np.repeat(block_scale, block, 0), block, 1)[:shape[0], :shape[1]]
+    got_codes, scales = quantize_fp8_blocks(w, block, "e8m0")
+    assert scales.shape == grid and scales.dtype == np.uint8
+    np.testing.assert_array_equal(decode_e4m3fn(got_codes), decode_e4m3fn(codes))
+    np.testing.assert_array_equal(dequantize_fp8_blocks(got_codes, scales, block, "e8m0"), w)
+
+    fmt = WEIGHT_FORMATS[fp8_format_name(block)]
+    assert fmt.group == block and fmt.stored(shape[1]) == {"": ("U8", shape[1]), ".scale": ("F32", grid[1])}
+    row_scales = np.repeat(decode_e8m0(scales), block, axis=0)[:shape[0]]
+    as_stored = fmt.lay_out("w", [Rows("FP8", got_codes, row_scales, block)])
+    requantized = fmt.lay_out("w", [Rows("F32", w)])
+    for arrays in (as_stored, requantized):
+        np.testing.assert_array_equal(fmt.dequantize(arrays), w)
+    np.testing.assert_array_equal(as_stored[""], requantized[""])
+    # The other block size's format requantizes the checkpoint's codes to its own blocks.
+    other = WEIGHT_FORMATS[fp8_format_name(next(b for b in FP8_BLOCK_SIZES if b != block))]
+    requantized = other.lay_out("w", [Rows("FP8", got_codes, row_scales, block)])
+    assert requantized[".scale"].shape[1] == -(-shape[1] // other.group)

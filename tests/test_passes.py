@@ -2,6 +2,7 @@
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import ml_dtypes
@@ -150,7 +151,7 @@ def test_golden_quant_plans(model_name, target):
     else:  # the FP4 logits kernel's tiles are gfx950's; every other index plane is row-major
         assert plan["index_kv"]["layout"] == "row-major"
     if target == "gfx942":
-        assert plan["weights"]["expert"] == {"storage": "fp4", "block": (1, 32), "scale": "e8m0", "compute": "bf16"}
+        assert plan["weights"]["expert"] == {"storage": "fp4", "block": (1, 32), "scale": "e8m0", "compute": "fp16"}
     if target != "llvm":
         assert plan["main_kv"]["storage"] == "fp8" and plan["main_kv"]["row_bytes"] == 584
 
@@ -187,3 +188,24 @@ def test_norm_rope_fusion_covers_queries_and_kv():
     # per layer: the query heads and the window KV row; the indexer queries have no norm.
     assert counts["rmsnorm_rope"] == 2 * layers
     assert counts["rope"] == layers + sum(l.has_indexer for l in preset("flash").layers)  # inverse + index q
+
+
+def test_the_lowering_takes_every_weight_format_from_the_plan():
+    """The plan's entry per weight kind is the one answer: a plan that stores the dense kind as
+    BF16 gives BF16 kernels and BF16 artifact tensors for every dense weight, FP8 nowhere; the
+    compute field says what the kernels multiply (fp32 on the CPU, fp16 tensor-core operands on GPUs)."""
+    from dsv4c.codegen.lowering import kernel_table, weight_layouts
+
+    cfg = preset("tiny")
+    program = run_pipeline(trace(cfg))
+    plan = plan_for(cfg, "llvm")
+    assert plan.weight_format("dense").name == "fp8_b128" and plan.weights["dense"].compute == "fp32"
+    assert {w.compute for k, w in plan_for(cfg, "sm90").weights.items() if k in ("dense", "expert", "bf16")} == {"fp16"}
+    specs, _ = kernel_table(program, plan)
+    assert any("fp8_b128" in s for s in specs)
+    bf16_dense = replace(plan, weights={**plan.weights, "dense": plan.weights["bf16"]})
+    specs, _ = kernel_table(program, bf16_dense)
+    assert not any("fp8" in s for s in specs)
+    layouts = weight_layouts(program, bf16_dense)
+    assert layouts["layers.0.attn.wo_b.weight"].format.name == "bf16"
+    assert weight_layouts(program, plan)["layers.0.attn.wo_b.weight"].format.name == "fp8_b128"

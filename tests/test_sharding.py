@@ -78,9 +78,9 @@ def test_every_weight_is_partitioned_across_ranks(key, expert_parallel):
 def test_device_bytes_add_up_to_what_the_artifact_stores(model, target):
     cfg = preset(model)
     plan = plan_for(cfg, target)
-    stored = stored_weights(cfg, target, "exact", plan.fp8_format)
+    stored = stored_weights(cfg, plan)
     # TP 1 holds exactly the artifact's weight tensors (merged projections counted by their parts).
-    layouts = weight_layouts(run_pipeline(trace(cfg)), target, plan.fp8_format)
+    layouts = weight_layouts(run_pipeline(trace(cfg)), plan)
     artifact_bytes = sum(STORAGE_DTYPES[dtype].itemsize * _prod(shape)
                          for layout in layouts.values() for dtype, shape in layout.stored().values())
     assert ShardingPlan.build(cfg, 1).device_weight_bytes(stored) == artifact_bytes

@@ -33,6 +33,7 @@ from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.merge_projections import base_weight_names, materialize_weights, weight_sources
 from dsv4c.passes.pipeline import run_pipeline
+from dsv4c.passes.quant_plan import plan_for
 from dsv4c.artifact.manifest import ArtifactError, read_manifest
 from dsv4c.runtime import weights as weight_loader
 from dsv4c.runtime.weights import open_weights
@@ -140,11 +141,10 @@ def models(tmp_path_factory):
 def _convert(cfg, path, target, out, **kwargs):
     """Convert a checkpoint's weights for ``target`` into ``out``: (program, report)."""
     program = run_pipeline(trace(cfg, "exact"))
-    fp8_format = "e4m3fnuz" if target == "gfx942" else "e4m3fn"
     out.mkdir()
     with Checkpoint(path) as ckpt:
         sources = weight_sources(program, ir_sources(cfg, ckpt, base_weight_names(program)))
-        return program, convert_weights(weight_layouts(program, target, fp8_format), sources, out, **kwargs)
+        return program, convert_weights(weight_layouts(program, plan_for(cfg, target)), sources, out, **kwargs)
 
 
 def _stored(directory, files) -> dict:

@@ -13,7 +13,7 @@ import struct
 from tvm import tirx
 from tvm.script import tirx as T
 
-from dsv4c.artifact.lowbit import E2M1_MAX, E4M3_MAX, FP8_SCALE_FACTOR
+from dsv4c.artifact.lowbit import E2M1_MAX, E4M3_MAX, FP8_EXPONENT_BIAS, FP8_SCALE_FACTOR
 
 F32 = "float32"
 NEG_INF = -3.4028234663852886e38
@@ -51,12 +51,12 @@ def _decode_e4m3(code, bias: int):
 
 def decode_e4m3fn(code):
     """float32 value of an e4m3fn byte (0x7F / 0xFF, NaN, decode as +-480; never in weights)."""
-    return _decode_e4m3(code, 7)
+    return _decode_e4m3(code, FP8_EXPONENT_BIAS["e4m3fn"])
 
 
 def decode_e4m3fnuz(code):
     """float32 value of an e4m3fnuz byte (gfx942): bias 8, no negative zero (0x80, NaN, decodes as -0)."""
-    return _decode_e4m3(code, 8)
+    return _decode_e4m3(code, FP8_EXPONENT_BIAS["e4m3fnuz"])
 
 
 DECODE_FP8 = {"e4m3fn": decode_e4m3fn, "e4m3fnuz": decode_e4m3fnuz}  # by FP8 format (quant_plan.fp8_format)

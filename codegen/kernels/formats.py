@@ -1,5 +1,6 @@
 """Each matmul weight format's TIR decode, in one place, keyed by the ``artifact.quant`` format
-name (:func:`tir_format`).
+name (:func:`tir_format`): the kernel side of the format objects there, whose parameters (FP8
+block size and encoding, FP4 group) it reads rather than repeats.
 
 A weight ``[out, in]`` is stored in column tiles ``[out / tile, in, tile]`` (:func:`column_tile`),
 so that a thread streams one contiguous tile. A format's :class:`TirFormat` lists its stored
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from dsv4c.artifact.quant import BF16, FP4_G32, FP8_B128, FP8FNUZ_B128, FP32, WeightFormat
+from dsv4c.artifact.lowbit import FP8_EXPONENT_BIAS
+from dsv4c.artifact.quant import FP32, WEIGHT_FORMATS, Bf16Bits, Fp4Groups, Fp8Blocks, WeightFormat
+from dsv4c.artifact.safetensors_io import STORAGE_DTYPES
 from dsv4c.codegen.kernels.codecs import (F32, DECODE_FP8, decode_bf16, decode_e8m0, decode_fp4_word, raw_e2m1,
                                           raw_e2m1_by_table, raw_e4m3)
 
@@ -55,8 +58,6 @@ class TirFormat:
     weight: WeightFormat
     prefetch_bytes: int = 0  # how far ahead the CPU's decode loop prefetches a streamed tile; 0: not at all
     decoded = True  # the stored values need decoding (fp32 weights are read in place)
-    inputs_per_word = 1  # inputs in one stored element of the tile
-    word_bytes = 4  # bytes of one stored element
 
     @property
     def name(self) -> str:
@@ -70,10 +71,23 @@ class TirFormat:
     def group(self) -> int:
         return self.weight.group
 
+    @property
+    def inputs_per_word(self) -> int:
+        """Inputs in one stored element of the tile (FP4: a word of eight codes)."""
+        return self.weight.inputs_per_word
+
+    @property
+    def word_bytes(self) -> int:
+        """Bytes of one stored element of the tile."""
+        dtype, _ = self.weight.stored(self.inputs_per_word)[""]
+        return STORAGE_DTYPES[dtype].itemsize
+
     def parts(self, out_dim: int, in_dim: int) -> list[tuple[tuple, str]]:
-        """(shape, dtype) of each stored part of an [out_dim, in_dim] weight: the codes or values
-        in column tiles [O / tile, I, tile], then their scales when scaled."""
-        raise NotImplementedError
+        """(shape, dtype) of each stored part of an [out_dim, in_dim] weight: the artifact tensors
+        of the format (the codes or values, then their scales when scaled) in column tiles
+        [O / tile, stored columns, tile]."""
+        return [(_tiled(out_dim, cols), STORAGE_DTYPES[dtype].name)
+                for dtype, cols in self.weight.stored(in_dim).values()]
 
     def value(self, parts, lead: tuple, a, kk, c):
         """float32 value of the weight."""
@@ -90,20 +104,12 @@ class TirFormat:
 class TirFp32(TirFormat):
     decoded = False
 
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim), F32)]
-
     def value(self, parts, lead, a, kk, c):
         return parts[0][lead + (a, kk, c)]
 
 
 @dataclass(frozen=True)
 class TirBf16(TirFormat):
-    word_bytes = 2
-
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim), "uint16")]
-
     def value(self, parts, lead, a, kk, c):
         return decode_bf16(parts[0][lead + (a, kk, c)])  # BF16 bits: the float32 with the same top half
 
@@ -136,12 +142,8 @@ class TirScaled(TirFormat):
 @dataclass(frozen=True)
 class TirFp8Blocks(TirScaled):
     """e4m3 codes (e4m3fn, or e4m3fnuz on gfx942), one byte an input, with the float32 scales of
-    their 128x128 blocks expanded per column and tiled the same way, [O / tile, ceil(I/128),
-    tile] (a vector of columns then reads a vector of scales)."""
-    word_bytes = 1
-
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim), "uint8"), (_tiled(out_dim, -(-in_dim // self.group)), F32)]
+    their B x B blocks (B = ``group``) expanded per column and tiled the same way, [O / tile,
+    ceil(I/B), tile] (a vector of columns then reads a vector of scales)."""
 
     def code(self, parts, lead, a, kk, c):
         return DECODE_FP8[self.weight.fp8_format](parts[0][lead + (a, kk, c)])
@@ -158,11 +160,6 @@ class TirFp4Groups(TirScaled):
     """Eight e2m1 codes per int32 word along the input dim (input 8i + j on bits 4j..4j+3: the
     checkpoint's packed bytes, four at a time, little-endian), one E8M0 scale per 32 inputs of a
     row: the checkpoint's own groups, tiled along the output."""
-    inputs_per_word = 8
-
-    def parts(self, out_dim, in_dim):
-        return [(_tiled(out_dim, in_dim // self.inputs_per_word), "int32"),
-                (_tiled(out_dim, in_dim // self.group), "uint8")]
 
     def code(self, parts, lead, a, kk, c):
         return decode_fp4_word(self._word(parts, lead, a, kk, c), kk % self.inputs_per_word)
@@ -183,11 +180,19 @@ class TirFp4Groups(TirScaled):
 
 # Prefetch distances: the best measured for each format, FP8 and BF16 on Zen 3, FP4 on Zen 4
 # (bench/RESULTS.md); ``matmul.PREFETCH_BYTES_BY_CPU`` overrides them where a CPU differs.
-TIR_FORMATS = {f.name: f for f in (
-    TirFp32(FP32), TirBf16(BF16, prefetch_bytes=1024),
-    TirFp8Blocks(FP8_B128, prefetch_bytes=2048, raw_power=127 - 7),
-    TirFp8Blocks(FP8FNUZ_B128, prefetch_bytes=2048, raw_power=127 - 8),
-    TirFp4Groups(FP4_G32, prefetch_bytes=2048, raw_power=127 - 1))}
+def _tir_side(fmt: WeightFormat) -> TirFormat:
+    if isinstance(fmt, Fp8Blocks):
+        return TirFp8Blocks(fmt, prefetch_bytes=2048, raw_power=127 - FP8_EXPONENT_BIAS[fmt.fp8_format])
+    if isinstance(fmt, Fp4Groups):
+        return TirFp4Groups(fmt, prefetch_bytes=2048, raw_power=127 - 1)  # e2m1: exponent bias 1
+    if isinstance(fmt, Bf16Bits):
+        return TirBf16(fmt, prefetch_bytes=1024)
+    return TirFp32(fmt)
+
+
+# Every format a matmul reads: the low-bit ones, BF16 and fp32 (integer weights are not multiplied).
+TIR_FORMATS = {name: _tir_side(f) for name, f in WEIGHT_FORMATS.items()
+               if f.scaled or isinstance(f, Bf16Bits) or f is FP32}
 
 
 def tir_format(name: str) -> TirFormat:

@@ -85,7 +85,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     tile = column_tile(out_dim)
     scaled = cpu and fmt.scaled
     packed = fmt.inputs_per_word > 1  # FP4: a word of eight codes
-    # Groups: FP8 blocks of 128, FP4 scale groups of 32. The CPU's direct loop unrolls k by up
+    # Groups: FP8 blocks (128 or 32 inputs), FP4 scale groups of 32. The CPU's direct loop unrolls k by up
     # to 4 inside a group, FP4 by a word's 8 codes with half the accumulators (with 8, LLVM keeps
     # the words of all chunks live at once and spills them). GPU builds take one input at a
     # time: unrolled, LLVM's AMDGPU backend spent ~27 s on each FP4 expert kernel of Flash (2 s

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dsv4c.artifact.quant import WeightFormat, dense_format
+from dsv4c.artifact.quant import QuantPlan, WeightFormat
 
 I32, F32 = "int32", "float32"  # Relax dtypes of row indices and of activations
 
@@ -32,9 +32,9 @@ def input_shapes(node) -> list:
     return [v.type.shape if hasattr(v.type, "shape") else None for v in node.inputs]
 
 
-def dense_quant(node, plan) -> str:
-    """The format a node's dense weights are multiplied in under ``plan``."""
-    return dense_format(node.attrs["quant"], plan.fp8_format).name
+def dense_quant(node, plan: QuantPlan) -> str:
+    """The format a node's dense weights are stored and multiplied in: the plan's entry."""
+    return plan.format_of(node.attrs["quant"]).name
 
 
 def matmul_kernels(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0) -> dict[str, KernelSpec]:
@@ -66,10 +66,10 @@ class OpLowering:
     def matmul_weights(self, node) -> list:
         return node.inputs[self.weights]
 
-    def weight_format(self, node, fp8_format: str) -> WeightFormat:
-        """The format the artifact stores this node's matmul weights in: the one its kernels read
-        (``dense_quant`` names the same format)."""
-        return dense_format(node.attrs["quant"], fp8_format)
+    def weight_format(self, node, plan: QuantPlan) -> WeightFormat:
+        """The format the artifact stores this node's matmul weights in, from the quantization
+        plan: the one its kernels read (``dense_quant`` names the same format)."""
+        return plan.format_of(node.attrs["quant"])
 
     def weight_groups(self, node) -> int:
         """Independent projections stacked in each matmul weight (each stored in its own tiles)."""

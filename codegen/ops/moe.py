@@ -3,7 +3,6 @@ experts) and ``shared_expert``."""
 
 from __future__ import annotations
 
-from dsv4c.artifact.quant import FP32, expert_format
 from dsv4c.codegen.ops.base import (F32, I32, OpLowering, dense_quant, input_shapes, kernel,
                                     matmul_kernels)
 
@@ -17,7 +16,8 @@ class MoeRoute(OpLowering):
     def kernels(self, node, cfg, plan):
         a, ins = node.attrs, input_shapes(node)
         e, d = ins[1]
-        out = {**matmul_kernels("gate_", e, d, "fp32"), "scores": kernel("route_scores", e),
+        out = {**matmul_kernels("gate_", e, d, self.weight_format(node, plan).name),
+               "scores": kernel("route_scores", e),
                "weights": kernel("route_weights", e, a["k"], a["scale"])}
         if a["mode"] == "hash":
             out["select"] = kernel("hash_ids", ins[2][0], a["k"])
@@ -39,8 +39,8 @@ class MoeRoute(OpLowering):
         weights = em.call(roles["weights"], [scores, ids], ([t, k], F32))
         return [weights, ids]
 
-    def weight_format(self, node, fp8_format):
-        return FP32
+    def weight_format(self, node, plan):
+        return plan.weight_format("fp32")  # the router's logits are exact: an fp32 gate
 
 
 class Experts(OpLowering):
@@ -52,7 +52,7 @@ class Experts(OpLowering):
     def kernels(self, node, cfg, plan):
         ins = input_shapes(node)
         e, inter, d = ins[3]
-        q, k = self.weight_format(node, plan.fp8_format).name, ins[2][1]
+        q, k = self.weight_format(node, plan).name, ins[2][1]
         # The decode function's expert matmuls are kernels of their own on GPU targets (a GEMV
         # streaming the weights, kernels.gpu_gemv); the CPU builds one kernel for both.
         return {"group": kernel("moe_group", k, e), "act": kernel("swiglu", inter, node.attrs["limit"]),
@@ -77,8 +77,8 @@ class Experts(OpLowering):
         down = em.call(roles[down_role], [act, offsets] + w2, ([pairs, d], F32))
         return [em.call(roles["combine"], [down, token_pair, route_w], ([t, d], F32))]
 
-    def weight_format(self, node, fp8_format):
-        return expert_format(node.attrs["quant"])
+    def weight_format(self, node, plan):
+        return plan.weight_format("expert")
 
 
 class SharedExpert(OpLowering):
