@@ -280,12 +280,11 @@ class Manifest:
 
 def write_manifest(directory: Path, manifest: Manifest) -> Manifest:
     """Write ``manifest`` last, its ``files`` the size and sha256 of every file already in
-    ``directory``; what was written."""
+    ``directory``; the manifest as a reader reads it back (checked here too)."""
     paths = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
     files = {p.name: FileRecord(bytes=p.stat().st_size, sha256=digest) for p, digest in zip(paths, _hash_all(paths))}
-    written = replace(manifest, files=files)
-    text = json.dumps(written.to_json(), indent=2, sort_keys=False)
-    Manifest.from_json(json.loads(text), str(directory / MANIFEST))  # the writer keeps the format too
+    text = json.dumps(replace(manifest, files=files).to_json(), indent=2, sort_keys=False)
+    written = Manifest.from_json(json.loads(text), str(directory / MANIFEST))
     (directory / MANIFEST).write_text(text)
     return written
 
