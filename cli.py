@@ -344,7 +344,7 @@ def _cmd_verify(args) -> int:
     from dsv4c.artifact.manifest import verify_artifact
 
     manifest, checked = verify_artifact(args.artifact)
-    print(f"{args.artifact}: {len(manifest['files'])} files, {checked / 1e9:.2f} GB, match their sha256")
+    print(f"{args.artifact}: {len(manifest.files)} files, {checked / 1e9:.2f} GB, match their sha256")
     return 0
 
 

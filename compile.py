@@ -22,7 +22,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from dsv4c import __version__
-from dsv4c.artifact.manifest import staging, write_manifest
+from dsv4c.artifact.file_names import CONSTANTS, COPIED_FROM_MODEL, PROGRAM, rank_prefix
+from dsv4c.artifact.manifest import EntryPoint, Kernels, Manifest, RankWeights, Vm, Weights, staging, write_manifest
+from dsv4c.artifact.json_record import parse_record
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import QuantPlan, WeightFormat
@@ -38,8 +40,6 @@ from dsv4c.passes.merge_projections import base_weight_names, weight_sources
 from dsv4c.passes.pipeline import PipelineOptions, run_pipeline
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.targets import target_info
-
-CONSTANTS = "constants.safetensors"  # the compiled step's constants (see step_constants)
 
 
 def _checkpoint_dir(cfg: ModelConfig, model: str, stack: ExitStack) -> Path:
@@ -86,15 +86,21 @@ def rank_sources(program: Program, sharding: ShardingPlan, rank: int, checkpoint
     return weight_sources(program, base)
 
 
-def weights_entry(reports: list) -> dict | None:
+def weights_entry(reports: list) -> Weights | None:
     """The manifest's ``weights``: the index and files of the one device, or with several ranks
     every rank's (``ranks``, in rank order) and all their files (``files``)."""
     if not reports:
         return None
     if len(reports) == 1:
-        return {"index": reports[0].index, "files": reports[0].files}
-    return {"files": [f for r in reports for f in r.files],
-            "ranks": [{"index": r.index, "files": r.files} for r in reports]}
+        return Weights(index=reports[0].index, files=tuple(reports[0].files))
+    return Weights(files=tuple(f for r in reports for f in r.files),
+                   ranks=tuple(RankWeights(index=r.index, files=tuple(r.files)) for r in reports))
+
+
+# The IR step function's signature, recorded for readers of the program (the runtimes call the
+# compiled entry functions, ``vm.inputs``).
+STEP_ENTRY_POINT = EntryPoint(inputs=("tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"),
+                              outputs=("logits:f32[T,vocab]", "streams:f32[T,hc,D]"))
 
 
 def _peak_rss_gib() -> float:
@@ -145,13 +151,11 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             # Every tensor's storage and shape is checked here, before anything is written.
             sources = ir_sources(cfg, ckpt, {n for n in base_weight_names(program) if n not in RANK_VALUES})
         with staging(out, log) as tmp:
-            (tmp / "program.json").write_text(json.dumps(program_to_json(program)))
+            (tmp / PROGRAM).write_text(json.dumps(program_to_json(program)))
             # tokenizer_config.json carries the chat template `dsv4c serve` renders chat requests with.
-            for name in ("tokenizer.json", "tokenizer_config.json"):
+            for name in COPIED_FROM_MODEL:
                 if Path(model).is_dir() and (Path(model) / name).is_file():
                     shutil.copyfile(Path(model) / name, tmp / name)
-            entry_points = {"step": {"inputs": ["tokens:i32[T]", "positions:i32[T]", "seq_ids:i32[T]"],
-                                     "outputs": ["logits:f32[T,vocab]", "streams:f32[T,hc,D]"]}}
             with ThreadPoolExecutor(1, thread_name_prefix="dsv4c-kernels") as builder:
                 building = None
                 if info.compiled:
@@ -168,29 +172,31 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                     for rank in range(tensor_parallel):  # each rank's parts, read from the checkpoint alone
                         reports.append(convert_weights(layouts, rank_sources(program, sharding, rank, sources), tmp,
                                                        shard_bytes or SHARD_BYTES, progress=progress,
-                                                       prefix=f"rank{rank}-" if tensor_parallel > 1 else ""))
+                                                       prefix=rank_prefix(rank, tensor_parallel)))
                 kernels, vm = building.result() if building is not None else ({}, None)
             import tvm
 
-            write_manifest(tmp, {
-                "dsv4c_version": __version__,
-                "tvm_version": tvm.__version__,
-                "target": target,
-                "numerics": numerics,
-                "kv_cache_dtype": kv_cache_dtype,
-                "model_name": cfg.name,
-                "model": cfg.to_json_dict("hf"),
-                "has_weights": bool(reports),
-                "weights": weights_entry(reports),
-                **({"tensor_parallel": tensor_parallel, "expert_parallel": expert_parallel}
-                   if tensor_parallel > 1 else {}),
-                "quant_plan": plan.to_json(),
-                "pool_geometry": geometry.summary(),
-                "entry_points": entry_points,
-                "kernels": kernels,
-                **({"vm": {**vm, "constants": CONSTANTS}} if vm else {}),
-            })
-    built_for = f"{kernels['mcpu']}, " if "mcpu" in kernels else ""
+            where = f"{out}: the compiled step's description"
+            manifest = write_manifest(tmp, Manifest(
+                dsv4c_version=__version__,
+                tvm_version=tvm.__version__,
+                target=target,
+                numerics=numerics,
+                kv_cache_dtype=kv_cache_dtype,
+                model_name=cfg.name,
+                model=cfg.to_json_dict("hf"),
+                has_weights=bool(reports),
+                weights=weights_entry(reports),
+                tensor_parallel=tensor_parallel,
+                expert_parallel=expert_parallel if tensor_parallel > 1 else None,
+                quant_plan=plan.to_json(),
+                pool_geometry=geometry.summary(),
+                entry_points={"step": STEP_ENTRY_POINT},
+                kernels=parse_record(Kernels, kernels, where, "kernels"),
+                vm=parse_record(Vm, {**vm, "constants": CONSTANTS}, where, "vm") if vm else None,
+                files={},  # write_manifest records the files
+            ))
+    built_for = f"{manifest.kernels.mcpu}, " if manifest.kernels.mcpu else ""
     ranks = f", tensor parallel {tensor_parallel}{'' if expert_parallel else ', experts split'}" \
         if tensor_parallel > 1 else ""
     summary = f"compiled {cfg.name} for {target} ({built_for}{numerics}{ranks}) -> {out}"

@@ -71,15 +71,15 @@ def decode_cost(model: str, target: str = "llvm", context: int = 4096, batch: in
                      sum(geometry.bytes_per_token().values()))
 
 
-def artifact_step_costs(artifact: Path, manifest: dict, config, batch: int, context: int) -> list[tuple[str, Cost]]:
+def artifact_step_costs(artifact: Path, config, geometry, batch: int, context: int) -> list[tuple[str, Cost]]:
     """(family, cost) of every node (merged projections part by part) of a compiled artifact's
-    step (its ``program.json``, the program after the passes) for a decode step of ``batch``
-    requests at ``context``, in the pool row and FP8 formats of its quantization plan."""
+    step (its program, after the passes) for a decode step of ``batch`` requests at ``context``,
+    in the pool row and FP8 formats of its pool ``geometry`` (``artifact.pool.PoolGeometry``)."""
+    from dsv4c.artifact.file_names import PROGRAM
     from dsv4c.ir.serialize import program_from_json
 
-    program = program_from_json(json.loads((Path(artifact) / "program.json").read_text()), config)
-    plan = manifest["quant_plan"]
-    d = Decode(batch, context, plan["main_kv"]["row_bytes"], plan["index_kv"]["row_bytes"], plan["fp8_format"])
+    program = program_from_json(json.loads((Path(artifact) / PROGRAM).read_text()), config)
+    d = Decode(batch, context, geometry.main_row_bytes, geometry.index_row_bytes, geometry.fp8_format)
     return [part for node in program.functions["step"].nodes for part in node_costs(node, d)]
 
 

@@ -1,28 +1,31 @@
-"""The artifact directory: what ``dsv4c compile`` writes and the runtime loads.
+"""The artifact directory: what ``dsv4c compile`` writes and the runtimes load, and its
+manifest as one typed record, :class:`Manifest` (every key: docs/artifact.md).
 
 ::
 
     ART/
       manifest.json          format version, target, numerics, model description, quant plan,
                              pool geometry, entry points, TVM version, weight files, and the
-                             size and sha256 of every file
+                             size and sha256 of every file (:class:`Manifest`)
       weights.safetensors    weights in the target's layout (IR names); several
                              weights-0000i-of-0000N.safetensors when they exceed one file
       weights.safetensors.index.json   which file holds which tensor
-      kernels.so             compiled kernels (TVM targets only)
-      program.json           the IR program the runtime executes
+      model.so               the compiled step (compiled targets only)
+      constants.safetensors  the compiled step's constants (compiled targets only)
+      program.json           the IR program after the passes
       tokenizer.json         copied from the model directory when it has one
       tokenizer_config.json  copied likewise (its chat_template serves chat requests)
 
-Written into a temporary sibling directory and renamed at the end, so an interrupted
-compile leaves no artifact. A killed compile cannot remove its temporary directory; the next
-compile to the same output removes it (a live compile holds a lock on its own). Loading
-checks the format version, that every file is there with its recorded size, and the sha256 of
-every file but the weight shards (:func:`read_manifest`: the library, the program, constants
-and tokenizer files, milliseconds; the weight loader then checks each shard's header), and
-that this host can run the target; hashing every byte is :func:`verify_artifact`, run on
-request (``dsv4c verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError`
-with a one-line message naming the file.
+(names: :mod:`dsv4c.artifact.file_names`). Written into a temporary sibling directory and
+renamed at the end, so an interrupted compile leaves no artifact. A killed compile cannot
+remove its temporary directory; the next compile to the same output removes it (a live compile
+holds a lock on its own). Loading checks the format version, the manifest's keys and types,
+that every file is there with its recorded size, and the sha256 of every file but the weight
+shards (:func:`read_manifest`: the library, the program, constants and tokenizer files,
+milliseconds; the weight loader then checks each shard's header); the runtime then checks that
+this host can run the target. Hashing every byte is :func:`verify_artifact`, run on request
+(``dsv4c verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError` with a
+one-line message naming the file or the key.
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dsv4c.artifact.file_names import MANIFEST
+from dsv4c.artifact.json_record import parse_record, to_json
 from dsv4c.errors import ArtifactError
 
+# The one version of the artifact format: raise it when a key changes meaning or shape (the
+# runtimes refuse any other: "recompile"), and say what changed in docs/artifact.md.
 FORMAT_VERSION = 4
-MANIFEST = "manifest.json"
-WEIGHTS_INDEX = "weights.safetensors.index.json"
 
 
 def sha256_of(path: Path) -> str:
@@ -139,68 +146,194 @@ def staging(out: str | os.PathLike, log: Callable[[str], Any] = print) -> Iterat
             os.close(lock)  # after the rename: a sweep never sees this directory unlocked under its partial name
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Record the size and sha256 of every file already in ``directory`` and write the manifest last."""
+# --------------------------------------------------------------------------- the manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileRecord:
+    MALFORMED = "manifest has no file list"  # the C++ host's words for any damage in ``files``
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankWeights:
+    index: str  # the file naming which weight file holds which tensor
+    files: tuple[str, ...]  # the weight files, in order
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weights:
+    """The weight files: one device's (``index`` and ``files``), or of a multi-rank artifact
+    every rank's (``ranks``) and all their files (``files``)."""
+    MALFORMED = "manifest has no weight file list"  # the C++ host's words
+    index: str | None = None
+    files: tuple[str, ...]
+    ranks: tuple[RankWeights, ...] | None = None
+
+    def of_rank(self, rank: int) -> RankWeights | None:
+        """Rank ``rank``'s index and files (rank 0 of a one-device artifact: all of them)."""
+        if self.ranks is not None:
+            return self.ranks[rank] if 0 <= rank < len(self.ranks) else None
+        return RankWeights(index=self.index, files=self.files) if rank == 0 and self.index is not None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryPoint:
+    inputs: tuple[str, ...]  # "name:dtype[shape]"
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernels:
+    """What was built: none on the reference target, ``mcpu`` / ``cpu_features`` on llvm,
+    ``device_code`` on GPU targets (``TargetInfo.library_facts``)."""
+    count: int | None = None  # distinct kernels
+    build_seconds: float | None = None
+    mcpu: str | None = None  # the LLVM CPU the code is built for
+    cpu_features: tuple[str, ...] | None = None  # instruction sets it may use, /proc/cpuinfo spelling
+    device_code: str | None = None  # "fatbin sm_90a", "hsaco gfx942", ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmPoolTensor:
+    name: str  # ``artifact.pool.PoolTensor.to_json``
+    rows: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmProfile:
+    kernels: tuple[str, ...]  # the library's kernel symbols
+    calls: dict[str, tuple[Any, ...]]  # per entry function its kernel calls as runs [families, count]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Vm:
+    """The compiled step (``codegen.build.build_step``; docs/artifact.md, "The compiled step")."""
+    library: str
+    functions: tuple[str, ...]
+    inputs: tuple[str, ...]
+    mtp_inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple[str, ...]  # the params tuple: stored weight and constant names
+    pool: tuple[VmPoolTensor, ...]
+    entry_ratios: tuple[int, ...]
+    max_step_tokens: int
+    decode_max_tokens: int
+    cuda_graph: bool
+    pool_functions: dict[str, str] | None = None  # by role; absent in artifacts built before them
+    profile: VmProfile | None = None  # absent in artifacts built before the profiler
+    constants: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """``manifest.json``, every key (docs/artifact.md). ``model``, ``quant_plan`` and
+    ``pool_geometry`` are kept as the JSON their own modules write and parse
+    (``ModelConfig.to_json_dict`` / ``from_json_dict``, ``QuantPlan.to_json``,
+    ``PoolGeometry.summary`` / ``from_summary``); :func:`dsv4c.artifact.directory.open_artifact`
+    parses them."""
+    dsv4c_version: str
+    tvm_version: str
+    target: str
+    numerics: str
+    kv_cache_dtype: str
+    model_name: str
+    model: dict[str, Any]
+    has_weights: bool
+    weights: Weights | None  # None: compiled with --no-weights
+    tensor_parallel: int = 1  # ranks, one process each
+    expert_parallel: bool | None = None  # multi-rank artifacts: whole experts per rank
+    quant_plan: dict[str, Any]
+    pool_geometry: dict[str, Any]
+    entry_points: dict[str, EntryPoint]
+    kernels: Kernels
+    vm: Vm | None = None  # compiled targets
+    files: dict[str, FileRecord]  # every other file; write_manifest records them
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, **to_json(self)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "Manifest":
+        """The manifest of format version :data:`FORMAT_VERSION` in ``d``, checked key by key."""
+        return parse_record(cls, {k: v for k, v in d.items() if k != "format_version"}, where)
+
+    def weight_files(self) -> tuple[str, ...]:
+        """Every weight file of every rank (none without weights)."""
+        return self.weights.files if self.weights is not None else ()
+
+    # Transition: runtime/engine.py, tensor_parallel.py, backend_tvm.py and backend_reference.py
+    # still read the manifest as its JSON object; remove these two once they read the fields.
+    @cached_property
+    def _json(self) -> dict[str, Any]:
+        return self.to_json()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._json[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._json.get(key, default)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> Manifest:
+    """Write ``manifest`` last, its ``files`` the size and sha256 of every file already in
+    ``directory``; the manifest as a reader reads it back (checked here too)."""
     paths = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": digest} for p, digest in zip(paths, _hash_all(paths))}
-    full = {"format_version": FORMAT_VERSION, **manifest, "files": files}
-    (directory / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=False))
+    files = {p.name: FileRecord(bytes=p.stat().st_size, sha256=digest) for p, digest in zip(paths, _hash_all(paths))}
+    text = json.dumps(replace(manifest, files=files).to_json(), indent=2, sort_keys=False)
+    written = Manifest.from_json(json.loads(text), str(directory / MANIFEST))
+    (directory / MANIFEST).write_text(text)
+    return written
 
 
-def _listed_files(manifest: dict[str, Any], path: Path) -> dict[str, dict[str, Any]]:
-    files = manifest.get("files")
-    entry_ok = lambda e: (isinstance(e, dict) and type(e.get("bytes")) is int  # noqa: E731
-                          and isinstance(e.get("sha256"), str))
-    if not isinstance(files, dict) or not all(entry_ok(e) for e in files.values()):
-        raise ArtifactError(f"{path}: manifest has no file list; recompile")
-    return files
-
-
-def read_manifest(directory: str | os.PathLike, verify: bool = False) -> dict[str, Any]:
-    """The manifest of an artifact, checked: format version, every listed file present with its
-    recorded size, and the sha256 of every file but the weight shards (small: the shards are
-    not read). ``verify`` hashes every byte instead (see :func:`verify_artifact`)."""
+def read_manifest(directory: str | os.PathLike, verify: bool = False) -> Manifest:
+    """The manifest of an artifact, checked: format version, keys and types, every listed file
+    present with its recorded size, and the sha256 of every file but the weight shards (small:
+    the shards are not read). ``verify`` hashes every byte instead (see :func:`verify_artifact`)."""
     d = Path(directory)
     path = d / MANIFEST
     if not d.is_dir():
         raise ArtifactError(f"{d}: not an artifact directory (run `dsv4c compile` first)")
     try:
-        manifest = json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ArtifactError(f"{d}: no {MANIFEST}; not a dsv4c artifact or an interrupted compile") from None
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{path}: unreadable manifest ({e.__class__.__name__})") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        got = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
+        got = raw.get("format_version") if isinstance(raw, dict) else None
         raise ArtifactError(f"{d}: artifact format version {got!r}, this runtime reads {FORMAT_VERSION}; recompile")
-    files = _listed_files(manifest, path)
-    for name, entry in files.items():
+    manifest = Manifest.from_json(raw, str(path))
+    for name, entry in manifest.files.items():
         f = d / name
         if not f.is_file():
             raise ArtifactError(f"{d}: file {name} listed in the manifest is missing")
         size = f.stat().st_size
-        if size != entry["bytes"]:
-            raise ArtifactError(f"{d}: {name} has {size} bytes, the manifest records {entry['bytes']} (truncated or "
+        if size != entry.bytes:
+            raise ArtifactError(f"{d}: {name} has {size} bytes, the manifest records {entry.bytes} (truncated or "
                                 "modified); compile again or copy the artifact again")
     # Everything but the weight shards is small (the library, the program, constants, tokenizer
     # files): hashed at every load, in milliseconds, so a damaged library is named here rather
     # than failing inside TVM. The shards keep the size and header checks unless ``verify``.
-    weights = () if verify else set((manifest.get("weights") or {}).get("files") or ())
-    _check_hashes(d, {name: entry for name, entry in files.items() if name not in weights})
+    weights = () if verify else set(manifest.weight_files())
+    _check_hashes(d, {name: entry for name, entry in manifest.files.items() if name not in weights})
     return manifest
 
 
-def _check_hashes(d: Path, files: dict[str, dict[str, Any]]) -> None:
+def _check_hashes(d: Path, files: dict[str, FileRecord]) -> None:
     """Each file's sha256 against the manifest's, several files at a time, in name order."""
     names = sorted(files)
     for name, digest in zip(names, _hash_all([d / n for n in names])):
-        if digest != files[name]["sha256"]:
+        if digest != files[name].sha256:
             raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
 
 
-def verify_artifact(directory: str | os.PathLike) -> tuple[dict[str, Any], int]:
+def verify_artifact(directory: str | os.PathLike) -> tuple[Manifest, int]:
     """Hash every file of the artifact (several at a time, each once) against the manifest: the
     manifest and the bytes checked. Raises :class:`ArtifactError` naming the first file that
     does not match."""
     manifest = read_manifest(directory, verify=True)
-    return manifest, sum(entry["bytes"] for entry in manifest["files"].values())
+    return manifest, sum(entry.bytes for entry in manifest.files.values())

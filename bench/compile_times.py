@@ -10,7 +10,6 @@ per compile on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -35,8 +34,10 @@ def main() -> None:
                 if done.returncode:
                     print(f"{model:<8}{target:<9}  failed: {done.stderr.strip().splitlines()[-1]}")
                     continue
-                kernels = json.loads((out / "manifest.json").read_text())["kernels"]
-                print(f"{model:<8}{target:<9}{wall:>8.1f}{kernels['count']:>9}{kernels['build_seconds']:>16.1f}")
+                from dsv4c.artifact.manifest import read_manifest
+
+                kernels = read_manifest(out).kernels
+                print(f"{model:<8}{target:<9}{wall:>8.1f}{kernels.count:>9}{kernels.build_seconds:>16.1f}")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def chat_artifact(workdir: Path) -> Path:
             (view / f.name).symlink_to(f.resolve())
         stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         corpus = [f.read_text(errors="replace") for f in stdlib] + DSML * 100
-        vocab = json.loads((artifact / "manifest.json").read_text())["model"]["vocab_size"]
+        from dsv4c.artifact.directory import open_artifact
+
+        vocab = open_artifact(artifact).config.vocab_size
         write_v4_tokenizer(view, corpus, vocab)
     return view
 

@@ -104,7 +104,7 @@ def predicted_ms(artifact: Path, engine, context: int, steps: int, read_gb_s: fl
 
     out: dict[str, float] = {}
     for i in range(steps):
-        parts = artifact_step_costs(artifact, engine.manifest, engine.config, 1, context + i)
+        parts = artifact_step_costs(artifact, engine.config, engine.pool.geometry, 1, context + i)
         for family, seconds in roofline_seconds(parts, read_gb_s * 1e9, gflop_s * 1e9).items():
             out[family] = out.get(family, 0.0) + 1e3 * seconds / steps
     return out

@@ -120,22 +120,22 @@ def _step_weights(artifact: Path, rank: int = 0):
     of a ``--tensor-parallel`` artifact holds a share of every expert, or with ``--expert-parallel``
     a share of the experts, and reads that share of the token's on average). The MTP layer's own weights (which only its draft function reads) are part
     ``mtp``. Of a multi-rank artifact, rank ``rank``'s."""
+    from dsv4c.artifact.directory import open_artifact
     from dsv4c.artifact.safetensors_io import SafetensorsFile
-    from dsv4c.artifact.manifest import read_manifest
     from dsv4c.runtime.weights import open_weights
 
-    manifest = read_manifest(artifact)
-    model, vm = manifest["model"], manifest["vm"]
+    opened = open_artifact(artifact)
+    manifest, cfg, vm = opened.manifest, opened.config, opened.manifest.vm
     tensors = dict(open_weights(artifact, manifest, rank=rank))
-    with SafetensorsFile(artifact / vm["constants"]) as st:
+    with SafetensorsFile(artifact / vm.constants) as st:
         tensors.update((name, st.read_raw(name)) for name in st.names())
-    for name in vm["params"]:
+    for name in vm.params:
         a = tensors[name]
         part = _param_part(name)
         if part == "routed_experts":
-            ranks = manifest.get("tensor_parallel", 1) if manifest.get("expert_parallel") else 1
-            assert a.shape[0] == model["n_routed_experts"] // ranks, (name, a.shape)
-            share = model["num_experts_per_tok"] / model["n_routed_experts"]
+            ranks = manifest.tensor_parallel if manifest.expert_parallel else 1
+            assert a.shape[0] == cfg.n_routed_experts // ranks, (name, a.shape)
+            share = cfg.n_experts_per_tok / cfg.n_routed_experts
         else:
             share = 1 / a.shape[0] if part == "embedding_rows" else 1.0
         yield name, a, "mtp" if name.startswith("mtp.") else part, share
@@ -169,7 +169,7 @@ def prefill_matmul_flops(artifact: Path) -> float:
     mHC / norm kernels are not counted: a lower bound of the work."""
     from dsv4c.artifact.manifest import read_manifest
 
-    fp4_experts = read_manifest(artifact)["quant_plan"]["weights"]["expert"]["storage"] == "fp4"
+    fp4_experts = read_manifest(artifact).quant_plan["weights"]["expert"]["storage"] == "fp4"
     flops = 0.0
     for name, a, part, share in _step_weights(artifact):
         if part in ("dense", "routed_experts") and a.ndim >= 3 and not name.endswith(".scale"):
@@ -224,7 +224,6 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
     rng = np.random.default_rng(0)
     out: dict = {}
     if system == "dsv4c":
-        from dsv4c.artifact.manifest import read_manifest
         from dsv4c.runtime.engine import Engine
 
         engine = Engine(workdir / "artifact", max_step_tokens=2048,
@@ -244,7 +243,7 @@ def run_system(system: str, workdir: Path, prefill: int, contexts: list[int], st
             engine.pool.free(seq)
 
         # Read probes beside the decode steps: the machine's bandwidth drifts within seconds.
-        params = read_manifest(workdir / "artifact")["vm"]["params"]
+        params = engine.manifest.vm.params
         probe = weight_read_probe(backend.params, {i for i, name in enumerate(params)
                                                    if _param_part(name) not in ("head", "dense") or name.startswith("mtp.")})
         weight_bytes = decode_weight_bytes(workdir / "artifact")["total"]
@@ -362,6 +361,7 @@ def main() -> None:
         print(json.dumps(run_system(args.system, args.workdir, args.prefill, args.contexts, args.decode_steps,
                                     args.threads)))
         return
+    from dsv4c.artifact.manifest import read_manifest
     from dsv4c.errors import UsageError
     from dsv4c.targets import checked_cpu_name, host_cpu, host_cpu_flags
 
@@ -372,7 +372,7 @@ def main() -> None:
     except UsageError as e:
         sys.exit(f"error: {e}")
     if artifact.exists():
-        built_for = json.loads((artifact / "manifest.json").read_text())["kernels"]["mcpu"]
+        built_for = read_manifest(artifact).kernels.mcpu
         if built_for != wanted_cpu:
             sys.exit(f"error: {artifact} was built for {built_for}, not {wanted_cpu}: "
                      "remove it or use another --workdir")
@@ -380,9 +380,9 @@ def main() -> None:
         if not (workdir / done).exists():
             subprocess.run([sys.executable, __file__, "--stage", stage, "--workdir", str(workdir)]
                            + (["--cpu", args.cpu] if args.cpu else []), check=True)
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest = read_manifest(artifact)
     host = host_cpu_flags()
-    isa = baseline_isa(args.baseline_isa, manifest["kernels"]["cpu_features"], host.flags if host else None)
+    isa = baseline_isa(args.baseline_isa, manifest.kernels.cpu_features, host.flags if host else None)
 
     def child(system: str, threads: int) -> dict:
         cmd = [sys.executable, __file__, "--system", system, "--workdir", str(workdir), "--prefill", str(args.prefill),
@@ -394,7 +394,7 @@ def main() -> None:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     report = {"cpu": {"model": host.model if host else None, "llvm_cpu": host_cpu(),
-                      "artifact_cpu": manifest["kernels"]["mcpu"], "baseline_isa": isa}, "threads": args.threads}
+                      "artifact_cpu": manifest.kernels.mcpu, "baseline_isa": isa}, "threads": args.threads}
     # Rounds: a shared machine's speed drifts over minutes, so each system (and each baseline
     # measurement) runs once a round, in alternating order, and every figure keeps its best.
     # Each thread count's bandwidth in its own process (TVM sizes its pool once), alone.
@@ -425,7 +425,7 @@ def main() -> None:
         print(f"{key:<22}{ours[key]:>12.1f}{ref[key]:>14.1f}{better:>8.2f}x")
     # What bounds decode: bytes of weights each token reads against the measured read bandwidth.
     weights = report["decode_weight_bytes"] = decode_weight_bytes(artifact)
-    on_disk = sum((artifact / f).stat().st_size for f in manifest["weights"]["files"])
+    on_disk = sum((artifact / f).stat().st_size for f in manifest.weight_files())
     print(f"weights a decode token reads: {weights['total'] / 1e9:.3f} GB (dense {weights['dense'] / 1e9:.3f}, head "
           f"{weights['head'] / 1e9:.3f}, routed experts' top-k share {weights['routed_experts'] / 1e9:.3f}, embedding "
           f"rows {weights['embedding_rows'] / 1e3:.1f} KB) of {on_disk / 1e9:.2f} GB on disk")

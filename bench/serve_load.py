@@ -151,8 +151,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def compare(args) -> None:
-    manifest = json.loads((Path(args.artifact) / "manifest.json").read_text())
-    vocab = manifest["model"]["vocab_size"]
+    from dsv4c.artifact.directory import open_artifact
+
+    vocab = open_artifact(args.artifact).config.vocab_size
     rounds = {"offline": [], "server": []}
     worker = subprocess.Popen([sys.executable, __file__, "--side", "offline", "--artifact", str(args.artifact),
                                "--clients", str(args.clients), "--requests", str(args.requests), "--prompt-tokens",

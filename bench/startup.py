@@ -69,8 +69,9 @@ def copy_child() -> dict:
 
 
 def weight_bytes(artifact: Path) -> int:
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    return sum((artifact / f).stat().st_size for f in (manifest.get("weights") or {}).get("files", []))
+    from dsv4c.artifact.manifest import read_manifest
+
+    return sum((artifact / f).stat().st_size for f in read_manifest(artifact).weight_files())
 
 
 def main() -> None:

@@ -284,9 +284,11 @@ def kernels_child(artifact: str, context: int, steps: int) -> dict:
 def collective_bytes(artifact: Path) -> dict:
     """Payload of the step's collectives at one token, and what each rank sends for them over a
     ring of N ranks (all-reduce: 2 (N-1) / N of the tensor; all-gather: (N-1) / N of the result)."""
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    n = manifest.get("tensor_parallel", 1)
-    step = next(f for f in json.loads((artifact / "program.json").read_text())["functions"] if f["name"] == "step")
+    from dsv4c.artifact.file_names import PROGRAM
+    from dsv4c.artifact.manifest import read_manifest
+
+    n = read_manifest(artifact).tensor_parallel
+    step = next(f for f in json.loads((artifact / PROGRAM).read_text())["functions"] if f["name"] == "step")
     payload = wire = 0.0
     counts = {"all_reduce": 0, "all_gather": 0}
     for node in step["nodes"]:

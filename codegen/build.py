@@ -10,6 +10,7 @@ from pathlib import Path
 import tvm
 from tvm import relax, tirx
 
+from dsv4c.artifact.file_names import LIBRARY
 from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.lowering import kernel_factory, kernel_table, replays_cuda_graphs
@@ -17,7 +18,6 @@ from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, 
 from dsv4c.ir.core import Program
 from dsv4c.targets import TargetInfo
 
-LIBRARY = "model.so"
 DEFAULT_MAX_STEP_TOKENS = 2048  # the prefill function's memory bound (Engine max_step_tokens)
 
 

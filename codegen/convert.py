@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4c.artifact.manifest import WEIGHTS_INDEX
+from dsv4c.artifact.file_names import WEIGHTS_INDEX, weight_files
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsWriter
 from dsv4c.codegen.lowering import WeightLayout
 from dsv4c.frontend.checkpoint import RowSource
@@ -33,14 +33,6 @@ class ConversionReport:
     bytes_written: int
     seconds: float
     index: str  # the file naming which weight file holds which tensor
-
-
-def shard_names(count: int, prefix: str = "") -> list[str]:
-    """``weights.safetensors`` when one file holds every weight, else ``weights-00001-of-0000N.safetensors``
-    (the Hugging Face convention); a rank's of a multi-rank artifact start with ``prefix``."""
-    if count == 1:
-        return [f"{prefix}weights.safetensors"]
-    return [f"{prefix}weights-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def _nbytes(entry: tuple[str, tuple[int, ...]]) -> int:
@@ -75,7 +67,7 @@ def convert_weights(layouts: dict[str, WeightLayout], sources: dict[str, RowSour
             size = 0
         shards[-1].append(layout)
         size += nbytes
-    files = shard_names(len(shards), prefix)
+    files = weight_files(len(shards), prefix)
     total = sum(_nbytes(e) for layout in layouts.values() for e in layout.stored().values())
     bar = None
     if progress:

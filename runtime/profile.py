@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4c.artifact.manifest import ArtifactError
-from dsv4c.errors import UsageError
+from dsv4c.artifact.manifest import Manifest
+from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
 
 
@@ -49,19 +49,19 @@ class StepProfiler:
     """Attached to a :class:`~dsv4c.runtime.backend_tvm.TvmBackend`: its VM's instrument and its
     entry functions (wrapped, so that each call is one :class:`StepTimes` in ``steps``)."""
 
-    def __init__(self, backend, manifest: dict, artifact: Path):
-        vm = manifest.get("vm")
+    def __init__(self, backend, manifest: Manifest, artifact: Path):
+        vm = manifest.vm
         if vm is None or not hasattr(backend, "vm"):
-            raise UsageError(f"{artifact}: profiling times the compiled step's kernels; a {manifest['target']} "
+            raise UsageError(f"{artifact}: profiling times the compiled step's kernels; a {manifest.target} "
                              "artifact has none (compile for llvm or a GPU target)")
-        if "profile" not in vm:
+        if vm.profile is None:
             raise ArtifactError(f"{artifact}: the manifest has no 'vm.profile' (compiled by an older dsv4c); "
                                 "recompile to profile it")
-        if vm["cuda_graph"]:
+        if vm.cuda_graph:
             raise UsageError(f"{artifact}: its decode steps replay CUDA graphs, whose kernels cannot be timed one by "
                              "one; profile an artifact without CUDA graphs")
-        self.kernels = frozenset(vm["profile"]["kernels"])
-        self.calls = {name: _expand(runs) for name, runs in vm["profile"]["calls"].items()}
+        self.kernels = frozenset(vm.profile.kernels)
+        self.calls = {name: _expand(runs) for name, runs in vm.profile.calls.items()}
         self.device, self.on_host = backend.device, backend.on_host
         self.steps: list[StepTimes] = []
         self._step: StepTimes | None = None
@@ -192,7 +192,7 @@ def matmul_gflop_s(size: int = 2048, repeats: int = 3) -> float:
 # --------------------------------------------------------------------------- prediction and report
 
 
-def predicted_ms(artifact: Path, manifest: dict, config, summary: dict, read_gb_s: float,
+def predicted_ms(artifact: Path, config, geometry, summary: dict, read_gb_s: float,
                  gflop_s: float) -> dict[str, float]:
     """The cost model's ms by family for the profiled steps (mean over them; each step a decode of
     its tokens as requests at its mean context), at ``read_gb_s`` and ``gflop_s``."""
@@ -200,7 +200,7 @@ def predicted_ms(artifact: Path, manifest: dict, config, summary: dict, read_gb_
 
     out: dict[str, float] = defaultdict(float)
     for tokens, context in zip(summary["tokens"], summary["contexts"]):
-        parts = artifact_step_costs(artifact, manifest, config, tokens, max(1, round(context)))
+        parts = artifact_step_costs(artifact, config, geometry, tokens, max(1, round(context)))
         for family, seconds in roofline_seconds(parts, read_gb_s * 1e9, gflop_s * 1e9).items():
             out[family] += 1e3 * seconds / summary["steps"]
     return dict(out)
@@ -243,6 +243,7 @@ def report_lines(engine) -> list[str]:
         predicted = read_gb_s = gflop_s = None
         if function == "decode" and engine.backend.on_host:
             read_gb_s, gflop_s = read_bandwidth(gib=0.5), matmul_gflop_s()
-            predicted = predicted_ms(engine.path, engine.manifest, engine.config, summary, read_gb_s, gflop_s)
+            predicted = predicted_ms(engine.path, engine.config, engine.pool.geometry, summary, read_gb_s,
+                                     gflop_s)
         lines += format_profile(summary, predicted, read_gb_s, gflop_s)
     return lines or ["profile: no step ran"]

@@ -19,13 +19,14 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from dsv4c.artifact.manifest import ArtifactError
+from dsv4c.artifact.file_names import MANIFEST
+from dsv4c.artifact.manifest import Manifest
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile
-from dsv4c.errors import UsageError
+from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime.kv_pool import aligned_empty
 from dsv4c.threads import default_workers
 
@@ -43,14 +44,14 @@ def check_weights_mode(mode: str) -> None:
         raise UsageError(f"weights mode {mode!r} is not one of {', '.join(WEIGHTS_MODES)}")
 
 
-def reads_weights(artifact: str | Path, manifest: dict[str, Any], mode: str, on_host: bool) -> bool:
+def reads_weights(artifact: str | Path, manifest: Manifest, mode: str, on_host: bool) -> bool:
     """Whether a backend (on the CPU: ``on_host``) reads the weights into memory for ``mode``."""
     check_weights_mode(mode)
     if mode != "auto":
         return mode == "read"
     if not on_host:
         return False  # a GPU backend copies every weight to the device: the map is only its source
-    files = (manifest.get("weights") or {}).get("files")
+    files = manifest.weight_files()
     if not files:
         return False  # a --no-weights artifact: open_weights says so
     return sum((Path(artifact) / f).stat().st_size for f in files) <= READ_SHARE * available_memory()
@@ -93,7 +94,7 @@ def _read_file(st: SafetensorsFile, bar) -> dict[str, np.ndarray]:
     return arrays
 
 
-def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = False,
+def open_weights(artifact: str | Path, manifest: Manifest, read: bool = False,
                  rank: int = 0) -> Mapping[str, np.ndarray]:
     """Every weight of the artifact by name (read-only arrays), memory-mapped from its shards,
     or with ``read`` read from them into 64-byte aligned memory; of a multi-rank artifact, rank
@@ -104,19 +105,16 @@ def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = Fa
     (:class:`~dsv4c.errors.CheckpointError` naming the file), and the index against the
     shards: every tensor in exactly the file the index names. Mapped, no tensor data is read."""
     d = Path(artifact)
-    weights = manifest.get("weights")
-    if not manifest.get("has_weights"):
+    if not manifest.has_weights:
         raise ArtifactError(f"{d}: compiled with --no-weights, so there are no weights to load; compile it again "
                             "from a model directory")
-    if isinstance(weights, dict) and "ranks" in weights:
-        ranks = weights["ranks"]
-        if not (isinstance(ranks, list) and 0 <= rank < len(ranks) and isinstance(ranks[rank], dict)):
-            raise ArtifactError(f"{d / 'manifest.json'}: manifest has no weights for rank {rank}; recompile")
-        weights = ranks[rank]
-    files = weights.get("files") if isinstance(weights, dict) else None
-    if not (isinstance(files, list) and all(isinstance(f, str) for f in files) and isinstance(weights.get("index"), str)):
-        raise ArtifactError(f"{d / 'manifest.json'}: manifest has no weight file list; recompile")
-    index_path = d / weights["index"]
+    if manifest.weights is None or (manifest.weights.index is None) == (manifest.weights.ranks is None):
+        raise ArtifactError(f"{d / MANIFEST}: manifest has no weight file list; recompile")
+    weights = manifest.weights.of_rank(rank)
+    if weights is None:
+        raise ArtifactError(f"{d / MANIFEST}: manifest has no weights for rank {rank}; recompile")
+    files = weights.files
+    index_path = d / weights.index
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         by_file: dict[str, set[str]] = {}
@@ -138,7 +136,7 @@ def open_weights(artifact: str | Path, manifest: dict[str, Any], read: bool = Fa
             with SafetensorsFile(d / file) as st:
                 if set(st.names()) != by_file[file]:
                     stray = sorted(set(st.names()) ^ by_file[file])[0]
-                    raise ArtifactError(f"{d}: {file} and {weights['index']} disagree about tensor {stray}; recompile")
+                    raise ArtifactError(f"{d}: {file} and {weights.index} disagree about tensor {stray}; recompile")
                 if read:
                     out.update(_read_file(st, bar))
                 else:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import shutil
 import sys
 import tempfile
@@ -85,8 +84,9 @@ def build(work: Path, target: str, models: list[str]) -> None:
         note = ""
         if target == "sm90":
             from dsv4c.artifact.device_code import device_modules
+            from dsv4c.artifact.manifest import read_manifest
 
-            library = json.loads((work / f"{label}-sm90" / "manifest.json").read_text())["vm"]["library"]
+            library = read_manifest(work / f"{label}-sm90").vm.library
             (_, module), = device_modules(work / f"{label}-sm90" / library)
             note = f"; device code: {module.fmt} of {len(module.functions)} kernels (nvcc, sm_90a)"
         print(f"{label}: checkpoint in {time.perf_counter() - start - seconds:.1f} s, {target} artifact in "
@@ -204,8 +204,10 @@ def _greedy(artifact: Path, prompt: list[int], steps: int):
 
 def parity(work: Path, target: str, label: str, steps: int) -> bool:
     """The target's artifact vs the reference backend on the same FP8 pool format, same prompt."""
-    manifest = json.loads((work / f"{label}-{target}" / "manifest.json").read_text())
-    prompt = np.random.default_rng(1).integers(0, manifest["model"]["vocab_size"], 40).tolist()
+    from dsv4c.artifact.directory import open_artifact
+
+    vocab = open_artifact(work / f"{label}-{target}").config.vocab_size
+    prompt = np.random.default_rng(1).integers(0, vocab, 40).tolist()
     reference = work / f"{label}-reference"
     _compile(work / label, "reference", reference)  # the same weights as fp32, the same pool format
     ours = _greedy(work / f"{label}-{target}", prompt, steps)
@@ -221,17 +223,20 @@ def parity(work: Path, target: str, label: str, steps: int) -> bool:
 
 
 def _has_mtp(work: Path, target: str, label: str) -> bool:
-    return "mtp0_decode" in json.loads((work / f"{label}-{target}" / "manifest.json").read_text())["vm"]["functions"]
+    from dsv4c.artifact.manifest import read_manifest
+
+    return "mtp0_decode" in read_manifest(work / f"{label}-{target}").vm.functions
 
 
 def speculation(work: Path, target: str, label: str, steps: int) -> bool:
     """Greedy decoding with MTP drafts (2 per step) against plain greedy on the target's artifact:
     the same tokens, whatever the drafts (rejected ones' pool rows are put back)."""
+    from dsv4c.artifact.directory import open_artifact
     from dsv4c.runtime.engine import Engine
     from dsv4c.runtime.sampling import SamplingParams
 
     artifact = work / f"{label}-{target}"
-    vocab = json.loads((artifact / "manifest.json").read_text())["model"]["vocab_size"]
+    vocab = open_artifact(artifact).config.vocab_size
     prompt = np.random.default_rng(4).integers(0, vocab, 40).tolist()
     outs = [Engine(artifact, max_requests=1, max_context=len(prompt) + steps + 4, speculative=speculative,
                    num_draft_tokens=2).generate(prompt, SamplingParams(max_new_tokens=steps)).tokens

@@ -131,12 +131,12 @@ def amdgpu_resources(code_object: bytes) -> list[dict]:
 def kernel_resources(artifact: Path) -> tuple[str, list[dict]]:
     """(target, one row per kernel) of a GPU artifact."""
     manifest = read_manifest(artifact)
-    target = manifest["target"]
+    target = manifest.target
     if target not in GPU_TARGETS:
         raise ArtifactError(f"{artifact} is an artifact for {target}: it holds no GPU kernels (only "
                             f"{', '.join(GPU_TARGETS)} artifacts do)")
     rows = []
-    for _, module in device_modules(artifact / manifest["vm"]["library"]):
+    for _, module in device_modules(artifact / manifest.vm.library):
         if module.fmt in ("fatbin", "cubin"):
             rows += cuda_resources(module.code)
         elif module.fmt == "hsaco":

@@ -268,7 +268,7 @@ def sharded(cpp, tmp_path_factory):
 @pytest.mark.parametrize("read", [False, True], ids=["mapped", "read"])
 def test_cpp_weights_are_the_python_loaders(cpp, sharded, read):
     build, _ = cpp
-    assert len(read_manifest(sharded)["weights"]["files"]) > 2
+    assert len(read_manifest(sharded).weights.files) > 2
     done = _dump(build, sharded, *(["--read"] if read else []))
     assert (done.returncode, done.stderr) == (0, "")
     weights = open_weights(sharded, read_manifest(sharded), read=read)
@@ -306,7 +306,7 @@ def _set_manifest(art: Path, **values) -> None:
 def test_cpp_weight_errors_are_the_python_loaders(cpp, sharded, tmp_path, breakage, read):
     build, _ = cpp
     art = Path(shutil.copytree(sharded, tmp_path / "art"))
-    WEIGHT_BREAKAGES[breakage](art, art / read_manifest(sharded)["weights"]["files"][-1])
+    WEIGHT_BREAKAGES[breakage](art, art / read_manifest(sharded).weights.files[-1])
     with pytest.raises(DsvError) as info:
         open_weights(art, read_manifest(art), read=read)
     done = _dump(build, art, *(["--read"] if read else []))

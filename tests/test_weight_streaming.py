@@ -7,6 +7,7 @@ checkpoint unchanged where that function re-quantized the dequantized values, so
 compared by value, and the codes against the checkpoint's own, tile for tile.
 """
 
+import dataclasses
 import itertools
 import json
 import re
@@ -367,7 +368,7 @@ def test_weights_mode_reads_on_the_cpu_when_they_fit(artifacts, monkeypatch):
 
     art = artifacts["llvm-sharded"]
     manifest = read_manifest(art)
-    size = sum((art / f).stat().st_size for f in manifest["weights"]["files"])
+    size = sum((art / f).stat().st_size for f in manifest.weights.files)
     assert weights.reads_weights(art, manifest, "read", on_host=False)
     assert not weights.reads_weights(art, manifest, "map", on_host=True)
     monkeypatch.setattr(weights, "available_memory", lambda: int(size / weights.READ_SHARE))
@@ -378,7 +379,7 @@ def test_weights_mode_reads_on_the_cpu_when_they_fit(artifacts, monkeypatch):
     with pytest.raises(UsageError, match="'mmap' is not one of auto, read, map"):
         weights.reads_weights(art, manifest, "mmap", on_host=True)
     assert weights.available_memory() > 0  # this Linux reports MemAvailable
-    assert not weights.reads_weights(art, {**manifest, "weights": None}, "auto", on_host=True)  # --no-weights
+    assert not weights.reads_weights(art, dataclasses.replace(manifest, weights=None), "auto", on_host=True)  # --no-weights
 
 
 def test_generate_reads_or_maps_the_weights_alike(artifacts, capsys):
@@ -427,7 +428,7 @@ def test_verify_finds_a_flipped_byte_and_generate_verifies_on_request(artifacts,
     art = shutil.copytree(artifacts[target], tmp_path / "art")
     assert cli(["verify", str(art)]) == 0
     assert "match their sha256" in capsys.readouterr().out
-    shard = art / read_manifest(art)["weights"]["files"][1]
+    shard = art / read_manifest(art).weights.files[1]
     flip_byte(shard)
     assert cli(["verify", str(art)]) == 2
     assert f"{shard.name} does not match its sha256" in _one_line_error(capsys)
@@ -443,7 +444,7 @@ def test_verify_finds_a_flipped_byte_and_generate_verifies_on_request(artifacts,
 @pytest.mark.parametrize("target", ["llvm", "reference"])
 def test_a_broken_shard_is_a_one_line_error_without_verify(artifacts, tmp_path, capsys, target, breakage, fragment):
     art = shutil.copytree(artifacts[target], tmp_path / "art")
-    shard = art / read_manifest(art)["weights"]["files"][-1]
+    shard = art / read_manifest(art).weights.files[-1]
     breakage(shard)
     assert cli(["generate", str(art), "--token-ids", "1,2", "--max-new-tokens", "2"]) == 2
     err = _one_line_error(capsys)
@@ -453,7 +454,7 @@ def test_a_broken_shard_is_a_one_line_error_without_verify(artifacts, tmp_path, 
 def test_a_no_weights_artifact_has_no_weights_to_open(tmp_path):
     art = compile_model("tiny", "reference", tmp_path / "art", no_weights=True, progress=False, log=lambda *_: None)
     manifest = read_manifest(art)
-    assert manifest["weights"] is None and not manifest["has_weights"]
+    assert manifest.weights is None and not manifest.has_weights
     with pytest.raises(ArtifactError, match="--no-weights"):
         open_weights(art, manifest)
 

@@ -137,7 +137,7 @@ class Server:
                  on_engine_failure=lambda: None):
         self.engine, self.limits = engine, limits
         self.chat = ChatProtocol.of(engine, chat_template)
-        self.model = served_model_name or engine.manifest["model_name"]
+        self.model = served_model_name or engine.manifest.model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(engine, self.metrics, max_waiting, on_engine_failure)
@@ -583,7 +583,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{max_waiting} waiting, context {max_context}, KV pool "
           f"{pool.nbytes_for(pool.geometry, pool.total_rows) / 2**20:,.0f} MiB"
           f"{', prefix caching' if engine.prefix_cache else ''}{server.chat.summary}"
-          f"{f', tensor parallel {ranks}' if (ranks := engine.manifest.get('tensor_parallel', 1)) > 1 else ''}"
+          f"{f', tensor parallel {ranks}' if (ranks := engine.manifest.tensor_parallel) > 1 else ''}"
           f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
     http.run(sockets=[sock])
     engine.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4c.artifact.file_names import TOKENIZER
 from dsv4c.runtime.serve.chat_output import ChatDelta, ChatOutputParser
 from dsv4c.runtime.serve.constrained import GrammarTokenizer, response_format_grammar, tool_call_grammar
 from dsv4c.runtime.serve.dsv4_encoding import encode_chat
@@ -115,13 +116,13 @@ class ChatProtocol:
         self.template, self.tokenizer, self.eos = template, tokenizer, eos
         # A template, when the model ships one, wins; V4 checkpoints ship none.
         self.v4 = template is None and model_type == "deepseek_v4"
-        path = Path(artifact) / "tokenizer.json"
+        path = Path(artifact) / TOKENIZER
         self.grammar = GrammarTokenizer(path, vocab_size, eos) if tokenizer is not None else None
 
     @classmethod
     def of(cls, engine, template: ChatTemplate | None) -> "ChatProtocol":
         """The chat of an :class:`~dsv4c.runtime.engine.Engine`'s artifact."""
-        return cls(engine.path, template, engine.manifest["model"].get("model_type"), engine.config.vocab_size,
+        return cls(engine.path, template, engine.manifest.model.get("model_type"), engine.config.vocab_size,
                    tuple(engine.config.eos_token_ids), engine.tokenizer)
 
     @property

@@ -11,10 +11,9 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from dsv4c.artifact.manifest import ArtifactError
+from dsv4c.artifact.file_names import TOKENIZER_CONFIG
+from dsv4c.errors import ArtifactError
 from dsv4c.runtime.serve.protocol import bad_request
-
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def _raise_exception(message: str):
