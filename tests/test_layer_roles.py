@@ -100,9 +100,11 @@ BAD_SCHEDULES = {
                             LayerSpec(2, 4, ROUTED_MOE, kv_source=1)), "kv_source 1 owns no compressor"),
     "ratio_in_group": ((LayerSpec(0, 4, ROUTED_MOE, kv_source=0), LayerSpec(1, 2, ROUTED_MOE, kv_source=0)),
                        "compress ratio 2 differs from its KV source 0's 4"),
-    "topk_of_other_group": ((v4_layer(0, CSA, 4, ROUTED_MOE), LayerSpec(1, 4, ROUTED_MOE, kv_source=1, topk_source=0)),
+    "topk_of_other_group": ((v4_layer(0, CSA, 4, ROUTED_MOE),
+                             LayerSpec(1, 4, ROUTED_MOE, kv_source=1, topk_source=0)),
                             "topk_source 0 runs no indexer over the rows of KV source 1"),
-    "rescore_without_keys": ((v4_layer(0, "hca", 4, ROUTED_MOE), LayerSpec(1, 4, ROUTED_MOE, kv_source=0, topk_source=1)),
+    "rescore_without_keys": ((v4_layer(0, "hca", 4, ROUTED_MOE),
+                              LayerSpec(1, 4, ROUTED_MOE, kv_source=0, topk_source=1)),
                              "KV source 0 publishes no index keys"),
     "sliding_with_source": ((LayerSpec(0, 0, ROUTED_MOE, kv_source=0),), "a sliding-window layer reads no"),
 }
