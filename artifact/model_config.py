@@ -17,8 +17,7 @@ import numpy as np
 
 from dsv4c.errors import ArtifactError, ConfigError
 
-SLIDING, CSA, HCA = "sliding", "csa", "hca"
-ATTENTION_KINDS = (SLIDING, CSA, HCA)
+SLIDING, CSA, HCA = "sliding", "csa", "hca"  # V4's layer kinds, named from the roles (LayerSpec.attention)
 HASH_MOE, ROUTED_MOE = "hash", "routed"
 
 HF_LAYER_TYPES = {
@@ -70,21 +69,98 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Candidates:
+    """The first level of a two-level top-k: layer ``source``'s indexer keeps the best ``blocks``
+    blocks of ``block_size`` compressed positions, and the index sources from it on pick their
+    top-k only inside them."""
+
+    source: int
+    block_size: int
+    blocks: int
+
+
+@dataclass(frozen=True)
 class LayerSpec:
-    """One transformer block: its attention kind and compress ratio, its MoE routing."""
+    """One transformer block as roles, the one description the compiler and runtimes read.
+
+    * ``compress_ratio``: 0, sliding window only; r > 0, r tokens pool into one compressed row
+      (1: one row per token).
+    * ``kv_source``: the layer whose compressor writes the compressed rows this layer attends
+      (and the index keys its indexer scores): itself for a KV source, an earlier layer for one
+      that reuses a group's rows, None for a sliding-only layer.
+    * ``topk_source``: the layer whose indexer selects the compressed rows this layer attends:
+      itself for an index source, an earlier one for a layer that reuses its top-k, None where
+      the layer attends every visible compressed row.
+    * ``overlap``: the KV source's compressor pools overlapping windows of 2r tokens.
+    * ``candidates``: the two-level top-k level this index source produces or selects inside.
+    * ``engram``: an Engram n-gram memory feeds the hyper-connection streams before the block.
+
+    V4's kinds are particular values (:func:`v4_layer`): sliding, CSA (own compressor with
+    overlapping windows, own indexer) and HCA (own compressor, no indexer); :attr:`attention`
+    names the kind back from the roles."""
 
     index: int
-    attention: str  # SLIDING / CSA / HCA
-    compress_ratio: int  # 0 for sliding layers
+    compress_ratio: int
     moe: str  # HASH_MOE / ROUTED_MOE
+    kv_source: int | None = None
+    topk_source: int | None = None
+    overlap: bool = False
+    candidates: Candidates | None = None
+    engram: bool = False
 
     @property
     def is_compressed(self) -> bool:
-        return self.attention != SLIDING
+        return self.compress_ratio > 0
+
+    @property
+    def is_kv_source(self) -> bool:
+        """Owns a compressor and publishes its group's compressed rows."""
+        return self.kv_source == self.index
 
     @property
     def has_indexer(self) -> bool:
-        return self.attention == CSA
+        """Runs an indexer (its own query weights) over its group's index keys."""
+        return self.topk_source == self.index
+
+    @property
+    def owns_index_keys(self) -> bool:
+        """Owns the index compressor whose keys its group's index sources score."""
+        return self.is_kv_source and self.has_indexer
+
+    @property
+    def indexer_role(self) -> str:
+        """none / own_keys / rescore (a source's keys, own weights) / reuse_topk (an earlier layer's top-k)."""
+        if self.topk_source is None:
+            return "none"
+        if not self.has_indexer:
+            return "reuse_topk"
+        return "own_keys" if self.owns_index_keys else "rescore"
+
+    @property
+    def is_candidate_source(self) -> bool:
+        return self.candidates is not None and self.candidates.source == self.index
+
+    @property
+    def attention(self) -> str:
+        """The V4 kind of what attention reads: the window only (SLIDING), every visible
+        compressed row (HCA) or a top-k of them (CSA)."""
+        if not self.is_compressed:
+            return SLIDING
+        return HCA if self.topk_source is None else CSA
+
+    @property
+    def is_v4(self) -> bool:
+        """Whether V4's sliding / CSA / HCA kinds describe this layer (what the trace builds)."""
+        return self == v4_layer(self.index, self.attention, self.compress_ratio, self.moe)
+
+
+def v4_layer(index: int, kind: str, ratio: int, moe: str) -> LayerSpec:
+    """A V4 layer of ``kind``: every compressed layer is its own KV source, CSA its own index source."""
+    if kind == SLIDING:
+        return LayerSpec(index, ratio, moe)
+    if kind == HCA:
+        return LayerSpec(index, ratio, moe, kv_source=index)
+    return LayerSpec(index, ratio, moe, kv_source=index, topk_source=index, overlap=True)
 
 
 @dataclass(frozen=True)
@@ -158,6 +234,10 @@ class ModelConfig:
         ``official`` is the hub spelling (``compress_ratios``); ``transformers`` reads it
         only for ratios 0/4/128, so ``hf`` (``layer_types`` + ``compress_rates``) is the
         default for anything else."""
+        other = next((l for l in self.layers + self.mtp_layers if not l.is_v4), None)
+        if other is not None:
+            raise ConfigError(f"layer {other.index}: both config spellings express V4's sliding / CSA / HCA "
+                              "layers only, not shared compressed KV, reused top-k or Engram")
         standard = all(l.compress_ratio in (0, 4, 128) for l in self.layers + self.mtp_layers) and all(
             l.compress_ratio == {SLIDING: 0, CSA: 4, HCA: 128}[l.attention] for l in self.layers + self.mtp_layers
         )
@@ -305,8 +385,8 @@ class ModelConfig:
                 sliding_window=d["sliding_window"], hc_mult=d["hc_mult"], hc_sinkhorn_iters=d["hc_sinkhorn_iters"],
                 hc_eps=d["hc_eps"], rms_norm_eps=d["rms_norm_eps"],
                 main_rope=Rope(params["main"]["rope_theta"]), compress_rope=Rope(compress["rope_theta"], yarn),
-                layers=tuple(LayerSpec(i, k, rates.get(k, 0), m) for i, (k, m) in enumerate(zip(kinds, moe))),
-                mtp_layers=tuple(LayerSpec(n + i, SLIDING, 0, ROUTED_MOE) for i in range(d["num_nextn_predict_layers"])),
+                layers=tuple(v4_layer(i, k, rates.get(k, 0), m) for i, (k, m) in enumerate(zip(kinds, moe))),
+                mtp_layers=tuple(v4_layer(n + i, SLIDING, 0, ROUTED_MOE) for i in range(d["num_nextn_predict_layers"])),
                 max_position_embeddings=d["max_position_embeddings"], bos_token_id=d["bos_token_id"],
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                 weights=WeightFormats(dense, d["expert_dtype"],

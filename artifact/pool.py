@@ -1,18 +1,22 @@
-"""The KV pool's geometry (SPEC §4): every number of the one row space, computed once.
+"""The KV pool's geometry: every number of the one row space, computed once from the layer
+schedule (``LayerSpec`` roles), never from a layer kind.
 
 * **Envelopes** hold compressed history: one envelope covers 256 tokens of one request and
-  holds, layer by layer, that layer's compressed rows (256/ratio each). They are allocated
-  from row 0 upward.
+  holds, compressor group by group, the group's compressed rows (256/ratio each). A group is
+  a KV source and the layers that attend its rows: its rows are counted once. They are
+  allocated from row 0 upward.
 * **Slots** hold a live request's sliding windows (``W`` rows per layer, a ring indexed by
   ``pos % W``; the backbone's layers, then the MTP layer's); they are allocated from the top
   of the row space downward.
 * **Planes**: a row number means the same row in every plane (FP8 NoPE + scales, BF16 rope;
-  or one FP32 plane). CSA index rows live in a separate index plane addressed by the same
-  envelope numbers. Compressor rings are fp32, one set per slot.
+  or one FP32 plane). The index keys of a group whose source runs an indexer live in a
+  separate index plane addressed by the same envelope numbers. Compressor rings (one per KV
+  source and stream) are fp32, one set per slot.
 
 The compiler builds :class:`PoolGeometry` from the model and its quant plan and records
 :meth:`PoolGeometry.summary` as the manifest's ``pool_geometry``; both runtimes rebuild it from
-there (:meth:`PoolGeometry.from_summary`, C++ ``pool_geometry``). :meth:`PoolGeometry.tensors`
+there (:meth:`PoolGeometry.from_summary`, C++ ``pool_geometry``), groups and rings as recorded,
+without knowing which model family made them. :meth:`PoolGeometry.tensors`
 is the one list of the pool's tensors: the compiled step takes them in that order and the
 runtime allocates them.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4c.artifact.model_config import CSA, ModelConfig
+from dsv4c.artifact.model_config import LayerSpec, ModelConfig
 from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, PRESHUFFLE_TILE_ROWS, index_plane_row, main_nope_width
 from dsv4c.errors import ArtifactError, UsageError
 
@@ -44,29 +48,35 @@ def graph_context_limit(config: ModelConfig) -> int:
 
 @dataclass(frozen=True)
 class CompressedLayerRows:
+    """The rows of one compressor group inside an envelope: those of KV source ``layer``, which
+    every layer of ``readers`` (the source first) attends."""
     layer: int
-    kind: str
+    kind: str  # the source's LayerSpec.attention, recorded for people reading the manifest
     ratio: int
     rows_per_envelope: int  # 256 / ratio
-    offset: int  # first row of this layer inside an envelope
-    index_offset: int | None  # first row inside an index envelope (CSA layers)
+    offset: int  # first row of this group inside an envelope
+    index_offset: int | None  # first row inside an index envelope (a source that runs an indexer)
+    readers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class StateShape:
     layer: int
     stream: str  # main / index
-    rows: int  # ratio (HCA) or 2 * ratio (CSA, overlapping windows)
-    width: int  # head_dim (HCA) or 2 * head_dim (CSA)
+    rows: int  # ratio, or 2 * ratio where the compressor pools overlapping windows
+    width: int  # head_dim, or 2 * head_dim with overlapping windows
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "stream": self.stream, "rows": self.rows, "width": self.width}
 
 
-def _ring_states(c: CompressedLayerRows, head_dim: int, index_head_dim: int) -> list[StateShape]:
-    """The compressor rings of one compressed layer: a CSA layer pools overlapping windows, so
-    its rings hold two windows of two halves each."""
-    k = 2 if c.kind == CSA else 1
-    out = [StateShape(c.layer, "main", k * c.ratio, k * head_dim)]
-    if c.index_offset is not None:
-        out.append(StateShape(c.layer, "index", k * c.ratio, k * index_head_dim))
+def _ring_states(source: LayerSpec, head_dim: int, index_head_dim: int) -> list[StateShape]:
+    """The compressor rings of one KV source: one that pools overlapping windows holds two
+    windows of two halves each."""
+    k = 2 if source.overlap else 1
+    out = [StateShape(source.index, "main", k * source.compress_ratio, k * head_dim)]
+    if source.owns_index_keys:
+        out.append(StateShape(source.index, "index", k * source.compress_ratio, k * index_head_dim))
     return out
 
 
@@ -114,28 +124,28 @@ class PoolGeometry:
     def build(cls, cfg: ModelConfig, plan) -> "PoolGeometry":
         """From the model and its quantization plan (``artifact.quant.QuantPlan``)."""
         compressed, offset, index_offset = [], 0, 0
-        for layer in cfg.layers:
-            if not layer.is_compressed:
-                continue
+        sources = [layer for layer in cfg.layers if layer.is_kv_source]
+        for layer in sources:
             r = layer.compress_ratio
             if ENVELOPE_TOKENS % r:
                 raise UsageError(
                     f"layer {layer.index}: compress ratio {r} does not divide the {ENVELOPE_TOKENS}-token envelope"
                 )
             rows = ENVELOPE_TOKENS // r
-            if layer.has_indexer and plan.index_kv.layout == FP4_PRESHUFFLED and rows % PRESHUFFLE_TILE_ROWS:
+            if layer.owns_index_keys and plan.index_kv.layout == FP4_PRESHUFFLED and rows % PRESHUFFLE_TILE_ROWS:
                 # A tile is one layer's rows of one envelope: AITER's block, and whole tiles in every plane.
                 raise UsageError(f"layer {layer.index}: gfx950's FP4 index tiles hold {PRESHUFFLE_TILE_ROWS} "
                                  f"rows of one envelope, and compress ratio {r} gives {rows}; "
                                  "use --kv-cache-dtype fp32")
+            readers = tuple(l.index for l in cfg.layers if l.kv_source == layer.index)
             compressed.append(CompressedLayerRows(layer.index, layer.attention, r, rows, offset,
-                                                  index_offset if layer.has_indexer else None))
+                                                  index_offset if layer.owns_index_keys else None, readers))
             offset += rows
-            index_offset += rows if layer.has_indexer else 0
+            index_offset += rows if layer.owns_index_keys else 0
         return cls(
             head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, index_head_dim=cfg.index_head_dim,
             window=cfg.sliding_window, window_rows_per_request=cfg.window_rows_per_request, compressed=tuple(compressed),
-            states=tuple(s for c in compressed for s in _ring_states(c, cfg.head_dim, cfg.index_head_dim)),
+            states=tuple(s for l in sources for s in _ring_states(l, cfg.head_dim, cfg.index_head_dim)),
             rows_per_envelope=offset, index_rows_per_envelope=index_offset,
             main_storage=plan.main_kv.storage, index_storage=plan.index_kv.storage,
             main_row_bytes=plan.main_kv.row_bytes, index_row_bytes=plan.index_kv.row_bytes,
@@ -148,12 +158,12 @@ class PoolGeometry:
         (:meth:`summary`), cross-checked against the model description as the C++ host does."""
         try:
             compressed = tuple(CompressedLayerRows(e["layer"], e["kind"], e["ratio"], e["rows"], e["offset"],
-                                                   e["index_offset"]) for e in summary["layers"])
+                                                   e["index_offset"], tuple(e["readers"])) for e in summary["layers"])
             g = cls(
                 head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, index_head_dim=cfg.index_head_dim,
                 window=cfg.sliding_window, window_rows_per_request=cfg.window_rows_per_request,
                 compressed=compressed,
-                states=tuple(s for c in compressed for s in _ring_states(c, cfg.head_dim, cfg.index_head_dim)),
+                states=tuple(StateShape(e["layer"], e["stream"], e["rows"], e["width"]) for e in summary["states"]),
                 rows_per_envelope=summary["rows_per_envelope"],
                 index_rows_per_envelope=summary["index_rows_per_envelope"],
                 main_storage=summary["main_storage"], index_storage=summary["index_storage"],
@@ -213,8 +223,9 @@ class PoolGeometry:
         return self.window_rows_per_request * self.main_row_bytes + self.state_bytes_per_request
 
     def rows_of(self, layer: int) -> CompressedLayerRows:
+        """The group whose rows ``layer`` attends."""
         for c in self.compressed:
-            if c.layer == layer:
+            if layer in c.readers:
                 return c
         raise KeyError(f"layer {layer} has no compressed rows")
 
@@ -248,5 +259,7 @@ class PoolGeometry:
             "window_bytes_per_request": self.window_rows_per_request * self.main_row_bytes,
             "state_bytes_per_request": self.state_bytes_per_request,
             "layers": [{"layer": c.layer, "kind": c.kind, "ratio": c.ratio, "rows": c.rows_per_envelope,
-                        "offset": c.offset, "index_offset": c.index_offset} for c in self.compressed],
+                        "offset": c.offset, "index_offset": c.index_offset, "readers": list(c.readers)}
+                       for c in self.compressed],
+            "states": [s.to_json() for s in self.states],
         }

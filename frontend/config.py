@@ -10,9 +10,10 @@ Configs arrive in three spellings and all load into :class:`ModelConfig`:
   ``rope_parameters`` with ``main`` / ``compress``).
 
 The per-layer schedule is kept as a plain list of :class:`LayerSpec`, never a formula.
-Anything we do not implement (V4.1 ratios 1/2, DSpark tails, unknown fields) is refused
-with a :class:`~dsv4c.errors.ConfigError` that names the field: a silently ignored field
-would compile a wrong model.
+Anything we do not implement (V4.1 ratios 1/2 and shared-KV roles, which ``frontend.schedule``
+reads and checks first, DSpark tails, unknown fields) is refused with a
+:class:`~dsv4c.errors.ConfigError` that names the field: a silently ignored field would
+compile a wrong model.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_MLP_TYPES, ROUTED_MOE, SLIDING, LayerSpec,
-                                         ModelConfig, Rope, WeightFormats, Yarn)
+from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_MLP_TYPES, ROUTED_MOE, SLIDING,
+                                         ModelConfig, Rope, WeightFormats, Yarn, v4_layer)
 from dsv4c.artifact.quant import FP8_BLOCK_SIZES
 from dsv4c.errors import ConfigError, UnsupportedModelError
+from dsv4c.frontend.schedule import SHARED_KV_FIELDS, shared_kv_schedule, validate_schedule
 
 PRESETS = ("pro", "flash", "tiny")
 COST_ONLY_PRESETS = ("v3.2",)  # costed by `dsv4c inspect --cost` (frontend.v32), never compiled
@@ -81,7 +83,7 @@ _OTHER_KNOWN = {
     "compress_ratios", "layer_types", "mlp_layer_types", "compress_rates", "compress_rate_csa", "compress_rate_hca",
     "rope_scaling", "rope_parameters", "rope_factor", "original_seq_len", "beta_fast", "beta_slow",
     "num_key_value_heads", "bos_token_id", "eos_token_id", "quantization_config", "expert_dtype", "scale_fmt",
-    "tie_word_embeddings", "hidden_act", "norm_topk_prob", "attention_bias", "mlp_bias",
+    "tie_word_embeddings", "hidden_act", "norm_topk_prob", "attention_bias", "mlp_bias", *SHARED_KV_FIELDS,
 }
 _REQUIRED = (
     "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -110,7 +112,7 @@ def _refuse_unsupported_variants(raw: dict[str, Any]) -> None:
     given += [(f"compress_rates[{k!r}]", r) for k, r in (rates.items() if isinstance(rates, dict) else [])]
     given += [(k, raw[k]) for k in ("compress_rate_csa", "compress_rate_hca") if k in raw]
     for where, r in given:
-        if r in (1, 2):
+        if r in (1, 2) and not any(k in raw for k in SHARED_KV_FIELDS):  # refused with their roles
             raise UnsupportedModelError(
                 f"config field {where} = {r}: V4.1-style ratios 1/2 (KV owners, delayed mHC) "
                 "are not implemented by dsv4c"
@@ -400,6 +402,22 @@ def _weight_formats(raw: dict[str, Any]) -> WeightFormats:
                          fp8_block=fp8_block)
 
 
+def _refuse_shared_kv(raw: dict[str, Any], f: dict[str, Any], n: int) -> None:
+    """A V4.1-style schedule is read and checked (a bad reference is a ConfigError naming it), then
+    refused: the trace builds V4's sliding / CSA / HCA layers only."""
+    given = [k for k in SHARED_KV_FIELDS if k in raw]
+    if not given:
+        return
+    ratios = raw.get("compress_ratios")
+    if not isinstance(ratios, list) or len(ratios) < n or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ratios):
+        raise ConfigError(f"config field 'compress_ratios' must list a ratio >= 0 for each of the {n} layers "
+                          f"beside {given[0]}, got {ratios!r}")
+    validate_schedule(shared_kv_schedule(raw, ratios[:n], _moe_schedule(raw, f, n)))
+    raise UnsupportedModelError(f"config field {given[0]!r}: V4.1 layer roles (shared compressed KV, reused "
+                                "top-k, Engram) are not implemented by dsv4c")
+
+
 def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
     """Validate and normalise a config dict in any supported spelling."""
     if not isinstance(raw, dict):
@@ -471,10 +489,12 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
         raise ConfigError("config: num_experts_per_tok is larger than n_routed_experts")
 
     main_rope, compress_rope = _parse_rope(raw, f)
+    _refuse_shared_kv(raw, f, n)
     attention, mtp_attention = _attention_schedule(raw, n, n_mtp)
     moe = _moe_schedule(raw, f, n)
-    layers = tuple(LayerSpec(i, k, r, m) for i, ((k, r), m) in enumerate(zip(attention, moe)))
-    mtp_layers = tuple(LayerSpec(n + i, k, r, ROUTED_MOE) for i, (k, r) in enumerate(mtp_attention))
+    layers = tuple(v4_layer(i, k, r, m) for i, ((k, r), m) in enumerate(zip(attention, moe)))
+    mtp_layers = tuple(v4_layer(n + i, k, r, ROUTED_MOE) for i, (k, r) in enumerate(mtp_attention))
+    validate_schedule(layers + mtp_layers)
     weights = _weight_formats(raw)
     if weights.experts == "fp4" and (ints["hidden_size"] % 32 or ints["moe_intermediate_size"] % 32):
         raise ConfigError("config: FP4 experts need hidden_size and moe_intermediate_size divisible by 32")

@@ -1,7 +1,7 @@
 """Trace a model description into the dsv4c IR (SPEC §2).
 
 The model reads top-down like an MLC-LLM model definition: ``Block`` = two mHC seams around
-attention and MoE; ``Attention`` picks its compressor and indexer from the layer's kind.
+attention and MoE; ``Attention`` builds the compressor and indexer the layer's roles give it.
 Weight names are the official checkpoint names (``layers.3.attn.wq_a.weight``); routed
 experts appear as one stacked logical weight per projection (``layers.3.ffn.experts.w1``,
 ``[E, I, D]``) that the weight loader assembles from the per-expert tensors.
@@ -21,7 +21,7 @@ holds is data, not structure (``artifact.sharding.RANK_VALUES``, one int each pe
 
 from __future__ import annotations
 
-from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, SLIDING, LayerSpec, ModelConfig
+from dsv4c.artifact.model_config import HASH_MOE, LayerSpec, ModelConfig
 from dsv4c.artifact.quant import checkpoint_quants
 from dsv4c.artifact.sharding import EXPERT_FIRST, VOCAB_FIRST, ShardingPlan
 from dsv4c.errors import UnsupportedModelError, UsageError
@@ -41,6 +41,10 @@ class Model:
         if numerics not in NUMERICS:
             raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.cfg, self.numerics = cfg, numerics
+        other = next((l for l in cfg.layers + cfg.mtp_layers if not l.is_v4), None)
+        if other is not None:
+            raise UnsupportedModelError(f"layer {other.index}: shared compressed KV, reused top-k and Engram "
+                                        "layers are not implemented by dsv4c's trace")
         if numerics == "qat":
             d_i = cfg.index_head_dim
             if cfg.nope_dim % 64 or d_i % 32 or d_i & (d_i - 1):
@@ -111,10 +115,10 @@ class Model:
 
     def compressor(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, pos: Value, seq: Value,
                    stream: str, head_dim: int) -> Value:
-        """The gated pooling compressor of a CSA / HCA layer or of its indexer: returns the state
+        """The gated pooling compressor of a KV source or of its index keys: returns the state
         token after this step's entries are written."""
         c, tag = self.cfg, f"l{layer.index}.{stream}"
-        overlap = layer.attention == CSA
+        overlap = layer.overlap
         width = (2 if overlap else 1) * head_dim
         kv = self._linear(b, x, f"{prefix}wkv.weight", width, c.hidden_size, self.bf16_quant, f"{tag}.ckv")
         gate = self._linear(b, x, f"{prefix}wgate.weight", width, c.hidden_size, self.bf16_quant, f"{tag}.cgate")
@@ -165,9 +169,9 @@ class Model:
             kv = b.emit("fp8_roundtrip", [kv], {"block": 64, "channels": c.nope_dim}, f"{tag}.kv_fp8")
 
         compressed = []
-        if layer.is_compressed:
+        if layer.is_kv_source:
             compressed.append(self.compressor(b, layer, f"{p}compressor.", x, pos, seq, "main", c.head_dim))
-        if layer.attention == CSA:
+        if layer.has_indexer:
             compressed.append(self.indexer(b, layer, p, x, q_res, pos, seq))
         sink = self._w(b, f"{p}attn_sink", c.num_heads)
         attrs = {"layer": layer.index, "kind": layer.attention, "ratio": layer.compress_ratio,
@@ -279,4 +283,4 @@ def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_pa
     return program
 
 
-__all__ = ["trace", "Model", "NUMERICS", "SLIDING", "CSA", "HCA"]
+__all__ = ["trace", "Model", "NUMERICS"]

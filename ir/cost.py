@@ -305,14 +305,13 @@ def _index_topk(node: Node, d: Decode):
     return "topk", Cost(d.batch * entries) + _io(node, d, entries=entries)
 
 
-def attention_rows(kind: str, window: int, ratio: int, topk: int, d: Decode) -> tuple[int, int]:
-    """(window rows, compressed rows) a query of this layer kind attends to."""
+def attention_rows(window: int, ratio: int, topk: int | None, d: Decode) -> tuple[int, int]:
+    """(window rows, compressed rows) a query attends to: no compressed rows at ratio 0, else
+    every visible one or (``topk``) the selected ones."""
     rows = min(window, d.context)
-    if kind == "sliding":
+    if not ratio:
         return rows, 0
-    if kind == "hca":
-        return rows, d.entries(ratio)
-    return rows, min(topk, d.entries(ratio))
+    return rows, d.entries(ratio) if topk is None else min(topk, d.entries(ratio))
 
 
 def attention_cost(heads: int, key_dim: int, value_dim: int, rows: int, row_bytes: int, d: Decode) -> Cost:
@@ -325,8 +324,8 @@ def attention_cost(heads: int, key_dim: int, value_dim: int, rows: int, row_byte
 def _sparse_attn(node: Node, d: Decode):
     a, q = node.attrs, node.inputs[0]
     heads, dim = q.type.shape[1], q.type.shape[2]
-    topk = node.inputs[6].type.shape[1] if a["kind"] == "csa" else 0
-    window, compressed = attention_rows(a["kind"], a["window"], a["ratio"], topk, d)
+    topk = node.inputs[6].type.shape[1] if len(node.inputs) > 6 else None  # the index top-k input
+    window, compressed = attention_rows(a["window"], a["ratio"], topk, d)
     cost = attention_cost(heads, dim, dim, window + compressed, d.main_row_bytes, d) + _io(node, d)
     return f"{a['kind']}_attention", cost
 

@@ -212,7 +212,7 @@ class KVPool:
     def copy_slot(self, source: int, target: int, at_block_boundary: bool = False) -> None:
         """Slot ``target`` becomes what ``source`` holds: every layer's window rows and compressor
         rings. ``at_block_boundary``: the source has fed a whole number of 256-token blocks, where
-        every ratio's window has just closed, so only overlapping (CSA) rings hold positions that
+        every ratio's window has just closed, so only overlapping rings (2 ratio rows) hold positions that
         later windows read; the others are left as they are (overwritten before they are read)."""
         (a, b), (c, d) = self.slot_rows(source), self.slot_rows(target)
         for plane in self.planes.values():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv4c.artifact.model_config import CSA, ModelConfig
+from dsv4c.artifact.model_config import ModelConfig
 
 F32 = np.float32
 
@@ -52,7 +52,7 @@ class DenseCache:
         key = (layer, stream, seq)
         if key not in self._rings:
             spec = self._layers[layer]
-            overlap = spec.attention == CSA
+            overlap = spec.overlap
             d = self.cfg.head_dim if stream == "main" else self.cfg.index_head_dim
             shape = ((2 if overlap else 1) * spec.compress_ratio, (2 if overlap else 1) * d)
             self._rings[key] = (np.zeros(shape, F32), np.full(shape, -np.inf, F32))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dsv4c.errors import ArtifactError, ConfigError, UnsupportedModelError
-from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, ROUTED_MOE, SLIDING, LayerSpec, ModelConfig
+from dsv4c.artifact.model_config import CSA, HASH_MOE, HCA, ROUTED_MOE, SLIDING, ModelConfig, v4_layer
 from dsv4c.frontend.config import PRESETS, config_from_dict, load_config, preset, with_weights
 
 from parity_configs import PARITY_CONFIGS
@@ -92,7 +92,7 @@ def test_pro_schedule_and_sizes():
     assert kinds(cfg) == {HCA: 31, CSA: 30, SLIDING: 0}
     assert [l.compress_ratio for l in cfg.layers] == [128, 128] + [4, 128] * 29 + [4]
     assert [l.moe for l in cfg.layers] == [HASH_MOE] * 3 + [ROUTED_MOE] * 58
-    assert cfg.mtp_layers == (LayerSpec(61, SLIDING, 0, ROUTED_MOE),)
+    assert cfg.mtp_layers == (v4_layer(61, SLIDING, 0, ROUTED_MOE),)
     assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rope_dim) == (7168, 128, 512, 64)
     assert (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank) == (1536, 16, 1024)
     assert (cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_intermediate_size) == (384, 6, 3072)
@@ -105,7 +105,7 @@ def test_flash_schedule_and_sizes():
     assert kinds(cfg) == {HCA: 20, CSA: 21, SLIDING: 2}
     assert [l.compress_ratio for l in cfg.layers] == [0, 0] + [4, 128] * 20 + [4]
     assert [l.moe for l in cfg.layers] == [HASH_MOE] * 3 + [ROUTED_MOE] * 40
-    assert cfg.mtp_layers == (LayerSpec(43, SLIDING, 0, ROUTED_MOE),)
+    assert cfg.mtp_layers == (v4_layer(43, SLIDING, 0, ROUTED_MOE),)
     assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rope_dim) == (4096, 64, 512, 64)
     assert (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank) == (1024, 8, 1024)
     assert (cfg.n_routed_experts, cfg.n_experts_per_tok, cfg.moe_intermediate_size) == (256, 6, 2048)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
-from dsv4c.artifact.model_config import ROUTED_MOE, SLIDING, LayerSpec
+from dsv4c.artifact.model_config import ROUTED_MOE, SLIDING, v4_layer
 from dsv4c.runtime.engine import Engine
 
 TOL = 1e-4
@@ -26,7 +26,7 @@ def _rmsnorm(x, w, eps):
 def _block_as_one_layer_model(cfg, out_dir):
     """A one-layer checkpoint whose layer, hc_head and norm are the MTP layer's (embed and head
     are shared): what transformers loads to run the MTP block."""
-    one = dataclasses.replace(cfg, layers=(LayerSpec(0, SLIDING, 0, ROUTED_MOE),), mtp_layers=())
+    one = dataclasses.replace(cfg, layers=(v4_layer(0, SLIDING, 0, ROUTED_MOE),), mtp_layers=())
     weights = random_weights(cfg, 0)  # the parity checkpoint's values (fp32_checkpoint, seed 0)
     mapped = {}
     for name, value in weights.items():

@@ -34,7 +34,7 @@ std::vector<int64_t> smallest(std::vector<int64_t> list, int64_t n) {
 
 const CompressedLayerRows& PoolGeometry::rows_of(int64_t layer) const {
   for (const CompressedLayerRows& c : compressed) {
-    if (c.layer == layer) return c;
+    if (std::find(c.readers.begin(), c.readers.end(), layer) != c.readers.end()) return c;
   }
   throw std::out_of_range("layer " + std::to_string(layer) + " has no compressed rows");
 }

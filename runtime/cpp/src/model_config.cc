@@ -10,9 +10,6 @@ ModelConfig model_config(const json::Fields& manifest) {
   c.vocab_size = model.integer("vocab_size");
   c.num_layers = model.integer("num_hidden_layers");
   c.num_mtp_layers = model.integer("num_nextn_predict_layers");
-  c.head_dim = model.integer("head_dim");
-  c.rope_dim = model.integer("qk_rope_head_dim");
-  c.index_head_dim = model.integer("index_head_dim");
   c.sliding_window = model.integer("sliding_window");
   return c;
 }
@@ -20,8 +17,6 @@ ModelConfig model_config(const json::Fields& manifest) {
 PoolGeometry pool_geometry(const json::Fields& manifest, const ModelConfig& config) {
   json::Fields summary = manifest.object("pool_geometry");
   PoolGeometry g;
-  g.head_dim = config.head_dim;
-  g.index_head_dim = config.index_head_dim;
   g.window = config.sliding_window;
   g.window_layers = config.num_layers + config.num_mtp_layers;  // the MTP layer has a window too
   g.rows_per_envelope = summary.integer("rows_per_envelope");
@@ -30,17 +25,19 @@ PoolGeometry pool_geometry(const json::Fields& manifest, const ModelConfig& conf
     std::optional<json::Object> object = json::as_object(item);
     if (!object) summary.fail("layers", "a list of objects");
     json::Fields layer(*object, summary.file(), "pool_geometry.layers[].");
-    CompressedLayerRows rows{layer.integer("layer"), layer.string("kind"), layer.integer("ratio"),
-                             layer.integer("rows"), layer.integer("offset"), -1};
+    CompressedLayerRows rows{layer.integer("layer"), layer.integer("ratio"), layer.integer("rows"),
+                             layer.integer("offset"), -1, layer.integers("readers")};
     std::optional<json::Value> index_offset = layer.get("index_offset");
     if (index_offset && json::as_int(*index_offset)) rows.index_offset = *json::as_int(*index_offset);
     g.compressed.push_back(rows);
-    // A CSA layer pools overlapping windows: its rings hold two windows of two halves each.
-    int64_t c = rows.kind == "csa" ? 2 : 1;
-    g.states.push_back(StateShape{rows.layer, "main", c * rows.ratio, c * config.head_dim});
-    if (rows.index_offset >= 0) {
-      g.states.push_back(StateShape{rows.layer, "index", c * rows.ratio, c * config.index_head_dim});
-    }
+  }
+  // The compressor rings as the compiler shaped them (overlapping windows or not is its business).
+  for (const json::Value& item : summary.array("states")) {
+    std::optional<json::Object> object = json::as_object(item);
+    if (!object) summary.fail("states", "a list of objects");
+    json::Fields state(*object, summary.file(), "pool_geometry.states[].");
+    g.states.push_back(StateShape{state.integer("layer"), state.string("stream"), state.integer("rows"),
+                                  state.integer("width")});
   }
   int64_t state_bytes = 0;
   for (const StateShape& s : g.states) state_bytes += 2 * s.rows * s.width * 4;

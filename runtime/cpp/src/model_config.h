@@ -18,9 +18,6 @@ struct ModelConfig {
   int64_t vocab_size = 0;
   int64_t num_layers = 0;
   int64_t num_mtp_layers = 0;
-  int64_t head_dim = 0;
-  int64_t rope_dim = 0;
-  int64_t index_head_dim = 0;
   int64_t sliding_window = 0;
 };
 

@@ -1,12 +1,14 @@
 // The KV pool: one row space per device, the C++ twin of dsv4c/runtime/kv_pool.py.
 //
 // * Envelopes hold compressed history: one envelope covers 256 tokens of one request and
-//   holds, layer by layer, that layer's compressed rows (256 / ratio each). They are allocated
-//   from row 0 upward.
+//   holds, compressor group by group, the group's compressed rows (256 / ratio each): a group
+//   is a KV source and the layers that attend its rows. They are allocated from row 0 upward.
 // * Slots hold a live request's sliding windows (`window` rows per layer, a ring indexed by
 //   position % window); they are allocated from the top of the row space downward.
-// * CSA index rows live in a separate index pool addressed by the same envelope numbers;
-//   compressor rings are fp32, one set per slot.
+// * Index keys (of a group whose source runs an indexer) live in a separate index pool
+//   addressed by the same envelope numbers; compressor rings are fp32, one set per slot.
+// Groups and rings are read from the manifest as recorded (Python: PoolGeometry), whatever
+// model family made them.
 //
 // This class is the allocator only: which rows a request owns. The memory (planes and rings,
 // on the artifact's device) belongs to the compiled step, whose kernels turn slots and block
@@ -31,28 +33,27 @@ namespace dsv4c {
 /// Tokens covered by one envelope.
 inline constexpr int64_t kEnvelopeTokens = 256;
 
-/// Where one compressed layer's rows sit inside an envelope.
+/// Where one compressor group's rows sit inside an envelope: KV source `layer`'s, attended by
+/// every layer of `readers` (the source first).
 struct CompressedLayerRows {
   int64_t layer = 0;
-  std::string kind;  // "csa" or "hca"
   int64_t ratio = 0;
   int64_t rows_per_envelope = 0;  // 256 / ratio
-  int64_t offset = 0;             // first row of this layer inside an envelope
-  int64_t index_offset = -1;      // first row inside an index envelope; -1 without an indexer (HCA)
+  int64_t offset = 0;             // first row of this group inside an envelope
+  int64_t index_offset = -1;      // first row inside an index envelope; -1 without index keys
+  std::vector<int64_t> readers;
 };
 
 /// The compressor ring of one (layer, stream): `rows` x `width` fp32 per slot, kv and score.
 struct StateShape {
   int64_t layer = 0;
   std::string stream;  // "main" or "index"
-  int64_t rows = 0;    // ratio (HCA) or 2 * ratio (CSA, overlapping windows)
-  int64_t width = 0;   // head_dim (HCA) or 2 * head_dim (CSA)
+  int64_t rows = 0;    // ratio, or 2 * ratio where the compressor pools overlapping windows
+  int64_t width = 0;   // head_dim, or 2 * head_dim with overlapping windows
 };
 
 /// Every number of the pool, computed once (Python: PoolGeometry).
 struct PoolGeometry {
-  int64_t head_dim = 0;
-  int64_t index_head_dim = 0;
   int64_t window = 0;
   int64_t window_layers = 0;  // the backbone's layers, then the MTP layers
   std::vector<CompressedLayerRows> compressed;
@@ -64,7 +65,7 @@ struct PoolGeometry {
   /// Main rows for `requests` requests of up to `context_tokens` tokens each (envelopes for
   /// the context, plus each request's windows).
   int64_t rows_for(int64_t requests, int64_t context_tokens) const;
-  /// The compressed rows of `layer`; throws std::out_of_range for an uncompressed layer.
+  /// The group whose rows `layer` attends; throws std::out_of_range for an uncompressed layer.
   const CompressedLayerRows& rows_of(int64_t layer) const;
 };
 
