@@ -9,7 +9,7 @@
 
 namespace dsv4c {
 
-inline constexpr int64_t kFormatVersion = 4;
+inline constexpr int64_t kFormatVersion = 5;
 
 /// `path` as str(pathlib.Path(path)) spells it: "." parts, repeated and trailing slashes dropped.
 std::string python_path(const std::string& path);
