@@ -30,7 +30,7 @@ HF_MLP_TYPES = {"hash_moe": HASH_MOE, "moe": ROUTED_MOE}
 
 @dataclass(frozen=True)
 class Yarn:
-    """YaRN extension of the compressed-attention rope (SPEC §2)."""
+    """YaRN extension of the compressed-attention rope (docs/v4.md, "Forward pass")."""
 
     factor: float
     original_max_position_embeddings: int
@@ -165,7 +165,7 @@ def v4_layer(index: int, kind: str, ratio: int, moe: str) -> LayerSpec:
 
 @dataclass(frozen=True)
 class WeightFormats:
-    """How the checkpoint stores weights (SPEC §3); the loader also accepts other dtypes."""
+    """How the checkpoint stores weights (docs/v4.md, "Checkpoint"); the loader also accepts other dtypes."""
 
     dense: str = "fp8"  # fp8 (fp8_block x fp8_block blocks) / bf16 / fp32
     experts: str = "fp4"  # fp4 (1x32 groups) / fp8 / bf16 / fp32

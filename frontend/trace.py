@@ -1,4 +1,4 @@
-"""Trace a model description into the dsv4c IR (SPEC §2).
+"""Trace a model description into the dsv4c IR (docs/v4.md, "Forward pass").
 
 The model reads top-down like an MLC-LLM model definition: ``Block`` = two mHC seams around
 attention and MoE; ``Attention`` builds the compressor and indexer the layer's roles give it.
@@ -243,7 +243,7 @@ class Model:
         return fn
 
     def mtp(self, index: int) -> Function:
-        """MTP layer (SPEC "MTP"): at position p, the backbone's last-layer streams of p and the
+        """MTP layer (docs/v4.md, "Forward pass"): at position p, the backbone's last-layer streams of p and the
         token of p + 1 -> draft logits for p + 2, and the layer's own output streams (the next
         draft of a chain feeds them back as the streams of p + 1)."""
         c = self.cfg

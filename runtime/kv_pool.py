@@ -1,4 +1,4 @@
-"""The KV pool's allocator: one row space per device (SPEC §4; the geometry, the tensors and
+"""The KV pool's allocator: one row space per device (docs/v4.md, "KV pool"; the geometry, the tensors and
 the row formats are ``artifact.pool`` and ``artifact.pool_rows``, shared with the compiler).
 
 :class:`KVPool` allocates the tensors once and hands out rows: envelopes from row 0 upward,

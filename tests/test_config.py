@@ -14,7 +14,7 @@ from dsv4c.frontend.config import PRESETS, config_from_dict, load_config, preset
 
 from parity_configs import PARITY_CONFIGS
 
-REFERENCE = Path(__file__).parent / "data" / "reference_configs"  # verbatim copies of SPEC's reference/configs
+REFERENCE = Path(__file__).parent / "data" / "reference_configs"  # verbatim copies of the released V4-Pro / V4-Flash configs
 DROP = object()  # marks a key to delete in a mutation
 
 # A small official-spelling config: 4 layers (sliding, CSA, HCA, CSA) + a sliding MTP layer.

@@ -1,4 +1,4 @@
-"""KV pool: geometry against SPEC §4, allocator properties, the device's attention rows, paged reference execution."""
+"""KV pool: geometry against docs/v4.md ("KV pool"), allocator properties, the device's attention rows, paged reference execution."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""The compiled MTP function (``mtp0_decode`` / ``mtp0_prefill``) against SPEC "MTP" written out
+"""The compiled MTP function (``mtp0_decode`` / ``mtp0_prefill``) against the MTP layer of docs/v4.md written out
 here: the embedding / hidden-state projections in numpy, then one V4 block, the MTP layer's
 own hc_head and norm and the shared head. transformers has no MTP layer, but its V4 decoder
 layer is the reference for a block: the MTP block's weights are loaded into a one-layer
@@ -42,7 +42,7 @@ def _block_as_one_layer_model(cfg, out_dir):
 
 
 def _reference_logits(cfg, ckpt_dir, weights, streams, next_tokens):
-    """SPEC "MTP" over positions 0..T-1 of one request, in one causal forward."""
+    """The MTP layer of docs/v4.md over positions 0..T-1 of one request, in one causal forward."""
     import torch
     from transformers import DeepseekV4ForCausalLM
     from transformers.masking_utils import create_sliding_window_causal_mask

@@ -142,7 +142,7 @@ def test_golden_quant_plans(model_name, target):
     plan = plan_for(preset(model_name), target).to_json()
     golden = json.loads((GOLDEN / f"quant_plan_{model_name}_{target}.json").read_text())
     assert json.loads(json.dumps(plan)) == golden
-    # The SPEC §5 table, spelled out.
+    # The table of docs/v4.md, "Formats per target", spelled out.
     assert plan["fp8_format"] == ("e4m3fnuz" if target == "gfx942" else "e4m3fn")
     assert plan["index_kv"]["row_bytes"] == {"gfx950": 68, "gfx942": 132, "sm90": 132}.get(target, 512)
     if target == "gfx950":
