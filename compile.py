@@ -76,9 +76,9 @@ def step_constants(program: Program) -> dict:
 
 def rank_sources(program: Program, sharding: ShardingPlan, rank: int, checkpoint: dict) -> dict:
     """The row sources of rank ``rank``'s weights by the program's names: its part of each
-    checkpoint weight (``frontend.checkpoint.ShardRows``), merged projections of those parts,
+    checkpoint weight (``artifact.rows.ShardRows``), merged projections of those parts,
     and the rank's ``tp.*`` values."""
-    from dsv4c.frontend.checkpoint import ConstantRows, ShardRows
+    from dsv4c.artifact.rows import ConstantRows, ShardRows
 
     base = {name: ShardRows(source, sharding.shard(name, source.shape, rank)) for name, source in checkpoint.items()}
     if sharding.tensor_parallel > 1:

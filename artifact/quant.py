@@ -65,7 +65,7 @@ class WeightFormat:
 
     def lay_out(self, name: str, parts) -> dict[str, np.ndarray]:
         """The artifact arrays (by suffix, row-major ``[n, stored cols]``) of consecutive rows, given
-        as the checkpoint holds them: one ``frontend.checkpoint.Rows`` per tensor they come from."""
+        as the checkpoint holds them: one ``artifact.rows.Rows`` per tensor they come from."""
         raise NotImplementedError
 
     def dequantize(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
