@@ -266,7 +266,7 @@ class QuantPlan:
     target: str
     numerics: str
     fp8_format: str  # e4m3fn / e4m3fnuz: dense FP8 weights, the main pool's NoPE codes, FP8 index rows
-    weights: dict[str, WeightQuant]  # by checkpoint storage kind (see frontend.checkpoint)
+    weights: dict[str, WeightQuant]  # by checkpoint storage kind (see frontend.tensor_inventory)
     main_kv: PoolLayout
     index_kv: PoolLayout
 
