@@ -17,7 +17,8 @@ from dsv4c.targets import COMPILED_TARGETS, TARGETS
 
 
 def _cmd_make_tiny(args) -> int:
-    from dsv4c.frontend.checkpoint import iter_random_weights, write_checkpoint
+    from dsv4c.frontend.checkpoint_writer import write_checkpoint
+    from dsv4c.frontend.random_model import iter_random_weights
     from dsv4c.frontend.config import load_config, preset
 
     cfg = load_config(args.config) if args.config else preset("tiny")

@@ -31,7 +31,9 @@ from dsv4c.artifact.quant import QuantPlan, WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
 from dsv4c.errors import UsageError
-from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, write_checkpoint
+from dsv4c.frontend.checkpoint import Checkpoint, ir_sources
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import iter_random_weights
 from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
 from dsv4c.ir.core import Program, concat_parts
@@ -76,9 +78,9 @@ def step_constants(program: Program) -> dict:
 
 def rank_sources(program: Program, sharding: ShardingPlan, rank: int, checkpoint: dict) -> dict:
     """The row sources of rank ``rank``'s weights by the program's names: its part of each
-    checkpoint weight (``frontend.checkpoint.ShardRows``), merged projections of those parts,
+    checkpoint weight (``artifact.rows.ShardRows``), merged projections of those parts,
     and the rank's ``tp.*`` values."""
-    from dsv4c.frontend.checkpoint import ConstantRows, ShardRows
+    from dsv4c.artifact.rows import ConstantRows, ShardRows
 
     base = {name: ShardRows(source, sharding.shard(name, source.shape, rank)) for name, source in checkpoint.items()}
     if sharding.tensor_parallel > 1:

@@ -65,7 +65,7 @@ class WeightFormat:
 
     def lay_out(self, name: str, parts) -> dict[str, np.ndarray]:
         """The artifact arrays (by suffix, row-major ``[n, stored cols]``) of consecutive rows, given
-        as the checkpoint holds them: one ``frontend.checkpoint.Rows`` per tensor they come from."""
+        as the checkpoint holds them: one ``artifact.rows.Rows`` per tensor they come from."""
         raise NotImplementedError
 
     def dequantize(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
@@ -266,7 +266,7 @@ class QuantPlan:
     target: str
     numerics: str
     fp8_format: str  # e4m3fn / e4m3fnuz: dense FP8 weights, the main pool's NoPE codes, FP8 index rows
-    weights: dict[str, WeightQuant]  # by checkpoint storage kind (see frontend.checkpoint)
+    weights: dict[str, WeightQuant]  # by checkpoint storage kind (see frontend.tensor_inventory)
     main_kv: PoolLayout
     index_kv: PoolLayout
 

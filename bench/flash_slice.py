@@ -68,7 +68,8 @@ class _Dequantized(dict):
     """The FP8 / FP4 checkpoint's tensors as fp32, read one at a time (never all in memory)."""
 
     def __init__(self, cfg, path):
-        from dsv4c.frontend.checkpoint import Checkpoint, inventory
+        from dsv4c.frontend.checkpoint import Checkpoint
+        from dsv4c.frontend.tensor_inventory import inventory
 
         super().__init__({spec.name: spec for spec in inventory(cfg)})
         self.checkpoint = Checkpoint(path)
@@ -95,7 +96,8 @@ def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
     """One stage per child process, so that no process holds two copies of 1.4 G parameters:
     make the FP8 / FP4 checkpoint, write the same values as fp32 for transformers, compile
     (for ``cpu``, default this machine's)."""
-    from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+    from dsv4c.frontend.checkpoint_writer import write_checkpoint
+    from dsv4c.frontend.random_model import random_weights
     from dsv4c.frontend.config import config_from_dict, with_weights
 
     cfg = config_from_dict(FLASH_SLICE, "flash-slice")

@@ -39,7 +39,8 @@ FLASH_LAYERS = 43
 
 
 def prepare(workdir: Path, stage: str) -> None:
-    from dsv4c.frontend.checkpoint import iter_random_weights, write_checkpoint
+    from dsv4c.frontend.checkpoint_writer import write_checkpoint
+    from dsv4c.frontend.random_model import iter_random_weights
     from dsv4c.frontend.config import config_from_dict
 
     if stage == "make":

@@ -18,7 +18,7 @@ from pathlib import Path
 from dsv4c.artifact.file_names import WEIGHTS_INDEX, weight_files
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsWriter
 from dsv4c.codegen.lowering import WeightLayout
-from dsv4c.frontend.checkpoint import RowSource
+from dsv4c.artifact.rows import RowSource
 from dsv4c.threads import BoundedPool
 
 SHARD_BYTES = 4 << 30  # at most this much per weight file (a larger single tensor gets a file of its own)

@@ -16,7 +16,7 @@ import numpy as np
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import FP32, I32, I64, Fp8Blocks, QuantPlan, WeightFormat
 from dsv4c.codegen.ops.base import KernelSpec
-from dsv4c.frontend.checkpoint import Rows
+from dsv4c.artifact.rows import Rows
 from dsv4c.ir.core import Node, Program
 from dsv4c.ir.ops import COLLECTIVE_OPS
 from dsv4c.targets import target_info

@@ -1,121 +1,26 @@
-"""Checkpoints: the tensor inventory of a config, a streaming loader, and a quantizing writer.
-
-The inventory (:func:`inventory`) is the one place that says which tensors a V4 checkpoint
-holds, their logical shapes and their storage kind (SPEC §3). The reader takes official
-names and ``transformers`` names, checks every tensor from the shard headers, and then hands
-out row ranges in the checkpoint's own storage (:class:`Rows`: FP8 / FP4 codes with their
-scales, BF16 bits), or dequantized to fp32 for models that fit in memory. The writer produces
-the official format with the same scale rules (E8M0 power-of-two scales) from a stream of row
-pieces, atomically.
+"""Reading checkpoints: a single ``.safetensors`` file or a directory of shards, under official
+or ``transformers`` names. Every tensor is checked against the inventory from the shard
+headers alone; then the reader hands out row ranges in the checkpoint's own storage
+(``artifact.rows.Rows``: FP8 / FP4 codes with their scales, BF16 bits), or whole tensors
+dequantized to fp32 for models that fit in memory.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
 from dsv4c.artifact import lowbit
-from dsv4c.artifact.model_config import CSA, HASH_MOE, LayerSpec, ModelConfig
+from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.quant import FP8_BLOCK_SIZES
-from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile, SafetensorsWriter
+from dsv4c.artifact.rows import ConcatRows, Rows, RowSource
+from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import CheckpointError, UsageError
-from dsv4c.threads import BoundedPool
-
-# Storage kinds of SPEC §3.
-DENSE = "dense"  # FP8 e4m3 with block scales (128x128 in V4's checkpoints)
-EXPERT = "expert"  # FP4 e2m1 packed, 1x32 E8M0 scales
-BF16 = "bf16"  # compressors, weights_proj, gate, embed, head
-FP32 = "fp32"  # mHC, sinks, router bias, norms, ape
-INDEX = "index"  # tid2eid
-
-_EXPERT_IR = re.compile(r"^(?P<prefix>.*\.ffn\.experts)\.(?P<w>w[123])$")
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    kind: str
-
-
-def _block_tensors(cfg: ModelConfig, layer: LayerSpec, p: str) -> Iterator[TensorSpec]:
-    d, n, q, h, dh = cfg.hidden_size, cfg.hc_mult, cfg.q_lora_rank, cfg.num_heads, cfg.head_dim
-    g, r, e, inter = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
-    yield TensorSpec(f"{p}attn_norm.weight", (d,), FP32)
-    yield TensorSpec(f"{p}ffn_norm.weight", (d,), FP32)
-    for which in ("attn", "ffn"):
-        yield TensorSpec(f"{p}hc_{which}_fn", (cfg.hc_mix_size, n * d), FP32)
-        yield TensorSpec(f"{p}hc_{which}_base", (cfg.hc_mix_size,), FP32)
-        yield TensorSpec(f"{p}hc_{which}_scale", (3,), FP32)
-    a = f"{p}attn."
-    yield TensorSpec(f"{a}wq_a.weight", (q, d), DENSE)
-    yield TensorSpec(f"{a}q_norm.weight", (q,), FP32)
-    yield TensorSpec(f"{a}wq_b.weight", (h * dh, q), DENSE)
-    yield TensorSpec(f"{a}wkv.weight", (dh, d), DENSE)
-    yield TensorSpec(f"{a}kv_norm.weight", (dh,), FP32)
-    yield TensorSpec(f"{a}wo_a.weight", (g * r, h * dh // g), DENSE)
-    yield TensorSpec(f"{a}wo_b.weight", (d, g * r), DENSE)
-    yield TensorSpec(f"{a}attn_sink", (h,), FP32)
-    if layer.is_compressed:
-        width = (2 if layer.attention == CSA else 1) * dh
-        yield from _compressor(f"{a}compressor.", d, width, dh, layer.compress_ratio)
-    if layer.has_indexer:
-        hi, di = cfg.index_n_heads, cfg.index_head_dim
-        yield TensorSpec(f"{a}indexer.wq_b.weight", (hi * di, q), DENSE)
-        yield TensorSpec(f"{a}indexer.weights_proj.weight", (hi, d), BF16)
-        yield from _compressor(f"{a}indexer.compressor.", d, 2 * di, di, layer.compress_ratio)
-    f = f"{p}ffn."
-    yield TensorSpec(f"{f}gate.weight", (e, d), BF16)
-    if layer.moe == HASH_MOE:
-        yield TensorSpec(f"{f}gate.tid2eid", (cfg.vocab_size, cfg.n_experts_per_tok), INDEX)
-    else:
-        yield TensorSpec(f"{f}gate.bias", (e,), FP32)
-    for i in range(e):
-        yield from _ffn(f"{f}experts.{i}.", d, inter, EXPERT)
-    yield from _ffn(f"{f}shared_experts.", d, inter, DENSE)
-
-
-def _compressor(p: str, d: int, width: int, head_dim: int, ratio: int) -> Iterator[TensorSpec]:
-    yield TensorSpec(f"{p}wkv.weight", (width, d), BF16)
-    yield TensorSpec(f"{p}wgate.weight", (width, d), BF16)
-    yield TensorSpec(f"{p}ape", (ratio, width), FP32)
-    yield TensorSpec(f"{p}norm.weight", (head_dim,), FP32)
-
-
-def _ffn(p: str, d: int, inter: int, kind: str) -> Iterator[TensorSpec]:
-    yield TensorSpec(f"{p}w1.weight", (inter, d), kind)
-    yield TensorSpec(f"{p}w2.weight", (d, inter), kind)
-    yield TensorSpec(f"{p}w3.weight", (inter, d), kind)
-
-
-def inventory(cfg: ModelConfig) -> list[TensorSpec]:
-    """Every tensor of the official checkpoint of ``cfg``, in a stable order."""
-    d, n = cfg.hidden_size, cfg.hc_mult
-    out = [TensorSpec("embed.weight", (cfg.vocab_size, d), BF16), TensorSpec("head.weight", (cfg.vocab_size, d), BF16),
-           TensorSpec("norm.weight", (d,), FP32), TensorSpec("hc_head_fn", (n, n * d), FP32),
-           TensorSpec("hc_head_base", (n,), FP32), TensorSpec("hc_head_scale", (1,), FP32)]
-    for layer in cfg.layers:
-        out += _block_tensors(cfg, layer, f"layers.{layer.index}.")
-    for i, layer in enumerate(cfg.mtp_layers):
-        p = f"mtp.{i}."
-        out += [TensorSpec(f"{p}e_proj.weight", (d, d), DENSE), TensorSpec(f"{p}h_proj.weight", (d, d), DENSE),
-                TensorSpec(f"{p}enorm.weight", (d,), FP32), TensorSpec(f"{p}hnorm.weight", (d,), FP32),
-                TensorSpec(f"{p}norm.weight", (d,), FP32), TensorSpec(f"{p}hc_head_fn", (n, n * d), FP32),
-                TensorSpec(f"{p}hc_head_base", (n,), FP32), TensorSpec(f"{p}hc_head_scale", (1,), FP32)]
-        out += _block_tensors(cfg, layer, p)
-    return out
-
-
-# --------------------------------------------------------------------------- names
+from dsv4c.frontend.tensor_inventory import DENSE, EXPERT, INDEX, TensorSpec, inventory, scale_name
 
 # transformers' names (conversion_mapping.py, "deepseek_v4") back to the official ones.
 _HF_TO_OFFICIAL = [
@@ -161,62 +66,7 @@ def official_name(name: str) -> str:
     return name
 
 
-# --------------------------------------------------------------------------- reading
-
-
-def _scale_name(name: str) -> str:
-    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
-
-
 FLOAT_STORAGE = ("F32", "F16", "BF16")
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Consecutive rows of a tensor seen as a matrix ``[rows, cols]`` (cols: its last axis; the
-    experts of a stack one after another), as the checkpoint stores them.
-
-    ``storage`` says what ``values`` and ``scales`` hold: ``F32`` / ``F16`` / ``BF16``: float32,
-    float16 or uint16 bits ``[n, cols]``; ``FP8``: e4m3fn codes ``[n, cols]`` and, per row, the
-    float32 scale of each ``block``-column block ``[n, ceil(cols / block)]``; ``FP4``: e2m1 pairs (element
-    2i in the low nibble) ``[n, cols / 2]`` and their E8M0 scale codes ``[n, cols / 32]``; ``INT``:
-    int64 ``[n, cols]``. The artifact's weight formats (``artifact.quant``) take the checkpoint's
-    own bytes where it holds their format and quantize only rows stored in another."""
-
-    storage: str
-    values: np.ndarray
-    scales: np.ndarray | None = None
-    block: int = 128  # FP8: the checkpoint's square block size (its scales' columns span this many)
-
-    def decode(self) -> np.ndarray:
-        """float32 values (int64 for INT), FP8 / FP4 dequantized as SPEC §3 defines them."""
-        if self.storage == "FP8":
-            scale = np.repeat(self.scales, self.block, axis=1)[:, :self.values.shape[1]]
-            return lowbit.decode_e4m3fn(self.values) * scale
-        if self.storage == "FP4":
-            return lowbit.dequantize_fp4_groups(self.values, self.scales, 32)
-        if self.storage == "BF16":
-            return lowbit.f32_from_bf16_bits(self.values)
-        return self.values.astype(np.int64 if self.storage == "INT" else np.float32, copy=False)
-
-
-class RowSource:
-    """A tensor of logical ``shape`` read as :class:`Rows` of the matrix ``[rows, cols]``
-    (cols = ``shape[-1]``), a range at a time; ``read`` may be called from several threads."""
-
-    shape: tuple[int, ...]
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.shape[:-1])
-
-    def read(self, start: int, stop: int) -> list[Rows]:
-        """Rows ``[start, stop)``, one :class:`Rows` per stored tensor they come from, in order."""
-        raise NotImplementedError
-
-    def read_all(self) -> np.ndarray:
-        """The whole tensor decoded: float32 (int64 for ids) of ``shape``."""
-        return np.concatenate([part.decode() for part in self.read(0, self.rows)]).reshape(self.shape)
 
 
 class TensorRows(RowSource):
@@ -249,82 +99,6 @@ class TensorRows(RowSource):
             sst, sname, _ = self.scale
             scales = sst.read_rows(sname, start, stop)
         return [Rows(self.storage, values, scales)]
-
-
-class ConcatRows(RowSource):
-    """Sources stacked along their rows: the routed experts of a layer ``[E, out, in]``, or
-    projections merged along ``out`` (``concat(a,b)``)."""
-
-    def __init__(self, parts: list[RowSource], shape: tuple[int, ...]):
-        self.parts, self.shape = parts, shape
-
-    def read(self, start: int, stop: int) -> list[Rows]:
-        out, base = [], 0
-        for part in self.parts:
-            lo, hi = max(start, base), min(stop, base + part.rows)
-            if lo < hi:
-                out += part.read(lo - base, hi - base)
-            base += part.rows
-        return out
-
-
-class ShardRows(RowSource):
-    """One rank's part of a weight (an ``artifact.sharding.WeightShard`` of ``base``'s shape),
-    read as only those bytes: a range along the first axis (whole experts of a stack ``[E, out,
-    in]``) padded with zero rows up to the shard's extent (a vocab the ranks do not divide), a
-    range along a middle axis (each expert's share of its rows), or a range of columns (the last
-    axis; FP8 / FP4 ranges start on their scale blocks, which the plan ensures)."""
-
-    def __init__(self, base: RowSource, shard):
-        self.base, self.shard = base, shard
-        self.shape = shard.held_shape(base.shape)
-        self.columns = shard.axis is not None and shard.axis == len(base.shape) - 1
-        if shard.axis is not None and not self.columns:
-            # Matrix rows per index of the split axis; the base's rows per index of the axes before it.
-            self.inner = math.prod(base.shape[shard.axis + 1:-1])
-            self.outer_rows = base.shape[shard.axis] * self.inner
-            self.local_rows = (shard.stop - shard.start) * self.inner  # real (not padded) rows per outer index
-            self.held_rows = shard.extent * self.inner
-
-    def read(self, start: int, stop: int) -> list[Rows]:
-        if self.shard.axis is None:
-            return self.base.read(start, stop)
-        if self.columns:
-            return [_columns(rows, self.shard.start, self.shard.stop) for rows in self.base.read(start, stop)]
-        out = []
-        while start < stop:  # one index of the axes before the split at a time
-            outer, row = divmod(start, self.held_rows)
-            end = min(stop, (outer + 1) * self.held_rows)
-            first = outer * self.outer_rows + self.shard.start * self.inner
-            real = min(end - outer * self.held_rows, self.local_rows)
-            if row < real:
-                out += self.base.read(first + row, first + real)
-            pad = end - outer * self.held_rows - max(row, self.local_rows)
-            if pad > 0:
-                out.append(Rows("F32", np.zeros((pad, self.shape[-1]), np.float32)))
-            start = end
-        return out
-
-
-def _columns(rows: Rows, start: int, stop: int) -> Rows:
-    """Columns ``[start, stop)`` of some rows, in their storage."""
-    if rows.storage == "FP8":
-        b = rows.block
-        return Rows("FP8", rows.values[:, start:stop], rows.scales[:, start // b:-(-stop // b)], b)
-    if rows.storage == "FP4":
-        return Rows("FP4", rows.values[:, start // 2:stop // 2], rows.scales[:, start // 32:stop // 32])
-    return Rows(rows.storage, rows.values[:, start:stop])
-
-
-class ConstantRows(RowSource):
-    """A small integer tensor the compiler supplies (a rank's ``tp.*`` offsets), not the checkpoint."""
-
-    def __init__(self, values: np.ndarray):
-        self.values = np.asarray(values, np.int64).reshape(-1, np.shape(values)[-1])
-        self.shape = tuple(np.shape(values))
-
-    def read(self, start: int, stop: int) -> list[Rows]:
-        return [Rows("INT", self.values[start:stop])]
 
 
 class Checkpoint:
@@ -419,7 +193,7 @@ class Checkpoint:
 
     def source(self, spec: TensorSpec, n_experts: int | None = None) -> TensorRows:
         """The tensor of ``spec`` as a row source, its dtype, shape and scales checked against
-        the spec from the headers alone (SPEC §3 storage kinds); expert ids in tid2eid are
+        the spec from the headers alone (the storage its kind allows); expert ids in tid2eid are
         checked against ``[0, n_experts)`` as they are read."""
         if spec.name in self._merged:
             return self._merged_source(spec)
@@ -448,7 +222,7 @@ class Checkpoint:
         return TensorRows(where, st, stored, storage, spec.shape, scale, n_experts=n_experts)
 
     def _companion_scale(self, name: str, where: str) -> tuple[SafetensorsFile, str, str]:
-        official = _scale_name(name)
+        official = scale_name(name)
         if official not in self._where:
             raise CheckpointError(f"{where} is quantized but its scale tensor {official} is missing")
         f, stored = self._where[official]
@@ -528,7 +302,7 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | No
         if names is None:
             # A checkpoint of a deeper or wider model (more layers, experts, an MTP block)
             # would otherwise load as a truncated one without a word.
-            known = {s.name for s in every} | {_scale_name(s.name) for s in every if s.kind in (DENSE, EXPERT)}
+            known = {s.name for s in every} | {scale_name(s.name) for s in every if s.kind in (DENSE, EXPERT)}
             extra = [n for n in ckpt.names() if n not in known]
             if extra:
                 raise CheckpointError(f"{ckpt.path}: holds {len(extra)} tensors the config does not describe, e.g. "
@@ -546,235 +320,3 @@ def _ir_name(official: str) -> str:
     """``layers.3.ffn.experts.5.w1.weight`` -> ``layers.3.ffn.experts.w1``; others unchanged."""
     m = re.match(r"^(.*\.ffn\.experts)\.\d+\.(w[123])\.weight$", official)
     return f"{m[1]}.{m[2]}" if m else official
-
-
-# --------------------------------------------------------------------------- writing
-
-# Rows generated, quantized and written at a time: float64 bytes of random values (a 128-row
-# multiple, so FP8 blocks, 128 or 32 rows, never straddle two pieces). The writers hold a few
-# pieces at once, and quantizing one takes about ten times its float32 size in int64 temporaries.
-PIECE_BYTES = 8 << 20
-
-
-def _row_pieces(shape: tuple[int, ...], itemsize: int = 8) -> list[tuple[int, int]]:
-    """``[start, stop)`` ranges along the first axis of a tensor, about PIECE_BYTES each."""
-    row_bytes = max(math.prod(shape[1:]) * itemsize, 1)
-    step = max(128, PIECE_BYTES // row_bytes // 128 * 128)
-    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
-
-
-def _storage(spec: TensorSpec, cfg: ModelConfig) -> str:
-    """How the checkpoint of ``cfg`` stores ``spec``: index, fp8, fp4, bf16 or fp32."""
-    fmt = cfg.weights
-    if spec.kind == INDEX:
-        return "index"
-    return {DENSE: fmt.dense, EXPERT: fmt.experts, BF16: "fp32" if fmt.dense == "fp32" else "bf16",
-            FP32: "fp32"}[spec.kind]
-
-
-def _stored_entries(spec: TensorSpec, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The stored tensors (value and, when quantized, its scale) of one logical tensor: dtype and shape."""
-    storage, shape = _storage(spec, cfg), spec.shape
-    if storage == "fp8":
-        block = cfg.weights.fp8_block
-        grid = (-(-shape[0] // block), -(-shape[1] // block))
-        return {spec.name: ("F8_E4M3", shape),
-                _scale_name(spec.name): ("F8_E8M0" if cfg.weights.scale == "e8m0" else "F32", grid)}
-    if storage == "fp4":
-        return {spec.name: ("I8", (shape[0], shape[1] // 2)), _scale_name(spec.name): ("F8_E8M0", (shape[0], shape[1] // 32))}
-    return {spec.name: ({"index": "I64", "bf16": "BF16"}.get(storage, "F32"), shape)}
-
-
-def _encode(spec: TensorSpec, rows: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The stored bytes of rows of one logical tensor (FP8 pieces start on a row block)."""
-    storage = _storage(spec, cfg)
-    if storage == "index":
-        return {spec.name: rows.astype(np.int64)}
-    rows = np.asarray(rows, np.float32)
-    if storage == "fp8":
-        codes, scales = lowbit.quantize_fp8_blocks(rows, cfg.weights.fp8_block, cfg.weights.scale)
-        return {spec.name: codes, _scale_name(spec.name): scales}
-    if storage == "fp4":
-        packed, scales = lowbit.quantize_fp4_groups(rows, 32)
-        return {spec.name: packed, _scale_name(spec.name): scales}
-    if storage == "bf16":
-        return {spec.name: lowbit.bf16_bits_from_f32(rows)}
-    return {spec.name: rows}
-
-
-def _write_piece(writer: SafetensorsWriter, spec: TensorSpec, start: int, rows: np.ndarray, cfg: ModelConfig) -> int:
-    """Encode rows ``start ...`` of ``spec`` and write them where they belong; the bytes written."""
-    written = 0
-    for name, array in _encode(spec, rows, cfg).items():
-        fp8_scales = _storage(spec, cfg) == "fp8" and name != spec.name
-        first = start // cfg.weights.fp8_block if fp8_scales else start  # block-scale rows
-        row_bytes = array.nbytes // array.shape[0] if array.shape[0] else 0
-        writer.write(name, array, first * row_bytes)
-        written += array.nbytes
-    return written
-
-
-def _mapping_pieces(specs: list[TensorSpec], weights: Mapping[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-    """Whole tensors as a stream of pieces; names are checked now, shapes as each is read."""
-    extra = sorted(set(weights) - {s.name for s in specs})
-    if extra:
-        raise CheckpointError(f"cannot write checkpoint: tensor {extra[0]} is not in the model's inventory "
-                              f"({len(extra)} such tensors; official names, one tensor per expert)")
-    missing = [s.name for s in specs if s.name not in weights]
-    if missing:
-        raise CheckpointError(f"cannot write checkpoint: tensor {missing[0]} was not provided")
-
-    def pieces() -> Iterator[tuple[str, np.ndarray]]:
-        for spec in specs:
-            value = np.asarray(weights[spec.name])  # once: a mapping may load its values lazily
-            if value.shape != spec.shape:
-                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} has shape "
-                                      f"{list(value.shape)}; the config implies {list(spec.shape)}")
-            for start, stop in _row_pieces(spec.shape, value.itemsize):
-                yield spec.name, value[start:stop]
-
-    return pieces()
-
-
-def _checked_pieces(specs: list[TensorSpec], pieces: Iterable[tuple[str, np.ndarray]],
-                    cfg: ModelConfig) -> Iterator[tuple[TensorSpec, int, np.ndarray]]:
-    """(spec, first row, rows) of each piece of a stream, checked: inventory order, every
-    tensor complete, nothing else."""
-    known = {s.name for s in specs}
-    stream = iter(pieces)
-    for spec in specs:
-        done = 0
-        while done < spec.shape[0]:
-            name, rows = next(stream, (None, None))
-            if name != spec.name:
-                if name is not None and name not in known:
-                    raise CheckpointError(f"cannot write checkpoint: tensor {name} is not in the model's inventory "
-                                          "(official names, one tensor per expert)")
-                if done == 0:
-                    raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} was not provided")
-                raise CheckpointError(f"cannot write checkpoint: tensor {spec.name} ended after {done} of "
-                                      f"{spec.shape[0]} rows")
-            rows = np.asarray(rows)
-            if rows.shape[1:] != spec.shape[1:] or done + len(rows) > spec.shape[0]:
-                raise CheckpointError(f"cannot write checkpoint: a piece of tensor {spec.name} has shape "
-                                      f"{list(rows.shape)} at row {done}; the config implies {list(spec.shape)}")
-            if done % cfg.weights.fp8_block and _storage(spec, cfg) == "fp8":
-                raise ValueError(f"pieces of FP8 tensor {spec.name} must start on a {cfg.weights.fp8_block}-row "
-                                 f"block (row {done})")
-            yield spec, done, rows
-            done += len(rows)
-    leftover = next(stream, None)
-    if leftover is not None:
-        raise CheckpointError(f"cannot write checkpoint: tensor {leftover[0]} comes after the whole inventory "
-                              "(stored twice, or not in the model)")
-
-
-def write_checkpoint(cfg: ModelConfig, weights: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
-                     out_dir: str | os.PathLike, shard_bytes: int = 2 << 30, spelling: str | None = None,
-                     progress: bool = False) -> Path:
-    """Write ``config.json`` + official-format shards (official names, fp32 values in).
-
-    ``weights`` maps names to whole tensors, or is a stream of ``(name, rows)`` pieces in
-    inventory order, a tensor's pieces one after another along its first axis (FP8 tensors in
-    128-row multiples): :func:`iter_random_weights` streams a model that never sits in memory
-    whole. The shards are laid out up front; a few threads quantize and write each piece while
-    the next is made. Written into a temporary directory next to ``out_dir`` and renamed at the
-    end: an interrupted write leaves nothing at ``out_dir``."""
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out}: exists and is not an empty directory; choose a new directory")
-    specs = inventory(cfg)
-    if isinstance(weights, Mapping):
-        weights = _mapping_pieces(specs, weights)
-    entries = {spec.name: _stored_entries(spec, cfg) for spec in specs}
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        nbytes = sum(math.prod(shape) * STORAGE_DTYPES[dtype].itemsize for dtype, shape in entries[spec.name].values())
-        if size and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += nbytes
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    writers: list[SafetensorsWriter] = []
-    try:
-        weight_map, writer_of = {}, {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            stored = {name: entry for spec in shard for name, entry in entries[spec.name].items()}
-            writers.append(SafetensorsWriter(tmp / fname, stored, {"format": "pt"}))
-            weight_map.update({name: fname for name in stored})
-            writer_of.update({spec.name: writers[-1] for spec in shard})
-        total = sum(math.prod(shape) * STORAGE_DTYPES[dtype].itemsize for e in entries.values() for dtype, shape in e.values())
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc="writing checkpoint", unit="B", unit_scale=True, unit_divisor=1024, leave=False)
-        with BoundedPool(on_result=bar.update if bar is not None else None) as pool:
-            for spec, start, rows in _checked_pieces(specs, weights, cfg):
-                pool.submit(_write_piece, writer_of[spec.name], spec, start, rows, cfg)
-        if bar is not None:
-            bar.close()
-        for writer in writers:
-            writer.finish()
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps(cfg.to_json_dict(spelling), indent=2))
-        if out.exists():
-            out.rmdir()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model directory is not
-        os.replace(tmp, out)
-    except BaseException:
-        for writer in writers:
-            writer.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def iter_random_weights(cfg: ModelConfig, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
-    """Deterministic random weights with activations of sensible size, as a stream of
-    ``(official name, fp32 rows)`` pieces in inventory order (what :func:`write_checkpoint`
-    takes), one piece in memory at a time. numpy draws the same numbers in pieces as at once,
-    so the values do not depend on the piece size.
-
-    Projections are scaled by 1/sqrt(fan_in) so every layer keeps unit-size activations;
-    the mHC, sink and compressor-gate parameters get enough spread that routing, top-k and
-    pooling are not degenerate (and index scores rarely tie)."""
-    rng = np.random.default_rng(seed)
-    for spec in inventory(cfg):
-        name, shape = spec.name, spec.shape
-        for start, stop in _row_pieces(shape):
-            piece = (stop - start, *shape[1:])
-            if spec.kind == INDEX:
-                # Distinct experts per token, as the released tables have.
-                yield name, np.argsort(rng.random((piece[0], cfg.n_routed_experts)), axis=1)[:, :shape[1]].astype(np.int64)
-                continue
-            if name.endswith("norm.weight"):
-                value = 1.0 + 0.1 * rng.standard_normal(piece)
-            elif name.endswith(("_scale",)):
-                value = 0.5 + 0.1 * rng.standard_normal(piece)
-            elif name.endswith(("_base", "attn_sink", "gate.bias")):
-                value = 0.5 * rng.standard_normal(piece)
-            elif name.endswith(".ape"):
-                value = 0.5 * rng.standard_normal(piece)
-            elif name.endswith("_fn"):
-                value = rng.standard_normal(piece) / np.sqrt(shape[1])
-            elif name == "embed.weight":
-                value = rng.standard_normal(piece)
-            else:
-                value = rng.standard_normal(piece) / np.sqrt(shape[-1])
-            yield name, value.astype(np.float32)
-
-
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """:func:`iter_random_weights` as whole tensors in memory (official names), for small models."""
-    pieces: dict[str, list[np.ndarray]] = {}
-    for name, rows in iter_random_weights(cfg, seed):
-        pieces.setdefault(name, []).append(rows)
-    return {name: np.concatenate(parts) for name, parts in pieces.items()}

@@ -10,6 +10,7 @@ one weight, so the merged weight holds exactly the original codes and scales.
 from __future__ import annotations
 
 from dsv4c.artifact.quant import WEIGHT_FORMATS, Fp8Blocks
+from dsv4c.artifact.rows import ConcatRows, RowSource
 from dsv4c.ir.core import Builder, Function, Node, Program, concat_name, concat_parts
 from dsv4c.ir.ops import f32
 
@@ -60,11 +61,9 @@ def base_weight_names(program: Program) -> set[str]:
     return names
 
 
-def weight_sources(program: Program, base: dict) -> dict:
-    """Row sources (``dsv4c.frontend.checkpoint.RowSource``) by the program's names, from those
-    of the checkpoint weights: a merged weight reads its parts' rows in turn, never copied whole."""
-    from dsv4c.frontend.checkpoint import ConcatRows
-
+def weight_sources(program: Program, base: dict[str, RowSource]) -> dict[str, RowSource]:
+    """Row sources by the program's names, from those of the checkpoint weights: a merged weight
+    reads its parts' rows in turn, never copied whole."""
     out = {}
     for fn in program.functions.values():
         for name, value in fn.weights.items():

@@ -73,7 +73,8 @@ def build(work: Path, target: str, models: list[str]) -> None:
     """The checkpoints (random weights) and the target's artifacts."""
     from flash_slice import FLASH_SLICE
 
-    from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+    from dsv4c.frontend.checkpoint_writer import write_checkpoint
+    from dsv4c.frontend.random_model import random_weights
     from dsv4c.frontend.config import config_from_dict, preset
 
     configs = {"tiny": preset("tiny"), "flash-slice": config_from_dict(FLASH_SLICE, "flash-slice")}

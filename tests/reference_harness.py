@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
+from dsv4c.frontend.checkpoint import load_weights
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.frontend.config import with_weights
 from dsv4c.frontend.trace import trace

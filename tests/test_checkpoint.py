@@ -13,11 +13,11 @@ import pytest
 
 from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.artifact import lowbit
-from dsv4c.frontend import checkpoint
-from dsv4c.frontend.checkpoint import (
-    BF16, DENSE, EXPERT, FP32, INDEX, Checkpoint, inventory, iter_random_weights, load_weights, official_name,
-    random_weights, write_checkpoint,
-)
+from dsv4c.frontend import checkpoint_writer
+from dsv4c.frontend.checkpoint import Checkpoint, load_weights, official_name
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import iter_random_weights, random_weights
+from dsv4c.frontend.tensor_inventory import BF16, DENSE, EXPERT, FP32, INDEX, inventory
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
 from dsv4c.artifact.safetensors_io import SafetensorsFile, SafetensorsWriter, write_safetensors
 
@@ -494,7 +494,7 @@ def test_interrupted_between_shards(tmp_path, monkeypatch):
 
 
 def test_random_weights_stream_in_pieces_of_bounded_size(monkeypatch):
-    monkeypatch.setattr(checkpoint, "PIECE_BYTES", 4096)  # 128-row pieces of the tiny model's matrices
+    monkeypatch.setattr(checkpoint_writer, "PIECE_BYTES", 4096)  # 128-row pieces of the tiny model's matrices
     pieces = list(iter_random_weights(EDGE, 3))
     assert max(p.nbytes for _, p in pieces) <= 128 * 160 * 4 and len(pieces) > len(inventory(EDGE))
     whole = random_weights(EDGE, 3)
@@ -503,7 +503,7 @@ def test_random_weights_stream_in_pieces_of_bounded_size(monkeypatch):
 
 
 def test_a_streamed_checkpoint_equals_one_written_from_whole_tensors(edge_ckpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "PIECE_BYTES", 4096)  # FP8 blocks and FP4 groups written piece by piece
+    monkeypatch.setattr(checkpoint_writer, "PIECE_BYTES", 4096)  # FP8 blocks and FP4 groups written piece by piece
     out = write_checkpoint(EDGE, iter_random_weights(EDGE, 0), tmp_path / "ckpt")
     for shard in sorted(edge_ckpt.glob("*.safetensors")):
         with SafetensorsFile(shard) as want, SafetensorsFile(out / shard.name) as got:

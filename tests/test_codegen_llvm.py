@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dsv4c.codegen.lowering import kernel_table
-from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.artifact.model_config import CSA, HCA, SLIDING
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.trace import trace

@@ -12,7 +12,8 @@ from tvm import relax
 
 from dsv4c.codegen import gpu
 from dsv4c.codegen.build import lower_step
-from dsv4c.frontend.checkpoint import iter_random_weights, write_checkpoint
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import iter_random_weights
 from dsv4c.frontend.config import preset, with_weights
 from dsv4c.frontend.trace import trace
 from dsv4c.passes.pipeline import run_pipeline

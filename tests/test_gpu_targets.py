@@ -22,7 +22,9 @@ import pytest
 
 from dsv4c.codegen import gpu
 from dsv4c.compile import compile_model
-from dsv4c.frontend.checkpoint import load_weights, random_weights, write_checkpoint
+from dsv4c.frontend.checkpoint import load_weights
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.frontend.config import preset, resolve_model
 from dsv4c.artifact.device_code import device_modules
 from dsv4c.artifact.manifest import ArtifactError, read_manifest

@@ -26,7 +26,7 @@ from dsv4c.artifact.lowbit import (
     unpack_fp4,
 )
 from dsv4c.artifact.quant import FP8_BLOCK_SIZES, WEIGHT_FORMATS, fp8_format_name
-from dsv4c.frontend.checkpoint import Rows
+from dsv4c.artifact.rows import Rows
 
 RNG = np.random.default_rng(0)
 

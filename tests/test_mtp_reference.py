@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dsv4c.frontend.checkpoint import random_weights, write_checkpoint
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.artifact.model_config import ROUTED_MOE, SLIDING, v4_layer
 from dsv4c.runtime.engine import Engine
 

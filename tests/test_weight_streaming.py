@@ -27,8 +27,10 @@ from dsv4c.artifact.quant import dense_format, fp4_words
 from dsv4c.codegen.lowering import column_tiles, weight_layouts
 from dsv4c.errors import CheckpointError, UsageError
 from dsv4c.artifact import lowbit
-from dsv4c.frontend import checkpoint
-from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, iter_random_weights, load_weights, write_checkpoint
+from dsv4c.frontend import checkpoint_writer
+from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, load_weights
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.random_model import iter_random_weights
 from dsv4c.frontend.config import config_from_dict, preset, with_weights
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.frontend.trace import trace
@@ -255,7 +257,7 @@ def test_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
     few pieces in flight whatever the model, plus per-tensor bookkeeping. One worker thread, so
     the peak does not depend on which pieces the threads happen to overlap (a 2-core CI run once
     saw the 64-expert conversion overlap larger pieces than the 8-expert one, 1.6x the peak)."""
-    monkeypatch.setattr(checkpoint, "PIECE_BYTES", 1 << 20)
+    monkeypatch.setattr(checkpoint_writer, "PIECE_BYTES", 1 << 20)
     monkeypatch.setattr(convert, "PIECE_ELEMENTS", 1 << 18)
     monkeypatch.setattr(threads, "default_workers", lambda: 1)
     peaks, sizes = [], []

@@ -1,0 +1,97 @@
+"""The tensor inventory: which tensors a V4 checkpoint of a config holds, their logical shapes
+and their storage kind, in one stable order. The reader checks a checkpoint against it, the
+writer lays one out from it, the random-model generator fills it (docs/v4.md, "Checkpoint")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from dsv4c.artifact.model_config import CSA, HASH_MOE, LayerSpec, ModelConfig
+
+# How a checkpoint stores a tensor (docs/v4.md, "Checkpoint").
+DENSE = "dense"  # FP8 e4m3 with block scales (128x128 in V4's checkpoints)
+EXPERT = "expert"  # FP4 e2m1 packed, 1x32 E8M0 scales
+BF16 = "bf16"  # compressors, weights_proj, gate, embed, head
+FP32 = "fp32"  # mHC, sinks, router bias, norms, ape
+INDEX = "index"  # tid2eid
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+def _block_tensors(cfg: ModelConfig, layer: LayerSpec, p: str) -> Iterator[TensorSpec]:
+    d, n, q, h, dh = cfg.hidden_size, cfg.hc_mult, cfg.q_lora_rank, cfg.num_heads, cfg.head_dim
+    g, r, e, inter = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    yield TensorSpec(f"{p}attn_norm.weight", (d,), FP32)
+    yield TensorSpec(f"{p}ffn_norm.weight", (d,), FP32)
+    for which in ("attn", "ffn"):
+        yield TensorSpec(f"{p}hc_{which}_fn", (cfg.hc_mix_size, n * d), FP32)
+        yield TensorSpec(f"{p}hc_{which}_base", (cfg.hc_mix_size,), FP32)
+        yield TensorSpec(f"{p}hc_{which}_scale", (3,), FP32)
+    a = f"{p}attn."
+    yield TensorSpec(f"{a}wq_a.weight", (q, d), DENSE)
+    yield TensorSpec(f"{a}q_norm.weight", (q,), FP32)
+    yield TensorSpec(f"{a}wq_b.weight", (h * dh, q), DENSE)
+    yield TensorSpec(f"{a}wkv.weight", (dh, d), DENSE)
+    yield TensorSpec(f"{a}kv_norm.weight", (dh,), FP32)
+    yield TensorSpec(f"{a}wo_a.weight", (g * r, h * dh // g), DENSE)
+    yield TensorSpec(f"{a}wo_b.weight", (d, g * r), DENSE)
+    yield TensorSpec(f"{a}attn_sink", (h,), FP32)
+    if layer.is_compressed:
+        width = (2 if layer.attention == CSA else 1) * dh
+        yield from _compressor(f"{a}compressor.", d, width, dh, layer.compress_ratio)
+    if layer.has_indexer:
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        yield TensorSpec(f"{a}indexer.wq_b.weight", (hi * di, q), DENSE)
+        yield TensorSpec(f"{a}indexer.weights_proj.weight", (hi, d), BF16)
+        yield from _compressor(f"{a}indexer.compressor.", d, 2 * di, di, layer.compress_ratio)
+    f = f"{p}ffn."
+    yield TensorSpec(f"{f}gate.weight", (e, d), BF16)
+    if layer.moe == HASH_MOE:
+        yield TensorSpec(f"{f}gate.tid2eid", (cfg.vocab_size, cfg.n_experts_per_tok), INDEX)
+    else:
+        yield TensorSpec(f"{f}gate.bias", (e,), FP32)
+    for i in range(e):
+        yield from _ffn(f"{f}experts.{i}.", d, inter, EXPERT)
+    yield from _ffn(f"{f}shared_experts.", d, inter, DENSE)
+
+
+def _compressor(p: str, d: int, width: int, head_dim: int, ratio: int) -> Iterator[TensorSpec]:
+    yield TensorSpec(f"{p}wkv.weight", (width, d), BF16)
+    yield TensorSpec(f"{p}wgate.weight", (width, d), BF16)
+    yield TensorSpec(f"{p}ape", (ratio, width), FP32)
+    yield TensorSpec(f"{p}norm.weight", (head_dim,), FP32)
+
+
+def _ffn(p: str, d: int, inter: int, kind: str) -> Iterator[TensorSpec]:
+    yield TensorSpec(f"{p}w1.weight", (inter, d), kind)
+    yield TensorSpec(f"{p}w2.weight", (d, inter), kind)
+    yield TensorSpec(f"{p}w3.weight", (inter, d), kind)
+
+
+def inventory(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of the official checkpoint of ``cfg``, in a stable order."""
+    d, n = cfg.hidden_size, cfg.hc_mult
+    out = [TensorSpec("embed.weight", (cfg.vocab_size, d), BF16), TensorSpec("head.weight", (cfg.vocab_size, d), BF16),
+           TensorSpec("norm.weight", (d,), FP32), TensorSpec("hc_head_fn", (n, n * d), FP32),
+           TensorSpec("hc_head_base", (n,), FP32), TensorSpec("hc_head_scale", (1,), FP32)]
+    for layer in cfg.layers:
+        out += _block_tensors(cfg, layer, f"layers.{layer.index}.")
+    for i, layer in enumerate(cfg.mtp_layers):
+        p = f"mtp.{i}."
+        out += [TensorSpec(f"{p}e_proj.weight", (d, d), DENSE), TensorSpec(f"{p}h_proj.weight", (d, d), DENSE),
+                TensorSpec(f"{p}enorm.weight", (d,), FP32), TensorSpec(f"{p}hnorm.weight", (d,), FP32),
+                TensorSpec(f"{p}norm.weight", (d,), FP32), TensorSpec(f"{p}hc_head_fn", (n, n * d), FP32),
+                TensorSpec(f"{p}hc_head_base", (n,), FP32), TensorSpec(f"{p}hc_head_scale", (1,), FP32)]
+        out += _block_tensors(cfg, layer, p)
+    return out
+
+
+def scale_name(name: str) -> str:
+    """The name of the scale tensor of a quantized tensor ``name``."""
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
