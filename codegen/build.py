@@ -13,7 +13,8 @@ from tvm import relax, tirx
 from dsv4c.artifact.file_names import LIBRARY
 from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
-from dsv4c.codegen.lowering import kernel_factory, kernel_table, replays_cuda_graphs
+from dsv4c.codegen.kernel_table import kernel_factory
+from dsv4c.codegen.lowering import kernel_table, replays_cuda_graphs
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
 from dsv4c.targets import TargetInfo

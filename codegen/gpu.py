@@ -78,7 +78,7 @@ def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
     from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
     from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
     from dsv4c.codegen.kernels.gpu_topk import topk_rows_kernel
-    from dsv4c.codegen.lowering import kernel_factory
+    from dsv4c.codegen.kernel_table import kernel_factory
 
     for rule in (gemv_kernel, mma_kernel, moe_group_kernel, sparse_attn_kernel, index_score_kernel,
                  topk_rows_kernel):

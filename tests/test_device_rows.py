@@ -16,7 +16,8 @@ from dsv4c.artifact.manifest import ArtifactError
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, IndexRowCodec
 from dsv4c.codegen.build import relax_pipeline
-from dsv4c.codegen.lowering import kernel_factory, pool_row_kernels
+from dsv4c.codegen.kernel_table import kernel_factory
+from dsv4c.codegen.lowering import pool_row_kernels
 from dsv4c.codegen.relax_step import POOL_FUNCTIONS, emit_pool_functions
 from dsv4c.frontend.config import preset
 from dsv4c.passes.quant_plan import plan_for

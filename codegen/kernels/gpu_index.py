@@ -78,4 +78,4 @@ def index_score_blocked(heads: int, dim: int, storage: str = "fp32", fp8_format=
 
 def index_score_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """The blocked ``index_score`` for a GPU ``target``; None for any other kernel."""
-    return index_score_blocked(*spec.params) if spec.factory == "index_score" else None
+    return index_score_blocked(**spec.params._asdict()) if spec.factory == "index_score" else None

@@ -133,4 +133,4 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
 
 def moe_group_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """The parallel ``moe_group`` for a GPU ``target``; None for any other kernel."""
-    return moe_group_parallel(*spec.params) if spec.factory == "moe_group" else None
+    return moe_group_parallel(**spec.params._asdict()) if spec.factory == "moe_group" else None

@@ -137,4 +137,4 @@ def topk_rows_blocked(k: int, emulate: bool = False):
 
 def topk_rows_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """The blocked ``topk_rows`` for a GPU ``target``; None for any other kernel."""
-    return topk_rows_blocked(*spec.params) if spec.factory == "topk_rows" else None
+    return topk_rows_blocked(**spec.params._asdict()) if spec.factory == "topk_rows" else None
