@@ -78,13 +78,13 @@ def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
     from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
     from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
     from dsv4c.codegen.kernels.gpu_topk import topk_rows_kernel
-    from dsv4c.codegen.kernel_table import kernel_factory
+    from dsv4c.codegen.kernel_factories import KERNELS
 
     for rule in (gemv_kernel, mma_kernel, moe_group_kernel, sparse_attn_kernel, index_score_kernel,
                  topk_rows_kernel):
         if (gpu_only := rule(spec, target)) is not None:
             return gpu_only
-    factory = kernel_factory(spec.factory)
+    factory = KERNELS[spec.factory]
     if spec.factory in kernels.COMPUTE_DEFINITIONS:
         from tvm.s_tir import dlight as dl
 

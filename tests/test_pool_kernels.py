@@ -14,7 +14,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen import kernels
+from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.codegen.kernels import codecs, gpu_attention
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.targets import target_info
@@ -35,7 +35,7 @@ F32 = np.float32
 
 @functools.lru_cache(maxsize=None)
 def _kernel(factory: str, *params):
-    func = kernels.KERNELS[factory](*params)
+    func = KERNELS[factory](*params)
     return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target_info("llvm").tvm_target())["k"]
 
 

@@ -14,7 +14,7 @@ I32, F32 = "int32", "float32"  # Relax dtypes of row indices and of activations
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel instance: a kernel factory (``kernel_table.kernel_factory``) and the positional
+    """One kernel instance: a kernel factory (``kernel_factories.KERNELS``) and the positional
     arguments it is built with, as given: they spell the kernel's symbol, so a factory's default
     left out keeps it out of the name. Read them by name through :attr:`params`."""
 
@@ -30,7 +30,7 @@ class KernelSpec:
     def params(self):
         """The arguments by the factory's parameter names, its defaults filled in (a named tuple,
         so ``factory(*spec.params)`` builds the kernel)."""
-        from dsv4c.codegen.kernel_table import kernel_params
+        from dsv4c.codegen.kernel_factories import kernel_params
 
         return kernel_params(self.factory)(*self.args)
 
