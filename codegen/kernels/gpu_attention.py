@@ -165,10 +165,8 @@ def sparse_attn_blocked(heads: int, dim: int, scale: float, main_storage: str = 
     return sparse_attn_function(heads, dim, main_storage, rope_dim, attend)
 
 
-def sparse_attn_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The blocked ``sparse_attn`` for a GPU ``target``; None for any other kernel. The CPU
+def sparse_attn_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The blocked ``sparse_attn`` for a GPU ``target`` (``codegen.gpu.SCHEDULE_RULES``). The CPU
     kernel's head blocking (decode's and prefill's) is the CPU's: both map to this one."""
-    if spec.factory != "sparse_attn":
-        return None
     p = spec.params
     return sparse_attn_blocked(p.heads, p.dim, p.scale, p.main_storage, p.rope_dim, p.fp8_format)
