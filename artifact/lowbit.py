@@ -22,7 +22,7 @@ import numpy as np
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 
-# amax floors of the reference kernels: they keep an all-zero block's scale finite
+# amax floors of the reference ops (ir/reference_ops.py): they keep an all-zero block's scale finite
 # and (for FP4) inside the e8m0 range, whose smallest normal power used is 2**-126.
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = E2M1_MAX * 2.0**-126
@@ -156,7 +156,7 @@ def unpack_fp4(packed) -> np.ndarray:
 def pow2_ceil_scale(amax, qmax) -> np.ndarray:
     """``2**ceil(log2(amax / qmax))`` as float32, exact (frexp, not a rounded log2).
 
-    The ratio is the float32 quotient, as in the reference kernels. Zero, inf and NaN
+    The ratio is the float32 quotient, as in the reference ops. Zero, inf and NaN
     ratios pass through unchanged.
     """
     ratio = np.asarray(amax, np.float32) / np.float32(qmax)

@@ -122,7 +122,8 @@ def _head_gemv(rows: int, seed: int):
     import numpy as np
     import tvm
 
-    from dsv4c.codegen.kernels import KERNELS, formats
+    from dsv4c.codegen.kernel_factories import KERNELS
+    from dsv4c.codegen.kernels import formats
     from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
     from dsv4c.runtime import tvm_runtime as rt
     from dsv4c.runtime.kv_pool import aligned_empty

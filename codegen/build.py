@@ -13,7 +13,8 @@ from tvm import relax, tirx
 from dsv4c.artifact.file_names import LIBRARY
 from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
-from dsv4c.codegen.lowering import kernel_factory, kernel_table, replays_cuda_graphs
+from dsv4c.codegen.kernel_factories import KERNELS
+from dsv4c.codegen.lowering import kernel_table, replays_cuda_graphs
 from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module
 from dsv4c.ir.core import Program
 from dsv4c.targets import TargetInfo
@@ -66,7 +67,7 @@ def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_toke
         items = tqdm(items, desc="generating kernels", unit="kernel", leave=False)
     if info.kind == "cpu":
         with target:  # the CPU kernels read its vector width (kernels.cpu.cpu_vector)
-            kernels = {symbol: serial_when_single(kernel_factory(spec.factory)(*spec.params)) for symbol, spec in items}
+            kernels = {symbol: serial_when_single(KERNELS[spec.factory](*spec.params)) for symbol, spec in items}
     else:
         from dsv4c.codegen.gpu import gpu_kernel
 

@@ -9,7 +9,8 @@ threads per query or block of entries, in shared memory). Every other kernel of
 ``codegen.kernels`` is either a compute definition (GEMMs of other widths: built with TE and
 scheduled by dlight's GPU rules) or hand-written TIR whose outermost loop runs over independent
 rows (tokens, windows, pool rows); that loop is mapped onto blocks x threads (one thread per
-row), which is exactly the parallelism the CPU schedule uses. The kernels and the Relax entry
+row), which is exactly the parallelism the CPU schedule uses. :data:`SCHEDULE_RULES` lists these
+choices in order, each with the kernel families it applies to. The kernels and the Relax entry
 functions that call them are one library holding machine code for the GPU: for sm90 a fatbin
 of sm_90a code that nvcc compiles from TVM's CUDA C++ at build time (:func:`export_options`);
 for gfx942 / gfx950 AMDGPU code objects from TVM's LLVM backend, linked by ``ld.lld`` >= 19
@@ -24,13 +25,21 @@ import re
 import shutil
 import subprocess
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import tvm
 from tvm import tirx
 
 from dsv4c.artifact.device_code import device_module, unpack_imports
+from dsv4c.codegen.kernel_factories import KERNELS
+from dsv4c.codegen.kernels.gpu_attention import sparse_attn_kernel
+from dsv4c.codegen.kernels.gpu_gemv import gemv_kernel
+from dsv4c.codegen.kernels.gpu_index import index_score_kernel
+from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
+from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
+from dsv4c.codegen.kernels.gpu_topk import topk_rows_kernel
 from dsv4c.errors import DsvError
 
 THREADS = 64
@@ -40,7 +49,7 @@ class ToolchainError(DsvError):
     """A compiler or library needed to build for a GPU target is missing or too old."""
 
 
-# --------------------------------------------------------------------------- thread binding
+# --------------------------------------------------------------------------- schedule rules
 
 
 def _thread_var(name: str, extent, tag: str) -> tuple[tirx.Var, tirx.IterVar]:
@@ -67,43 +76,70 @@ def _single_thread(stmt: tirx.Stmt) -> tirx.Stmt:
     return tirx.For(bx, 0, 1, tirx.ForKind.THREAD_BINDING, inner, thread_binding=bx_iv)
 
 
-def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
-    """GPU version of a CPU kernel: a GPU-only kernel where one replaces it (module docstring),
-    dlight for other
-    compute definitions, thread binding for TIR."""
-    from dsv4c.codegen import kernels
-    from dsv4c.codegen.kernels.gpu_attention import sparse_attn_kernel
-    from dsv4c.codegen.kernels.gpu_gemv import gemv_kernel
-    from dsv4c.codegen.kernels.gpu_index import index_score_kernel
-    from dsv4c.codegen.kernels.gpu_matmul import mma_kernel
-    from dsv4c.codegen.kernels.gpu_moe import moe_group_kernel
-    from dsv4c.codegen.kernels.gpu_topk import topk_rows_kernel
-    from dsv4c.codegen.lowering import kernel_factory
-
-    for rule in (gemv_kernel, mma_kernel, moe_group_kernel, sparse_attn_kernel, index_score_kernel,
-                 topk_rows_kernel):
-        if (gpu_only := rule(spec, target)) is not None:
-            return gpu_only
-    factory = kernel_factory(spec.factory)
-    if spec.factory in kernels.COMPUTE_DEFINITIONS:
-        from tvm.s_tir import dlight as dl
-
-        func = factory(*spec.params, schedule=False)
-        mod = tvm.IRModule({"main": func})
-        with target:
-            mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                          dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
-        return mod["main"]
-    if spec.factory in kernels.VECTOR_KERNELS:
-        func = factory(*spec.params, max_lanes=kernels.GPU_MAX_LANES)
-    else:
-        func = factory(*spec.params)
+def _bind_threads(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """A CPU kernel on GPU threads: its parallel outer loop one thread per row, else one thread."""
     body = func.body
     if isinstance(body, tirx.For) and body.kind == tirx.ForKind.PARALLEL:
-        body = _bind_rows(body)
-    else:
-        body = _single_thread(body)
-    return func.with_body(body)
+        return func.with_body(_bind_rows(body))
+    return func.with_body(_single_thread(body))
+
+
+GPU_MAX_LANES = 4  # the widest column vector one GPU thread computes (``max_lanes`` of the kernels)
+
+
+def dlight_schedule(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel's compute definition (built with TE), scheduled by dlight's GPU rules."""
+    from tvm.s_tir import dlight as dl
+
+    mod = tvm.IRModule({"main": KERNELS[spec.factory](*spec.params, schedule=False)})
+    with target:
+        mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                      dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+    return mod["main"]
+
+
+def capped_vectors(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The CPU kernel with its column vectors capped at GPU_MAX_LANES lanes, a thread per row."""
+    return _bind_threads(KERNELS[spec.factory](*spec.params, max_lanes=GPU_MAX_LANES))
+
+
+def rows_on_threads(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The CPU kernel as it is, a thread per row of its parallel loop (one thread if it has none)."""
+    return _bind_threads(KERNELS[spec.factory](*spec.params))
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """How GPU targets build the kernels of some families (as dlight's rules): ``build`` gives the
+    kernel of a spec, or None where this instance is not its case (the next rule is tried).
+    ``families`` None: every family."""
+
+    families: frozenset[str] | None
+    build: Callable[[object, tvm.target.Target], tirx.PrimFunc | None]
+
+    def applies(self, spec) -> bool:
+        return self.families is None or spec.factory in self.families
+
+
+MATMULS = frozenset({"linear", "expert_linear"})
+# In order: the first rule that applies and builds a kernel wins (module docstring).
+SCHEDULE_RULES = (
+    ScheduleRule(MATMULS, gemv_kernel),  # decode's GEMVs
+    ScheduleRule(MATMULS, mma_kernel),  # prefill's GEMMs whose sizes tile onto tensor cores
+    ScheduleRule(frozenset({"moe_group"}), moe_group_kernel),
+    ScheduleRule(frozenset({"sparse_attn"}), sparse_attn_kernel),
+    ScheduleRule(frozenset({"index_score"}), index_score_kernel),
+    ScheduleRule(frozenset({"topk_rows"}), topk_rows_kernel),
+    ScheduleRule(frozenset({"linear"}), dlight_schedule),  # other GEMMs: a compute definition
+    ScheduleRule(frozenset({"expert_linear", "swiglu", "mhc", "rmsnorm_rope"}), capped_vectors),
+    ScheduleRule(None, rows_on_threads),
+)
+
+
+def gpu_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel of ``spec`` for a GPU ``target``: the first of :data:`SCHEDULE_RULES` that builds one."""
+    return next(func for rule in SCHEDULE_RULES
+                if rule.applies(spec) and (func := rule.build(spec, target)) is not None)
 
 
 # --------------------------------------------------------------------------- toolchains

@@ -45,14 +45,6 @@ def pool_row_kernels(dtype: str) -> dict[str, KernelSpec]:
     return {"save": KernelSpec("gather_rows", params), "restore": KernelSpec("scatter_rows", params)}
 
 
-def kernel_factory(name: str):
-    """The factory of a kernel named in a :class:`KernelSpec`."""
-    from dsv4c.codegen import step_kernels
-    from dsv4c.codegen.kernels import KERNELS
-
-    return KERNELS.get(name) or getattr(step_kernels, name)
-
-
 def compiled_nodes(program: Program) -> list:
     """The nodes of every function the artifact compiles (``step``, then the MTP layers'), in
     order: they share one kernel table, one params tuple and one weight layout."""

@@ -1,4 +1,4 @@
-"""Run an IR function node by node with the numpy reference kernels.
+"""Run an IR function node by node with the numpy reference ops (``reference_ops``).
 
 The interpreter is the oracle of every backend: it binds weights by their IR names, keeps
 the KV store it is given, and optionally calls a hook after each node (tests use it to
@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dsv4c.errors import UsageError
-from dsv4c.ir import kernels
+from dsv4c.ir import reference_ops
 from dsv4c.ir.core import Function, Node, Program
 from dsv4c.ir.types import TensorType
 
@@ -20,7 +20,7 @@ Hook = Callable[[Node, list[Any], Any], None]
 
 
 class Interpreter:
-    def __init__(self, program: Program, weights: Mapping[str, np.ndarray], store: kernels.KVStore,
+    def __init__(self, program: Program, weights: Mapping[str, np.ndarray], store: reference_ops.KVStore,
                  hook: Hook | None = None):
         self.program, self.weights, self.store, self.hook = program, weights, store, hook
         cfg = program.config
@@ -41,7 +41,7 @@ class Interpreter:
             env[id(v)] = arr.astype(want, copy=False)
         for node in fn.nodes:
             args = [env[id(v)] if v.kind != "weight" else self._weight(v) for v in node.inputs]
-            result = kernels.run_node(node.op, args, node.attrs, self)
+            result = reference_ops.run_node(node.op, args, node.attrs, self)
             if self.hook is not None:
                 self.hook(node, args, result)
             if len(node.outputs) == 1:

@@ -2,7 +2,7 @@
 
 One entry per op. The verifier and the builder both call :func:`infer_types`, so a node's
 recorded output types are always what its inputs imply. Semantics live with the reference
-kernels (``dsv4c.ir.kernels``); SPEC §2 is the normative description.
+ops (``dsv4c.ir.reference_ops``), the numpy implementation every backend is tested against.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the row formats are ``artifact.pool`` and ``artifact.pool_rows``, shared with th
 slots from the top downward; the boundary between the two regions is a pair of counters.
 Envelopes are reference-counted: the prefix cache (``runtime.prefix_cache``) shares a cached
 block's envelope between the requests whose prompts start with it, and keeps it when they end.
-:class:`PagedStore` lets the reference kernels run on the pool. The compiled step turns a
+:class:`PagedStore` lets the reference ops run on the pool. The compiled step turns a
 request's slot and block table into rows itself (``codegen.step_kernels``).
 """
 
@@ -328,7 +328,7 @@ class KVPool:
 
 
 class PagedStore:
-    """The :class:`~dsv4c.ir.kernels.KVStore` interface over a :class:`KVPool` (every layer with
+    """The :class:`~dsv4c.ir.reference_ops.KVStore` interface over a :class:`KVPool` (every layer with
     a window, the MTP layer's included, has its rows in the request's slot)."""
 
     def __init__(self, pool: KVPool):

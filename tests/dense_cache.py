@@ -1,7 +1,7 @@
 """A simple per-request KV store for the reference interpreter.
 
 Everything is fp32 and grows with the request; the paged pool (``dsv4c.runtime.kv_pool``)
-implements the same :class:`~dsv4c.ir.kernels.KVStore` interface over a shared row space.
+implements the same :class:`~dsv4c.ir.reference_ops.KVStore` interface over a shared row space.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from dsv4c.codegen import kernels
+from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.codegen.kernels import attention, codecs, formats, gpu_index, gpu_topk, matmul
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG, cpu_vector
 from dsv4c.codegen import step_kernels as S
@@ -30,7 +30,7 @@ def _kernel(factory: str, *params, cpu: str | None = None):
     reads the vector width and registers of."""
     target = target_info("llvm").for_cpu(cpu).tvm_target()
     with target:
-        func = kernels.KERNELS[factory](*params)
+        func = KERNELS[factory](*params)
     return _kernel_of(func, target)
 
 
@@ -217,7 +217,7 @@ def _cross_built_asm(mcpu: str, factory: str, *params) -> str:
     """The assembly of a kernel built for ``mcpu``, which this machine may lack."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
     with target:
-        func = kernels.KERNELS[factory](*params)
+        func = KERNELS[factory](*params)
     with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
         lib = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)
     return lib.mod.inspect_source("asm") if hasattr(lib, "mod") else lib.inspect_source("asm")
@@ -468,7 +468,7 @@ def test_kernels_allocate_nothing_from_the_workspace_pool(factory, params):
     annotation to TVMBackendAllocWorkspace / FreeWorkspace calls, which cost rmsnorm_rope 7x its
     arithmetic when they ran per head. These kernels' loops (per head, per token, per row) make none."""
     module, _, name = factory.rpartition(".")
-    func = (getattr(S, name) if module else kernels.KERNELS[name])(*params)
+    func = (getattr(S, name) if module else KERNELS[name])(*params)
     with tvm.transform.PassContext(config=CPU_PASS_CONFIG):
         lib = tvm.tirx.build(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}),
                              target=target_info("llvm").tvm_target())

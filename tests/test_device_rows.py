@@ -16,7 +16,8 @@ from dsv4c.artifact.manifest import ArtifactError
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, IndexRowCodec
 from dsv4c.codegen.build import relax_pipeline
-from dsv4c.codegen.lowering import kernel_factory, pool_row_kernels
+from dsv4c.codegen.kernel_factories import KERNELS
+from dsv4c.codegen.lowering import pool_row_kernels
 from dsv4c.codegen.relax_step import POOL_FUNCTIONS, emit_pool_functions
 from dsv4c.frontend.config import preset
 from dsv4c.passes.quant_plan import plan_for
@@ -34,7 +35,7 @@ def _pool_functions_vm(geometry: PoolGeometry):
     bb = relax.BlockBuilder()
     with target:
         specs = {spec.symbol: spec for t in geometry.tensors() for spec in pool_row_kernels(t.dtype).values()}
-        gvars = {symbol: bb.add_func(kernel_factory(spec.factory)(*spec.params), symbol)
+        gvars = {symbol: bb.add_func(KERNELS[spec.factory](*spec.params), symbol)
                  for symbol, spec in specs.items()}
     emit_pool_functions(bb, gvars, geometry)
     executable = tvm.compile(relax_pipeline(target, False)(bb.get()), target=target, relax_pipeline=None)

@@ -201,7 +201,7 @@ def test_kernel_resources_reports_every_kernel(artifact):
     absent = [s for s in manifest["vm"]["profile"]["kernels"] if f"{s}_kernel" not in rows]
     assert len(absent) == 1 and absent[0].startswith("sparse_attn") and absent[0].endswith("_64")
     hot = [f"{symbol}_kernel" for symbol, spec in _kernel_specs(target).items()
-           if spec.factory == "sparse_attn" or (spec.factory == "linear" and spec.params[3])]  # params[3]: gemv
+           if spec.factory == "sparse_attn" or (spec.factory == "linear" and spec.params.gemv)]
     hot = [name for name in hot if name in rows]
     assert len(hot) >= 8 and any(name.startswith("sparse_attn") for name in hot)
     assert {name: rows[name] for name in hot if rows[name]["spills"] != 0} == {}
@@ -338,7 +338,7 @@ def test_gemm_kernels_run_on_tensor_cores(artifact, tmp_path):
     specs, _ = kernel_table(run_pipeline(trace(preset("tiny"))), plan_for(preset("tiny"), target))
     tvm_target = target_info(target).tvm_target()
     mma = {symbol for symbol, spec in specs.items() if mma_kernel(spec, tvm_target) is not None}
-    gemvs = {symbol for symbol, spec in specs.items() if spec.factory == "linear" and spec.params[3]}
+    gemvs = {symbol for symbol, spec in specs.items() if spec.factory == "linear" and spec.params.gemv}
     assert any(s.startswith("expert_linear") for s in mma) and any(s.startswith("linear") for s in mma)
     library = path / json.loads((path / "manifest.json").read_text())["vm"]["library"]
     if target == "sm90":

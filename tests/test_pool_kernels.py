@@ -14,7 +14,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv4c.cli import main as cli
-from dsv4c.codegen import kernels
+from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.codegen.kernels import codecs, gpu_attention
 from dsv4c.codegen.lowering import kernel_table
 from dsv4c.targets import target_info
@@ -35,7 +35,7 @@ F32 = np.float32
 
 @functools.lru_cache(maxsize=None)
 def _kernel(factory: str, *params):
-    func = kernels.KERNELS[factory](*params)
+    func = KERNELS[factory](*params)
     return tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target_info("llvm").tvm_target())["k"]
 
 
@@ -440,7 +440,7 @@ def _store_kernels(target: str, numerics: str, kv_cache_dtype: str) -> dict:
     cfg = resolve_model("flash")
     specs, _ = kernel_table(run_pipeline(trace(cfg, "exact")), plan_for(cfg, target, numerics, kv_cache_dtype))
     return {spec.factory: spec for spec in specs.values() if spec.factory in ("store_main_fp8", "store_rows")
-            and (spec.factory != "store_rows" or spec.params[0] == cfg.index_head_dim)}
+            and (spec.factory != "store_rows" or spec.params.dim == cfg.index_head_dim)}
 
 
 @pytest.mark.parametrize("target, numerics, kv_cache_dtype", [
@@ -474,7 +474,7 @@ def test_store_kernels_write_what_inspect_declares(target, numerics, kv_cache_dt
     assert not np.isnan(got).any()  # no -0 written as fnuz NaN
 
     spec = stores["store_rows"]
-    assert spec.params[1] == g.index_storage
+    assert spec.params.storage == g.index_storage
     rows = _written_rows(rng, len(pool.index_plane), 70)  # more than one 64-row tile
     values = _signed_zero_rows(rng, len(rows), d)
     plane = _run(_kernel(spec.factory, *spec.params), pool.index_plane, rows, values)[0]

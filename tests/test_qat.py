@@ -8,7 +8,7 @@ from dsv4c.artifact import lowbit
 from dsv4c.errors import UnsupportedModelError
 from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.trace import trace
-from dsv4c.ir import kernels
+from dsv4c.ir import reference_ops
 
 from parity_configs import PARITY_CONFIGS
 from reference_harness import fp32_checkpoint, run_ours
@@ -17,7 +17,7 @@ from reference_harness import fp32_checkpoint, run_ours
 def test_kv_round_trip_is_fp8_nope_and_bf16_rope():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 80)).astype(np.float32) * 3
-    y = kernels.fp8_roundtrip(x, block=64, channels=64)
+    y = reference_ops.fp8_roundtrip(x, block=64, channels=64)
     rope_bf16 = x[:, 64:].astype(ml_dtypes.bfloat16).astype(np.float32)
     assert np.array_equal(y[:, 64:], rope_bf16), "rope channels are stored as BF16, never FP8"
     # Each 64-block is on the e4m3 grid times a power-of-two scale 2^ceil(log2(amax/448)).

@@ -165,12 +165,8 @@ def sparse_attn_blocked(heads: int, dim: int, scale: float, main_storage: str = 
     return sparse_attn_function(heads, dim, main_storage, rope_dim, attend)
 
 
-def sparse_attn_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The blocked ``sparse_attn`` for a GPU ``target``; None for any other kernel. The CPU
+def sparse_attn_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The blocked ``sparse_attn`` for a GPU ``target`` (``codegen.gpu.SCHEDULE_RULES``). The CPU
     kernel's head blocking (decode's and prefill's) is the CPU's: both map to this one."""
-    if spec.factory != "sparse_attn":
-        return None
-
-    def blocked(heads, dim, scale, main_storage="fp32", rope_dim=0, fp8_format=None, *_cpu_blocking):
-        return sparse_attn_blocked(heads, dim, scale, main_storage, rope_dim, fp8_format)
-    return blocked(*spec.params)
+    p = spec.params
+    return sparse_attn_blocked(p.heads, p.dim, p.scale, p.main_storage, p.rope_dim, p.fp8_format)

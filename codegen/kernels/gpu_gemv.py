@@ -135,15 +135,14 @@ def linear_gemv(out_dim: int, in_dim: int, quant: str, groups: int = 0, emulate:
 
 def decode_gemv(spec) -> bool:
     """Whether ``spec`` is a decode GEMV: ``linear`` with gemv set, ``expert_linear`` with decode set."""
-    return (spec.factory == "linear" and spec.params[3]) or \
-        (spec.factory == "expert_linear" and len(spec.params) > 4 and spec.params[4])
+    return (spec.factory == "linear" and spec.params.gemv) or (spec.factory == "expert_linear" and spec.params.decode)
 
 
 def gemv_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """The decode GEMV for a GPU ``target``; None for any other kernel."""
     if not decode_gemv(spec):
         return None
+    p = spec.params
     if spec.factory == "linear":
-        out_dim, in_dim, quant, _, groups = (tuple(spec.params) + (0,))[:5]
-        return linear_gemv(out_dim, in_dim, quant, groups)
-    return expert_gemv(*spec.params[:4])
+        return linear_gemv(p.out_dim, p.in_dim, p.quant, p.groups)
+    return expert_gemv(p.out_dim, p.in_dim, p.quant, p.n_experts)

@@ -76,6 +76,6 @@ def index_score_blocked(heads: int, dim: int, storage: str = "fp32", fp8_format=
     return index_score_function(heads, dim, storage, score)
 
 
-def index_score_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The blocked ``index_score`` for a GPU ``target``; None for any other kernel."""
-    return index_score_blocked(*spec.params) if spec.factory == "index_score" else None
+def index_score_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The blocked ``index_score`` for a GPU ``target`` (``codegen.gpu.SCHEDULE_RULES``)."""
+    return index_score_blocked(**spec.params._asdict())

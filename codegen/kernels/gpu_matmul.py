@@ -246,9 +246,11 @@ def mma_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """The tensor-core kernel for a prefill GEMM (``linear`` with gemv False) or prefill's
     ``expert_linear`` whose sizes tile (:func:`mma_shape_ok`); None for any other kernel (decode's
     GEMVs are ``kernels.gpu_gemv``'s)."""
-    if spec.factory == "linear" and not spec.params[3] and mma_shape_ok(*spec.params[:2]):
-        out_dim, in_dim, quant, _, groups = spec.params
-        return mma_linear(out_dim, in_dim, quant, groups, target_layout(target))
-    if spec.factory == "expert_linear" and not decode_gemv(spec) and mma_shape_ok(*spec.params[:2]):
-        return mma_expert_linear(*spec.params[:4], target_layout(target))
-    return None
+    if spec.factory not in ("linear", "expert_linear") or decode_gemv(spec):
+        return None
+    p = spec.params
+    if not mma_shape_ok(p.out_dim, p.in_dim):
+        return None
+    if spec.factory == "linear":
+        return mma_linear(p.out_dim, p.in_dim, p.quant, p.groups, target_layout(target))
+    return mma_expert_linear(p.out_dim, p.in_dim, p.quant, p.n_experts, target_layout(target))

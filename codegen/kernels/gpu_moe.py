@@ -131,6 +131,6 @@ def moe_group_parallel(k: int, n_experts: int, emulate: bool = False):
                 finish(IDS, PAIRS, TOKEN_PAIR, tx, n * k)
     return f
 
-def moe_group_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The parallel ``moe_group`` for a GPU ``target``; None for any other kernel."""
-    return moe_group_parallel(*spec.params) if spec.factory == "moe_group" else None
+def moe_group_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The parallel ``moe_group`` for a GPU ``target`` (``codegen.gpu.SCHEDULE_RULES``)."""
+    return moe_group_parallel(**spec.params._asdict())

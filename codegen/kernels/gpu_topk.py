@@ -135,6 +135,6 @@ def topk_rows_blocked(k: int, emulate: bool = False):
     return topk_rows_function(k, select)
 
 
-def topk_rows_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """The blocked ``topk_rows`` for a GPU ``target``; None for any other kernel."""
-    return topk_rows_blocked(*spec.params) if spec.factory == "topk_rows" else None
+def topk_rows_kernel(spec, target: tvm.target.Target) -> tirx.PrimFunc:
+    """The blocked ``topk_rows`` for a GPU ``target`` (``codegen.gpu.SCHEDULE_RULES``)."""
+    return topk_rows_blocked(**spec.params._asdict())

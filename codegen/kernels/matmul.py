@@ -314,7 +314,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     return direct_rows, panel_rows
 
 
-def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, schedule: bool = True):
+def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, *, schedule: bool = True):
     """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32; FP8 e4m3 (or
     e4m3fnuz) codes with their 128x128 block scales expanded per column and tiled the same way,
     [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); FP4; or
@@ -397,7 +397,7 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
     return f
 
 
-def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode: bool = False, max_lanes: int = 0):
+def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode: bool = False, *, max_lanes: int = 0):
     """y[p] = x[p] @ W[e].T for the rows p of each expert e's group, offsets[e] <= p <
     offsets[e + 1] (rows sorted by expert, see step_kernels.moe_group); weights stacked
     [E, O / tile, I, tile] in any ``linear`` format. One kernel for decode and prefill, in

@@ -10,7 +10,7 @@ from dsv4c.codegen.kernels.codecs import F32, NEG_INF
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_vector
 
 
-def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool,
+def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool, *,
         max_lanes: int = 0):
     """One launch per mHC seam. ``with_post`` first forms the streams h' = post * out + comb^T h
     of the finished sub-layer; then (mhc_pre) the next sub-layer's pre / post / Sinkhorn comb

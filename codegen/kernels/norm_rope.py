@@ -110,7 +110,7 @@ def rope(heads: int, dim: int, rope_dim: int, inverse: bool):
     return f
 
 
-def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool, max_lanes: int = 0):
+def rmsnorm_rope(heads: int, dim: int, rope_dim: int, eps: float, weighted: bool, *, max_lanes: int = 0):
     """rmsnorm over each head's ``dim`` channels (times w when weighted), then the GPT-J rotation
     of the trailing ``rope_dim`` channels at the token's position; in parallel over (token,
     block of heads). On the CPU the sum of squares runs in vector lanes (each lane in channel

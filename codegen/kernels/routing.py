@@ -68,7 +68,7 @@ def route_weights(n_experts: int, k: int, scale: float):
     return f
 
 
-def swiglu(dim: int, limit: float, max_lanes: int = 0):
+def swiglu(dim: int, limit: float, *, max_lanes: int = 0):
     """In parallel over (row, block of 256 columns): a decode step's few rows still use every core.
     Vectorized along the columns on the CPU (no Python names inside the loop: a name becomes a
     Let, which TVM's vectorizer evaluates for one lane only); GPU builds (``max_lanes``) loop."""

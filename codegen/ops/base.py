@@ -14,13 +14,25 @@ I32, F32 = "int32", "float32"  # Relax dtypes of row indices and of activations
 
 @dataclass(frozen=True)
 class KernelSpec:
-    factory: str  # a kernel factory: dsv4c.codegen.kernels.KERNELS or dsv4c.codegen.step_kernels
-    params: tuple
+    """One kernel instance: a kernel factory (``kernel_factories.KERNELS``) and the positional
+    arguments it is built with, as given: they spell the kernel's symbol, so a factory's default
+    left out keeps it out of the name. Read them by name through :attr:`params`."""
+
+    factory: str
+    args: tuple
 
     @property
     def symbol(self) -> str:
-        raw = "_".join([self.factory] + [str(p) for p in self.params])
+        raw = "_".join([self.factory] + [str(p) for p in self.args])
         return re.sub(r"[^A-Za-z0-9_]", "p", raw)
+
+    @property
+    def params(self):
+        """The arguments by the factory's parameter names, its defaults filled in (a named tuple,
+        so ``factory(*spec.params)`` builds the kernel)."""
+        from dsv4c.codegen.kernel_factories import kernel_params
+
+        return kernel_params(self.factory)(*self.args)
 
 
 def kernel(factory: str, *params) -> KernelSpec:
@@ -45,7 +57,7 @@ def matmul_kernels(prefix: str, out_dim: int, in_dim: int, quant: str, groups: i
 
 def weight_quant(matmul: KernelSpec) -> str:
     """The weight format a matmul kernel (``linear`` or ``expert_linear``) reads."""
-    return matmul.params[2]
+    return matmul.params.quant
 
 
 class OpLowering:

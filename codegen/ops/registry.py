@@ -18,7 +18,7 @@ class Unsupported(OpLowering):
     node of it is refused."""
 
     def kernels(self, node, cfg, plan):
-        raise UsageError(f"the llvm target does not compile op {node.op!r} yet (qat numerics / fused passes); "
+        raise UsageError(f"the {plan.target} target does not compile op {node.op!r} yet (qat numerics / fused passes); "
                          "use --target reference or --numerics exact")
 
 
@@ -56,5 +56,5 @@ LOWERINGS: dict[str, OpLowering] = {
 
 def lowering_of(op: str) -> OpLowering:
     if op not in LOWERINGS:
-        raise UsageError(f"no llvm lowering for op {op!r}")
+        raise UsageError(f"the compiled targets (llvm and the GPU targets) have no lowering for op {op!r}")
     return LOWERINGS[op]

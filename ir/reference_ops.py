@@ -1,4 +1,4 @@
-"""Reference kernels: numpy fp32 implementations of every IR op (SPEC §2).
+"""Reference ops: numpy fp32 implementations of every IR op, what each op means.
 
 These are the oracle for every backend. Stateless ops are plain functions of arrays; the
 stateful ones (``kv_write``, ``compress``, ``index_score``, ``sparse_attn``) read and write a
@@ -352,4 +352,4 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
         return experts(*args, a["limit"])
     if op == "shared_expert":
         return swiglu(args[0], *args[1:], a["limit"])
-    raise NotImplementedError(f"no reference kernel for op {op!r}")
+    raise NotImplementedError(f"the reference ops do not implement op {op!r}")
