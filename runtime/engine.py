@@ -21,10 +21,11 @@ from typing import Callable
 
 import numpy as np
 
-from dsv4c.artifact.manifest import MANIFEST, ArtifactError, read_manifest
-from dsv4c.artifact.model_config import ModelConfig
+from dsv4c.artifact.directory import open_artifact
+from dsv4c.artifact.file_names import PROGRAM, TOKENIZER
+from dsv4c.artifact.manifest import Manifest
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, graph_context_limit
-from dsv4c.errors import UsageError
+from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
 from dsv4c.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
 from dsv4c.runtime.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
@@ -87,14 +88,14 @@ class RequestFailed(RuntimeError):
     and its other requests went on."""
 
 
-def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_mode: str = "auto",
+def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weights_mode: str = "auto",
                  distributed_timeout: float | None = None):
-    info = target_info(manifest["target"])
+    info = target_info(manifest.target)
     if not info.compiled:
         from dsv4c.ir.serialize import program_from_json
         from dsv4c.runtime.backend_reference import ReferenceBackend
 
-        program = program_from_json(json.loads((artifact / "program.json").read_text()), config)
+        program = program_from_json(json.loads((artifact / PROGRAM).read_text()), config)
         return ReferenceBackend(artifact, manifest, program, pool)
     from dsv4c.runtime.backend_tvm import TvmBackend
     from dsv4c.runtime.tvm_runtime import device as tvm_device
@@ -103,7 +104,7 @@ def load_backend(artifact: Path, manifest: dict, config, pool: KVPool, weights_m
     if device is None:
         raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
                             "there, or compile with --target llvm for this CPU")
-    if manifest.get("tensor_parallel", 1) > 1:
+    if manifest.tensor_parallel > 1:
         from dsv4c.runtime.tensor_parallel import DEFAULT_TIMEOUT_S, TensorParallelBackend
 
         return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
@@ -139,19 +140,18 @@ class Engine:
         60) bounds a collective's wait for a rank."""
         check_weights_mode(weights)
         self.path = Path(artifact)
-        manifest = read_manifest(self.path, verify=verify)
-        self.manifest = manifest
+        opened = open_artifact(self.path, verify=verify)
+        manifest = self.manifest = opened.manifest
         # The model and the pool as the compiler recorded them (read, not re-derived).
-        self.config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], f"{self.path / MANIFEST}")
-        geometry = PoolGeometry.from_summary(manifest["pool_geometry"], self.config, f"{self.path / MANIFEST}")
-        ranks = manifest.get("tensor_parallel", 1)
+        self.config, geometry = opened.config, opened.geometry
+        ranks = manifest.tensor_parallel
         if tensor_parallel is not None and tensor_parallel != ranks:
             raise UsageError(f"--tensor-parallel {tensor_parallel}: {self.path} is compiled for {ranks} rank(s); "
                              f"run it with --tensor-parallel {ranks}, or compile it again with --tensor-parallel "
                              f"{tensor_parallel}")
         if distributed_timeout is not None and not distributed_timeout > 0:
             raise UsageError(f"--distributed-timeout must be positive, got {distributed_timeout}")
-        if manifest.get("vm", {}).get("cuda_graph") and max_context > graph_context_limit(self.config):
+        if manifest.vm is not None and manifest.vm.cuda_graph and max_context > graph_context_limit(self.config):
             raise UsageError(f"max_context {max_context} exceeds the {graph_context_limit(self.config)} "
                              f"positions {self.path}'s CUDA graphs are built for (the model's max_position_embeddings, "
                              "rounded up to a power of two); lower it")
@@ -159,7 +159,7 @@ class Engine:
         self.pool = KVPool(geometry, self._pool_rows(geometry, max_requests, kv_cache_memory))
         if max_step_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
             raise UsageError("max_step_tokens and prefill_chunk must be positive")
-        limit = manifest.get("vm", {}).get("max_step_tokens")
+        limit = manifest.vm.max_step_tokens if manifest.vm else None
         if limit is not None and max_step_tokens > limit:
             raise UsageError(f"max_step_tokens {max_step_tokens} exceeds what {self.path} was compiled for ({limit}); "
                              "lower it")
@@ -186,18 +186,18 @@ class Engine:
         self._admissions = itertools.count()
         self._preempted_now: set[int] = set()
         self.tokenizer = None
-        if (self.path / "tokenizer.json").is_file():
+        if (self.path / TOKENIZER).is_file():
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+            self.tokenizer = Tokenizer.from_file(str(self.path / TOKENIZER))
 
     def _pool_rows(self, g: PoolGeometry, max_requests: int, kv_cache_memory: int | None) -> int:
         one = -(-self.max_context // ENVELOPE_TOKENS) * g.rows_per_envelope + g.window_rows_per_request
         if kv_cache_memory is None:
             rows = 2 * max_requests * one
             # Ranks this engine starts share the host: each holds a whole pool (runtime.tensor_parallel).
-            host = available_memory() // self.manifest.get("tensor_parallel", 1)
-            if target_info(self.manifest["target"]).kind in ("reference", "cpu") and host:  # 0: not reported
+            host = available_memory() // self.manifest.tensor_parallel
+            if target_info(self.manifest.target).kind in ("reference", "cpu") and host:  # 0: not reported
                 rows = max(min(rows, KVPool.rows_for_bytes(g, host // 2)), one)
         else:
             rows = KVPool.rows_for_bytes(g, kv_cache_memory)
@@ -212,11 +212,11 @@ class Engine:
             raise UsageError(f"speculative must be one of {', '.join(METHODS)} (or None), got {self.speculative!r}")
         if not getattr(self.backend, "has_mtp", False):
             why = ("has no MTP layer (num_nextn_predict_layers is 0)" if not self.config.mtp_layers else
-                   f"is a {self.manifest['target']} artifact")
+                   f"is a {self.manifest.target} artifact")
             raise UsageError(f"{self.path} {why}; speculative decoding with mtp needs a compiled MTP layer "
                              "(compile a model with num_nextn_predict_layers >= 1)")
         if self.device_rows:
-            if self.manifest.get("tensor_parallel", 1) > 1:
+            if self.manifest.tensor_parallel > 1:
                 raise UsageError("speculative decoding of a multi-rank artifact puts rejected drafts' pool rows back "
                                  "through the host's pool journal: it runs on llvm (CPU) artifacts for now")
             self.backend.check_pool_functions()

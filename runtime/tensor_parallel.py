@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv4c.artifact.manifest import Manifest
 from dsv4c.artifact.sharding import ALL_GATHER, ALL_REDUCE
 from dsv4c.errors import DsvError
 from dsv4c.runtime import tvm_runtime as rt
@@ -445,9 +446,9 @@ class TensorParallelBackend(TvmBackend):
     """Rank 0 of a multi-rank artifact: a :class:`TvmBackend` over rank 0's weights whose every
     call is first broadcast to the other ranks (:class:`RankGroup`), with the pool's changes."""
 
-    def __init__(self, artifact: Path, manifest: dict, pool, device, weights_mode: str = "auto",
+    def __init__(self, artifact: Path, manifest: Manifest, pool, device, weights_mode: str = "auto",
                  timeout: float = DEFAULT_TIMEOUT_S):
-        self.ranks = RankGroup(artifact, manifest["tensor_parallel"], not rt.on_host(device), timeout, weights_mode)
+        self.ranks = RankGroup(artifact, manifest.tensor_parallel, not rt.on_host(device), timeout, weights_mode)
         try:
             self.ranks.channel.send_setup([pool.total_rows])
             super().__init__(artifact, manifest, pool, device, weights_mode, rank=0)
@@ -506,22 +507,20 @@ def _capture(work, result: list, error: list) -> None:
 def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str) -> None:
     """A rank other than 0: join the group, load this rank's weights and a pool like rank 0's,
     then make every call rank 0 broadcasts until it says stop."""
-    from dsv4c.artifact.manifest import read_manifest
-    from dsv4c.artifact.model_config import ModelConfig
-    from dsv4c.artifact.pool import PoolGeometry
+    from dsv4c.artifact.directory import open_artifact
     from dsv4c.runtime.kv_pool import KVPool
     from dsv4c.targets import target_info
 
-    manifest = read_manifest(artifact)
-    info = target_info(manifest["target"])
-    if manifest.get("tensor_parallel", 1) != world:
-        raise TensorParallelError(f"{artifact} is compiled for {manifest.get('tensor_parallel', 1)} ranks, not {world}")
+    opened = open_artifact(artifact)
+    manifest = opened.manifest
+    info = target_info(manifest.target)
+    if manifest.tensor_parallel != world:
+        raise TensorParallelError(f"{artifact} is compiled for {manifest.tensor_parallel} ranks, not {world}")
     group = _active.group = Group(address, rank, world, timeout, info.kind != "cpu")
     register_collectives()
     channel = StepChannel(group)
     (rows,) = channel.receive_setup(1)
-    config = ModelConfig.from_json_dict(manifest["model"], manifest["model_name"], str(artifact))
-    pool = KVPool(PoolGeometry.from_summary(manifest["pool_geometry"], config, str(artifact)), rows)
+    pool = KVPool(opened.geometry, rows)
     index = int(os.environ.get("LOCAL_RANK", rank))  # this host's GPU of the rank
     device = rt.CPU if info.kind == "cpu" else rt.tvm_ffi.device(info.device().dlpack_device_type(), index)
     backend = TvmBackend(artifact, manifest, pool, device, weights_mode, rank=rank)
