@@ -24,6 +24,7 @@ from dsv4c.artifact.step_requests import request_groups
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
+from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 
@@ -31,7 +32,7 @@ from dsv4c.runtime.weights import open_weights, reads_weights
 NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
 
 
-class TvmBackend:
+class TvmBackend(Backend):
     # Whether speculative decoding saves and restores pool rows through the artifact's pool
     # functions (``codegen.relax_step.emit_pool_functions``) on the device rather than in the
     # KVPool's arrays: always off the host, where those arrays are not the pool. Tests set it on

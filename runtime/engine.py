@@ -26,6 +26,7 @@ from dsv4c.artifact.file_names import PROGRAM, TOKENIZER
 from dsv4c.artifact.manifest import Manifest
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, graph_context_limit
 from dsv4c.errors import ArtifactError, UsageError
+from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
 from dsv4c.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
 from dsv4c.runtime.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
@@ -89,7 +90,7 @@ class RequestFailed(RuntimeError):
 
 
 def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weights_mode: str = "auto",
-                 distributed_timeout: float | None = None):
+                 distributed_timeout: float | None = None) -> Backend:
     info = target_info(manifest.target)
     if not info.compiled:
         from dsv4c.ir.serialize import program_from_json
@@ -174,11 +175,10 @@ class Engine:
         self.spec_stats = SpecStats()  # over every request this engine verified drafts for
         # Rejected drafts' pool rows are saved and put back by the backend's pool functions where
         # its pool lives on a device (the KVPool's arrays are then not the pool), else in those arrays.
-        self.device_rows = getattr(self.backend, "device_rows", False)
+        self.device_rows = self.backend.device_rows
         if speculative is not None:
             self._check_speculative(geometry)
-        self.prefix_cache = PrefixCache(self.pool) if prefix_caching and getattr(self.backend, "on_host", True) \
-            else None
+        self.prefix_cache = PrefixCache(self.pool) if prefix_caching and self.backend.on_host else None
         self.preemptions = 0
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -210,7 +210,7 @@ class Engine:
     def _check_speculative(self, geometry: PoolGeometry) -> None:
         if self.speculative not in METHODS:
             raise UsageError(f"speculative must be one of {', '.join(METHODS)} (or None), got {self.speculative!r}")
-        if not getattr(self.backend, "has_mtp", False):
+        if not self.backend.has_mtp:
             why = ("has no MTP layer (num_nextn_predict_layers is 0)" if not self.config.mtp_layers else
                    f"is a {self.manifest.target} artifact")
             raise UsageError(f"{self.path} {why}; speculative decoding with mtp needs a compiled MTP layer "
@@ -513,9 +513,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the other ranks of a multi-rank artifact (they also stop when this process ends)."""
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        self.backend.close()
 
     def __enter__(self) -> "Engine":
         return self
