@@ -11,50 +11,24 @@ and the pool rows of rejected tokens are put back (``runtime.speculative``).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
 
 from dsv4c.artifact.directory import open_artifact
-from dsv4c.artifact.file_names import PROGRAM, TOKENIZER
+from dsv4c.artifact.file_names import TOKENIZER
 from dsv4c.artifact.manifest import Manifest
-from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, graph_context_limit
-from dsv4c.errors import ArtifactError, UsageError
-from dsv4c.runtime.backend import Backend
-from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
-from dsv4c.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache
-from dsv4c.runtime.drafter import Draft, Drafter
+from dsv4c.errors import UsageError
+from dsv4c.runtime.drafter import Drafter
+from dsv4c.runtime.kv_pool import KVPool
+from dsv4c.runtime.loading import check_settings, check_step_tokens, load_backend, pool_rows
+from dsv4c.runtime.prefix_cache import PrefixCache
 from dsv4c.runtime.request import Request, RequestFailed, Result, TokenCallback
 from dsv4c.runtime.sampling import SamplingParams, token_logprob
+from dsv4c.runtime.scheduler import Scheduler
 from dsv4c.runtime.speculative import SpecStats, SpeculativeDecoding
-from dsv4c.runtime.weights import available_memory, check_weights_mode
-from dsv4c.targets import target_info
-
-def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weights_mode: str = "auto",
-                 distributed_timeout: float | None = None) -> Backend:
-    info = target_info(manifest.target)
-    if not info.compiled:
-        from dsv4c.ir.serialize import program_from_json
-        from dsv4c.runtime.backend_reference import ReferenceBackend
-
-        program = program_from_json(json.loads((artifact / PROGRAM).read_text()), config)
-        return ReferenceBackend(artifact, manifest, program, pool)
-    from dsv4c.runtime.backend_tvm import TvmBackend
-    from dsv4c.runtime.tvm_runtime import device as tvm_device
-
-    device = tvm_device(info)
-    if device is None:
-        raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
-                            "there, or compile with --target llvm for this CPU")
-    if manifest.tensor_parallel > 1:
-        from dsv4c.runtime.tensor_parallel import DEFAULT_TIMEOUT_S, TensorParallelBackend
-
-        return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
-                                     DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout)
-    return TvmBackend(artifact, manifest, pool, device, weights_mode)
+from dsv4c.runtime.weights import check_weights_mode
 
 
 class Engine:
@@ -87,67 +61,34 @@ class Engine:
         check_weights_mode(weights)
         self.path = Path(artifact)
         opened = open_artifact(self.path, verify=verify)
-        manifest = self.manifest = opened.manifest
+        manifest: Manifest = opened.manifest
+        self.manifest = manifest
         # The model and the pool as the compiler recorded them (read, not re-derived).
         self.config, geometry = opened.config, opened.geometry
-        ranks = manifest.tensor_parallel
-        if tensor_parallel is not None and tensor_parallel != ranks:
-            raise UsageError(f"--tensor-parallel {tensor_parallel}: {self.path} is compiled for {ranks} rank(s); "
-                             f"run it with --tensor-parallel {ranks}, or compile it again with --tensor-parallel "
-                             f"{tensor_parallel}")
-        if distributed_timeout is not None and not distributed_timeout > 0:
-            raise UsageError(f"--distributed-timeout must be positive, got {distributed_timeout}")
-        if manifest.vm is not None and manifest.vm.cuda_graph and max_context > graph_context_limit(self.config):
-            raise UsageError(f"max_context {max_context} exceeds the {graph_context_limit(self.config)} "
-                             f"positions {self.path}'s CUDA graphs are built for (the model's max_position_embeddings, "
-                             "rounded up to a power of two); lower it")
+        check_settings(self.path, manifest, self.config, max_context, tensor_parallel, distributed_timeout)
         self.max_context = max_context
-        self.pool = KVPool(geometry, self._pool_rows(geometry, max_requests, kv_cache_memory))
-        if max_step_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
-            raise UsageError("max_step_tokens and prefill_chunk must be positive")
-        limit = manifest.vm.max_step_tokens if manifest.vm else None
-        if limit is not None and max_step_tokens > limit:
-            raise UsageError(f"max_step_tokens {max_step_tokens} exceeds what {self.path} was compiled for ({limit}); "
-                             "lower it")
+        self.pool = KVPool(geometry, pool_rows(manifest, geometry, max_context, max_requests, kv_cache_memory))
+        check_step_tokens(self.path, manifest, max_step_tokens, prefill_chunk)
         self.backend = load_backend(self.path, manifest, self.config, self.pool, weights, distributed_timeout)
         self.profiler = None
         if profile:
             from dsv4c.runtime.profile import StepProfiler
 
             self.profiler = StepProfiler(self.backend, manifest, self.path)
-        self.max_step_tokens, self.prefill_chunk, self.max_requests = max_step_tokens, prefill_chunk, max_requests
         self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
         self.speculation = None if speculative is None else SpeculativeDecoding(
             speculative, num_draft_tokens, self.backend, self.pool, self.config, self.path, manifest.target,
             manifest.tensor_parallel)
         self.prefix_cache = PrefixCache(self.pool) if prefix_caching and self.backend.on_host else None
-        self.preemptions = 0
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
-        self._admitted: dict[int, int] = {}  # request in the pool -> admission number (preempt the newest first)
-        self._admissions = itertools.count()
-        self._preempted_now: set[int] = set()
+        self.scheduler = Scheduler(self.pool, self.requests, self.prefix_cache, max_step_tokens, prefill_chunk,
+                                   max_requests, self.speculation.drafter if self.speculation is not None else None)
         self.tokenizer = None
         if (self.path / TOKENIZER).is_file():
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(self.path / TOKENIZER))
-
-    def _pool_rows(self, g: PoolGeometry, max_requests: int, kv_cache_memory: int | None) -> int:
-        one = -(-self.max_context // ENVELOPE_TOKENS) * g.rows_per_envelope + g.window_rows_per_request
-        if kv_cache_memory is None:
-            rows = 2 * max_requests * one
-            # Ranks this engine starts share the host: each holds a whole pool (runtime.tensor_parallel).
-            host = available_memory() // self.manifest.tensor_parallel
-            if target_info(self.manifest.target).kind in ("reference", "cpu") and host:  # 0: not reported
-                rows = max(min(rows, KVPool.rows_for_bytes(g, host // 2)), one)
-        else:
-            rows = KVPool.rows_for_bytes(g, kv_cache_memory)
-            if rows < one:
-                raise UsageError(f"kv_cache_memory {kv_cache_memory} B holds {rows} pool rows, fewer than one request "
-                                 f"of max_context {self.max_context} needs ({one} rows, "
-                                 f"{KVPool.nbytes_for(g, one)} B); give it more or lower max_context")
-        return rows
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
@@ -174,86 +115,8 @@ class Engine:
         r.finished = r.done_sampling and not record_logits and params.prompt_logprobs is None
         return rid
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, number of tokens to feed) for the next step: decodes first, then prefill."""
-        budget, plan = self.max_step_tokens, []
-        live = [r for r in self.requests.values() if not r.finished]
-        live.sort(key=lambda r: (r.fed < len(r.prompt), r.rid))  # running decodes before prefills
-        for r in live:
-            if len(r.sequence) == r.fed or budget == 0 or r.rid in self._preempted_now:
-                continue
-            if r.rid not in self.pool.requests and (len(self.pool.requests) >= self.max_requests
-                                                    or not self._admit(r)):
-                continue  # it waits for a place, or for rows
-            # With the prefix cache, a step ends at the next block boundary, whose state it keeps.
-            boundary = (r.fed // BLOCK_TOKENS + 1) * BLOCK_TOKENS if self.prefix_cache else len(r.sequence) + 1
-            if r.decoding:  # its last token, and the drafts the budget leaves room for
-                keep = min(budget, boundary - r.fed) - 1
-                r.draft.truncate(keep)
-                n = 1 + len(r.draft.tokens)
-            else:
-                pending = len(r.sequence) - r.fed
-                n = min(pending, budget, self.prefill_chunk or pending, boundary - r.fed)
-            if not self._grow(r, r.fed + n, plan):
-                continue
-            plan.append((r, n))
-            budget = self.max_step_tokens - sum(k for _, k in plan)
-        self._preempted_now.clear()
-        return plan
-
-    def _admit(self, r: Request) -> bool:
-        """Take pool rows for ``r``'s whole sequence, its cached prefix shared; False when they are
-        not free (it waits)."""
-        hit = []
-        looked_up = self.prefix_cache is not None and not r.wants_every_row
-        if looked_up:
-            # At least one token is fed (its logits are sampled), and the prompt's end that the
-            # drafter reads from the step (a cached slot does not hold the step's output for it).
-            keep = 1 + (self.speculation.drafter.prompt_tail if self.speculation else 0)
-            hit = self.prefix_cache.lookup(r.sequence, max(len(r.sequence) - keep, 0) // BLOCK_TOKENS)
-        shared = [b.envelope for b in hit if b.envelope is not None]
-        try:
-            with self.prefix_cache.pinned(hit) if hit else contextlib.nullcontext():
-                rows = self.pool.admit(r.rid, reserve_tokens=len(r.sequence), shared=shared)
-        except PoolExhausted:
-            return False
-        if hit:
-            self.pool.copy_slot(hit[-1].slot, rows.slot, at_block_boundary=True)
-            r.fed = len(hit) * BLOCK_TOKENS
-        if looked_up:
-            self.prefix_cache.count(len(r.sequence), len(hit) * BLOCK_TOKENS)
-        self._admitted[r.rid] = next(self._admissions)
-        return True
-
-    def _grow(self, r: Request, tokens: int, plan: list[tuple[Request, int]]) -> bool:
-        """Envelopes for ``r``'s positions below ``tokens``; when the pool has none left, the most
-        recently admitted request is preempted (taken out of ``plan`` if it was in it). False when
-        that is ``r`` itself."""
-        while True:
-            try:
-                self.pool.ensure(r.rid, tokens)
-                return True
-            except PoolExhausted:
-                victim = self.requests[max(self._admitted, key=self._admitted.get)]
-                if victim is r and len(self._admitted) == 1:
-                    raise  # cannot happen: the pool holds one request of max_context (_pool_rows)
-                self._preempt(victim)
-                plan[:] = [(q, n) for q, n in plan if q is not victim]
-                if victim is r:
-                    return False
-
-    def _preempt(self, r: Request) -> None:
-        """Give back ``r``'s rows; it is admitted again later and recomputes its sequence (what of
-        it the prefix cache still holds, it shares)."""
-        self._leave_pool(r.rid)
-        self._preempted_now.add(r.rid)  # not admitted again in the step that preempted it
-        self.preemptions += 1
-        r.fed, r.draft = 0, Draft()
-        r.logits.clear()  # every row is computed again
-        del r.prompt_logprobs[1:]
-
     def step(self) -> bool:
-        plan = self._schedule()
+        plan = self.scheduler.plan()
         if not plan:
             return False
         tokens, positions, seqs, logit_rows, saved = [], [], [], [], {}
@@ -285,21 +148,11 @@ class Engine:
                 if not r.finished:
                     self._finish(r)
         if self.prefix_cache is not None:
-            self._cache_blocks(plan)
+            self.scheduler.cache_blocks(plan)
         if self.speculation is not None:
             self.speculation.propose([(r, fed_before[r.rid], n) for r, n in plan],
                                      lambda r: r.rid in self.requests and not r.finished)
         return True
-
-    def _cache_blocks(self, plan: list[tuple[Request, int]]) -> None:
-        """Cache the block each request of the step has just fed to its end (steps end at block
-        boundaries): its envelope, and its slot as it is now."""
-        for r, _ in plan:
-            if r.rid in self.pool.requests and r.fed and r.fed % BLOCK_TOKENS == 0 and not r.draft.tokens:
-                rows = self.pool.requests[r.rid]
-                index = r.fed // BLOCK_TOKENS - 1
-                envelope = rows.blocks[index] if rows.blocks else None
-                self.prefix_cache.insert(r.sequence, index, envelope, rows.slot)
 
     def _take_rows(self, r: Request, n: int, rows: np.ndarray, saved: list | None) -> None:
         """What the step computed for ``r``'s ``n`` fed positions: ``rows`` of logits."""
@@ -330,19 +183,29 @@ class Engine:
 
     def _finish(self, r: Request) -> None:
         r.finished = True
-        self._leave_pool(r.rid)
-
-    def _leave_pool(self, rid: int) -> None:
-        if rid in self.pool.requests:
-            self.pool.free(rid)
-            del self._admitted[rid]
-            if self.speculation is not None:
-                self.speculation.drafter.release(rid)
+        self.scheduler.leave(r.rid)
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached block no request holds (their rows are free again)."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+
+    @property
+    def max_requests(self) -> int:
+        return self.scheduler.max_requests
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.scheduler.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, tokens: int | None) -> None:
+        self.scheduler.prefill_chunk = tokens
+
+    @property
+    def preemptions(self) -> int:
+        """Requests this engine preempted (their rows were needed) to recompute later."""
+        return self.scheduler.preemptions
 
     @property
     def spec_stats(self) -> SpecStats:
@@ -389,7 +252,7 @@ class Engine:
         freed at once, and the steps that follow no longer include it."""
         self._request(rid)
         del self.requests[rid]
-        self._leave_pool(rid)
+        self.scheduler.leave(rid)
 
     def generate(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
                  record_logits: bool = False) -> Result:
