@@ -81,7 +81,8 @@ def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weigh
         raise ArtifactError(f"{artifact}: an artifact for {info.name} needs that GPU and this host has none; run it "
                             "there, or compile with --target llvm for this CPU")
     if manifest.tensor_parallel > 1:
-        from dsv4c.runtime.tensor_parallel import DEFAULT_TIMEOUT_S, TensorParallelBackend
+        from dsv4c.runtime.tensor_parallel.backend import TensorParallelBackend
+        from dsv4c.runtime.tensor_parallel.collectives import DEFAULT_TIMEOUT_S
 
         return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
                                      DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout)
