@@ -75,7 +75,7 @@ class Engine:
             from dsv4c.runtime.profile import StepProfiler
 
             self.profiler = StepProfiler(self.backend, manifest, self.path)
-        self.speculative, self.num_draft_tokens = speculative, num_draft_tokens
+        self.speculative = speculative
         self.speculation = None if speculative is None else SpeculativeDecoding(
             speculative, num_draft_tokens, self.backend, self.pool, self.config, self.path, manifest.target,
             manifest.tensor_parallel)
