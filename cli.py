@@ -493,7 +493,8 @@ def _torchrun_rank(args) -> None:
     process)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.command in ("generate", "serve") and world > 1 and rank > 0:
-        from dsv4c.runtime.tensor_parallel import run_rank, torchrun_address
+        from dsv4c.runtime.tensor_parallel.rank_loop import run_rank
+        from dsv4c.runtime.tensor_parallel.ranks import torchrun_address
 
         run_rank(Path(args.artifact), rank, world, torchrun_address(), args.distributed_timeout, args.weights)
 

@@ -40,7 +40,6 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -264,18 +263,6 @@ class Manifest:
     def weight_files(self) -> tuple[str, ...]:
         """Every weight file of every rank (none without weights)."""
         return self.weights.files if self.weights is not None else ()
-
-    # Transition: runtime/engine.py, tensor_parallel.py, backend_tvm.py and backend_reference.py
-    # still read the manifest as its JSON object; remove these two once they read the fields.
-    @cached_property
-    def _json(self) -> dict[str, Any]:
-        return self.to_json()
-
-    def __getitem__(self, key: str) -> Any:
-        return self._json[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._json.get(key, default)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> Manifest:

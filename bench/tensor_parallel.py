@@ -107,7 +107,7 @@ def collectives_child(rank: int, port: int, hidden: int, tokens: list[int], repe
 
 def collective_choice(hidden: int, tokens: list[int], repeats: int) -> dict:
     """Both ranks of :func:`collectives_child`; rank 0's figures."""
-    from dsv4c.runtime.tensor_parallel import free_port
+    from dsv4c.runtime.tensor_parallel.ranks import free_port
 
     port = free_port()
     args = [str(hidden), ",".join(map(str, tokens)), str(repeats)]
@@ -158,7 +158,8 @@ def bandwidth_child(rank: int, port: int, together: bool, rows: int, calls: int)
     """One of two ranks (pinned to core ``rank``, one TVM thread) running a [rows, 4096] BF16 GEMV:
     ``together``, both ranks, meeting in a (polled) barrier before each call as a step's
     collectives make them; else rank 0 alone while rank 1 waits in a barrier (its result: {})."""
-    from dsv4c.runtime.tensor_parallel import Group, pin_to
+    from dsv4c.runtime.tensor_parallel.collectives import Group
+    from dsv4c.runtime.tensor_parallel.ranks import pin_to
 
     pin_to([rank % os.cpu_count()])
     call, nbytes = _head_gemv(rows, rank)
@@ -175,7 +176,7 @@ def bandwidth_child(rank: int, port: int, together: bool, rows: int, calls: int)
 def _two_ranks(flag: str, *args) -> list[dict]:
     """Run this script's child ``flag`` as ranks 0 and 1 (rank, a free port, ``args``): the
     results of the ranks that report one."""
-    from dsv4c.runtime.tensor_parallel import free_port
+    from dsv4c.runtime.tensor_parallel.ranks import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "x", "x", flag, str(rank), str(port), *map(str, args)],
@@ -199,7 +200,7 @@ def roundtrip_child(rank: int, port: int, spin: bool, calls: int) -> dict:
     spinning on non-blocking sockets or sleeping in blocking ones: rank 0's round trips in us."""
     import socket
 
-    from dsv4c.runtime.tensor_parallel import pin_to
+    from dsv4c.runtime.tensor_parallel.ranks import pin_to
 
     pin_to([rank % os.cpu_count()])
     if rank == 0:

@@ -6,13 +6,17 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv4c.artifact.manifest import Manifest
 from dsv4c.ir.interpreter import Interpreter
+from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, PagedStore
 from dsv4c.runtime.weights import open_weights
 
 
-class ReferenceBackend:
-    def __init__(self, artifact: Path, manifest: dict, program, pool: KVPool):
+class ReferenceBackend(Backend):
+    """On the host, without an MTP layer (speculative decoding needs a compiled artifact)."""
+
+    def __init__(self, artifact: Path, manifest: Manifest, program, pool: KVPool):
         # Reference artifacts store float32 and int64 weights, which the interpreter reads as they are.
         weights = open_weights(artifact, manifest)
         self.interpreter = Interpreter(program, weights, PagedStore(pool))

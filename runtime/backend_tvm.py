@@ -16,13 +16,15 @@ from pathlib import Path
 import numpy as np
 
 from dsv4c import targets
-from dsv4c.artifact.manifest import MANIFEST, ArtifactError
+from dsv4c.artifact.file_names import MANIFEST
+from dsv4c.artifact.manifest import Kernels, Manifest
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, context_bucket
 from dsv4c.artifact.pool_rows import IndexRowCodec
 from dsv4c.artifact.step_requests import request_groups
 from dsv4c.artifact.safetensors_io import SafetensorsFile
-from dsv4c.errors import UsageError
+from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
+from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_weights, reads_weights
 
@@ -30,50 +32,50 @@ from dsv4c.runtime.weights import open_weights, reads_weights
 NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
 
 
-class TvmBackend:
+class TvmBackend(Backend):
     # Whether speculative decoding saves and restores pool rows through the artifact's pool
     # functions (``codegen.relax_step.emit_pool_functions``) on the device rather than in the
     # KVPool's arrays: always off the host, where those arrays are not the pool. Tests set it on
     # the class to run the device path on a CPU artifact.
     device_rows = False
 
-    def __init__(self, artifact: Path, manifest: dict, pool: KVPool, device, weights_mode: str = "auto",
+    def __init__(self, artifact: Path, manifest: Manifest, pool: KVPool, device, weights_mode: str = "auto",
                  rank: int = 0):
         """``rank``: which rank's weights of a multi-rank artifact to bind (``runtime.tensor_parallel``)."""
         self.device = device
         self.on_host = rt.on_host(device)
-        vm = manifest["vm"]
+        vm = manifest.vm
         if self.on_host:
-            check_cpu(artifact, manifest["kernels"])
+            check_cpu(artifact, manifest.kernels)
             check_subnormals(artifact)
             use_physical_cores()
-        self.vm = rt.load_vm(artifact / vm["library"], device)
-        self.functions = {name: self.vm[name] for name in vm["functions"]}
+        self.vm = rt.load_vm(artifact / vm.library, device)
+        self.functions = {name: self.vm[name] for name in vm.functions}
         # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
         self.has_mtp = "mtp0_decode" in self.functions
-        self.decode_max_tokens, self.max_step_tokens = vm["decode_max_tokens"], vm["max_step_tokens"]
-        self.entry_ratios = vm["entry_ratios"]
+        self.decode_max_tokens, self.max_step_tokens = vm.decode_max_tokens, vm.max_step_tokens
+        self.entry_ratios = vm.entry_ratios
         # Decode steps replaying CUDA graphs cover their context's bucket (artifact.pool.context_bucket).
-        self.context_buckets = vm["cuda_graph"]
+        self.context_buckets = vm.cuda_graph
         self.pool = pool
         # Weights mapped from their shards or read into memory (``weights_mode``, see
         # runtime.weights); on the CPU shared with the kernels as they are. Constants from theirs.
         self.reads_weights = reads_weights(artifact, manifest, weights_mode, self.on_host)
         weights = dict(open_weights(artifact, manifest, read=self.reads_weights, rank=rank))
-        with SafetensorsFile(artifact / vm["constants"]) as st:
+        with SafetensorsFile(artifact / vm.constants) as st:
             weights.update((name, st.read_raw(name)) for name in st.names())
-        missing = [name for name in vm["params"] if name not in weights]
+        missing = [name for name in vm.params if name not in weights]
         if missing:
             raise ArtifactError(f"{artifact}: the weights lack {missing[0]!r} ({len(missing)} tensors the step "
                                 "reads); recompile with weights")
         # ffi Arrays made once: a Python list would be converted on every call.
-        self.params = rt.tvm_ffi.convert([self._upload(weights[name]) for name in vm["params"]])
-        self.pool_tensors = rt.tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p["name"]]) for p in vm["pool"]])
+        self.params = rt.tvm_ffi.convert([self._upload(weights[name]) for name in vm.params])
+        self.pool_tensors = rt.tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p.name]) for p in vm.pool])
         self.device_rows = self.device_rows or not self.on_host
         # An artifact compiled before the pool functions existed has none (``check_pool_functions``).
-        self.pool_functions = {role: self.vm[name] for role, name in vm.get("pool_functions", {}).items()}
+        self.pool_functions = {role: self.vm[name] for role, name in (vm.pool_functions or {}).items()}
         self._artifact = artifact
-        self._pool_names = [p["name"] for p in vm["pool"]]
+        self._pool_names = [p.name for p in vm.pool]
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
@@ -192,13 +194,12 @@ def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndar
     return [rows if len(rows) else NO_ROW for rows in flat]
 
 
-def check_cpu(artifact: Path, kernels: dict) -> None:
+def check_cpu(artifact: Path, kernels: Kernels) -> None:
     """Refuse an llvm artifact whose code uses instructions this CPU lacks: running it would
     kill the process (SIGILL), not raise. C++ twin: step.cc, check_cpu."""
-    mcpu, needs = kernels.get("mcpu"), kernels.get("cpu_features")
-    for key, ok, kind in (("mcpu", isinstance(mcpu, str), "a string"),
-                          ("cpu_features", isinstance(needs, list) and all(isinstance(f, str) for f in needs), "a list")):
-        if not ok:
+    mcpu, needs = kernels.mcpu, kernels.cpu_features
+    for key, value, kind in (("mcpu", mcpu, "a string"), ("cpu_features", needs, "a list")):
+        if value is None:
             raise ArtifactError(f"{artifact / MANIFEST}: 'kernels.{key}' is missing or not {kind}; recompile")
     host = targets.host_cpu_flags()
     if host is None:

@@ -51,7 +51,7 @@ class StepProfiler:
 
     def __init__(self, backend, manifest: Manifest, artifact: Path):
         vm = manifest.vm
-        if vm is None or not hasattr(backend, "vm"):
+        if vm is None:  # the reference target: no compiled step, interpreted
             raise UsageError(f"{artifact}: profiling times the compiled step's kernels; a {manifest.target} "
                              "artifact has none (compile for llvm or a GPU target)")
         if vm.profile is None:

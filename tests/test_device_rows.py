@@ -115,7 +115,7 @@ def test_device_rows_give_the_host_path_tokens_and_pool(tiny_llvm, monkeypatch):
     _, plain = _generate(tiny_llvm, monkeypatch)
     host_engine, host = _generate(tiny_llvm, monkeypatch, "mtp")
     device_engine, device = _generate(tiny_llvm, monkeypatch, "mtp", device_rows=True)
-    assert not host_engine.device_rows and device_engine.device_rows
+    assert not host_engine.backend.device_rows and device_engine.backend.device_rows
     assert plain == host == device and all(len(t) == 24 for t in plain)
     # Random MTP weights: drafts are rejected, so rows were put back, on the device path alone.
     stats = device_engine.spec_stats

@@ -127,13 +127,13 @@ def test_a_request_waiting_for_rows_counts_its_lookup_once(tiny_llvm):
     engine = Engine(tiny_llvm, max_requests=2, max_context=1024,
                     kv_cache_memory=KVPool.nbytes_for(g, 4 * g.rows_per_envelope + g.window_rows_per_request))
     refusals = []
-    admit = engine._admit
+    admit = engine.scheduler.admit
 
     def counting(r):
         refusals.append(not admit(r))
         return not refusals[-1]
 
-    engine._admit = counting
+    engine.scheduler.admit = counting
     prompts = [_prompt(50 + i, 300, engine.config.vocab_size) for i in range(2)]
     _run(engine, prompts)
     assert sum(refusals) > 1 and engine.preemptions == 0

@@ -27,7 +27,7 @@ from serving import CONTEXT, EOS, KEY, SPECIALS, Served, serving
 @pytest.fixture(scope="module", params=["one_device", "tensor_parallel_2"])
 def artifacts(request):
     """The tiny model served from one process, and (BF16 weights) from two ranks: every test here
-    holds for both (runtime/tensor_parallel.py)."""
+    holds for both (runtime/tensor_parallel/)."""
     return request.getfixturevalue("serve_artifacts" if request.param == "one_device" else "serve_artifacts_tp2")
 
 

@@ -24,7 +24,7 @@ def _prompts(cfg):
 def _run(artifact, prompts, speculative=None, k=1, oracle=None):
     engine = Engine(artifact, prefill_chunk=13, max_step_tokens=96, speculative=speculative, num_draft_tokens=k)
     if oracle is not None:
-        engine._propose = oracle
+        engine.speculation.drafter.choose = oracle
     rollbacks = _record_rollbacks(engine)
     rids = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     engine.run()
@@ -46,9 +46,9 @@ def _oracle(plain, prompts, vocab, seed):
     by_prompt = {tuple(p): r.tokens for p, r in zip(prompts, plain)}
     rng = np.random.default_rng(seed)
 
-    def propose(r, _logits):
-        ahead = by_prompt[tuple(r.prompt)][len(r.generated) + len(r.draft.tokens)]
-        r.draft.tokens.append(ahead if rng.random() < 0.6 else (ahead + 1) % vocab)
+    def propose(r, draft, _logits):
+        ahead = by_prompt[tuple(r.prompt)][len(r.generated) + len(draft.tokens)]
+        draft.tokens.append(ahead if rng.random() < 0.6 else (ahead + 1) % vocab)
     return propose
 
 

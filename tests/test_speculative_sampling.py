@@ -83,9 +83,9 @@ def test_speculative_sampling_has_the_plain_distribution(artifact, monkeypatch):
     assert stats.drafted > stats.steps  # chained second drafts
     assert _chi2_p_value(counts, joint) > P_VALUE
     # The test can tell a wrong rule: accepting every draft emits the MTP layer's own law.
-    from dsv4c.runtime import engine as engine_module
+    from dsv4c.runtime import speculative
 
-    monkeypatch.setattr(engine_module, "accept", lambda sampler, logits, draft: (
+    monkeypatch.setattr(speculative, "accept", lambda sampler, logits, draft: (
         draft.tokens + [sampler(logits[len(draft.tokens)])], len(draft.tokens)))
     wrong, _ = _speculative_samples(artifact)
     assert _chi2_p_value(wrong, joint) < P_VALUE

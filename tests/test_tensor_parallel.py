@@ -1,5 +1,5 @@
 """Tensor parallel on the CPU: ``compile --tensor-parallel 2`` runs as two processes joined by gloo
-(runtime/tensor_parallel.py) and computes what one device computes: the same greedy tokens,
+(runtime/tensor_parallel/) and computes what one device computes: the same greedy tokens,
 logits within 1e-5 (the all-reduces add the ranks' partial sums in another order). A dead rank
 ends generation with one line, quickly, and leaves no process behind."""
 
@@ -101,7 +101,7 @@ def test_the_pool_journal_makes_another_pool_the_same():
     from dsv4c.frontend.config import preset
     from dsv4c.passes.quant_plan import plan_for
     from dsv4c.runtime.kv_pool import KVPool
-    from dsv4c.runtime.tensor_parallel import PoolJournal, apply_journal
+    from dsv4c.runtime.tensor_parallel.messages import PoolJournal, apply_journal
 
     cfg = preset("tiny")
     for kv in ("fp32", "fp8"):
@@ -144,7 +144,7 @@ def test_a_cpu_rank_polls_its_collectives_before_sleeping_in_the_wait():
     """A rank keeps its core while the other ranks catch up (a VM halts an idle vCPU, and the
     message ending the wait must wake it first: bench/tensor_parallel.py); an idle rank polls
     only briefly."""
-    from dsv4c.runtime.tensor_parallel import poll_then_wait
+    from dsv4c.runtime.tensor_parallel.collectives import poll_then_wait
 
     work = _Work(polls=50)
     poll_then_wait(work, 10.0)
@@ -241,7 +241,7 @@ def test_idle_ranks_wait_and_a_hung_rank_times_out(tp2):
     """Between calls the ranks wait as long as the engine is idle (a server between requests),
     not the collective timeout; inside a step a rank that stops answering (SIGSTOP) is given up
     on after --distributed-timeout, in one line."""
-    from dsv4c.runtime.tensor_parallel import TensorParallelError
+    from dsv4c.runtime.tensor_parallel.collectives import TensorParallelError
 
     params = SamplingParams(max_new_tokens=4)
     with Engine(tp2, max_context=256, distributed_timeout=1.0) as engine:

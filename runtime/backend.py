@@ -1,0 +1,49 @@
+"""What the engine asks of a backend: run a step on its KV pool and say what else it can do.
+
+A backend runs an artifact's step (the IR interpreter, a compiled library, several ranks of one)
+on the engine's :class:`~dsv4c.runtime.kv_pool.KVPool`. The capabilities below are declared
+here, each with its default, so the engine reads them as attributes of every backend rather
+than probing for them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+
+class Backend(ABC):
+    # Whether the pool is the KVPool's own arrays in host memory (false: a device copy, which the
+    # prefix cache cannot share rows of yet).
+    on_host: bool = True
+    # Whether the model's MTP layer can run (:meth:`draft`): speculative decoding with mtp needs it.
+    has_mtp: bool = False
+    # Whether speculative decoding saves and restores pool rows with :meth:`save_rows` /
+    # :meth:`restore_rows` (the pool lives on a device) rather than in the KVPool's arrays.
+    device_rows: bool = False
+
+    @abstractmethod
+    def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
+             logit_rows: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
+
+    def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
+              logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
+        """The MTP layer's draft logits (backends with ``has_mtp``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no MTP layer")
+
+    def check_pool_functions(self) -> None:
+        """Refuse an artifact that cannot save and restore pool rows (backends with ``device_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its pool rows on the host")
+
+    def save_rows(self, state: list):
+        """A copy of the rows of a ``KVPool.position_state``, for :meth:`restore_rows` (``device_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its pool rows on the host")
+
+    def restore_rows(self, saved) -> None:
+        """Rows saved by :meth:`save_rows` put back (``device_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its pool rows on the host")
+
+    def close(self) -> None:
+        """Release what outlives the engine's own memory (other ranks' processes); nothing by default."""
