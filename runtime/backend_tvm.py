@@ -162,7 +162,7 @@ class TvmBackend(Backend):
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
-        """Run the MTP layer (SPEC "MTP") at ``positions``: token i reads row ``stream_rows[i]`` of
+        """Run the MTP layer (docs/v4.md, "Forward pass") at ``positions``: token i reads row ``stream_rows[i]`` of
         the last step's streams (``chain``: of the last draft's own output streams) and the
         token of its next position, ``next_tokens[i]``; it writes the MTP layer's window rows.
         The draft logits of ``logit_rows``."""
