@@ -44,14 +44,13 @@ class Scheduler:
                                                     or not self.admit(r)):
                 continue  # it waits for a place, or for rows
             # With the prefix cache, a step ends at the next block boundary, whose state it keeps.
-            boundary = (r.fed // BLOCK_TOKENS + 1) * BLOCK_TOKENS if self.prefix_cache else len(r.sequence) + 1
+            room = (r.fed // BLOCK_TOKENS + 1) * BLOCK_TOKENS - r.fed if self.prefix_cache else budget
             if r.decoding:  # its last token, and the drafts the budget leaves room for
-                keep = min(budget, boundary - r.fed) - 1
-                r.draft.truncate(keep)
+                r.draft.truncate(min(budget, room) - 1)
                 n = 1 + len(r.draft.tokens)
             else:
                 pending = len(r.sequence) - r.fed
-                n = min(pending, budget, self.prefill_chunk or pending, boundary - r.fed)
+                n = min(pending, budget, self.prefill_chunk or pending, room)
             if not self._grow(r, r.fed + n, plan):
                 continue
             plan.append((r, n))

@@ -53,9 +53,9 @@ class StandIn(Drafter):
         self.released.add(rid)
 
 
-def _run(artifact, prompts, speculative=None):
+def _run(artifact, prompts, speculative=None, prefix_caching=True):
     engine = Engine(artifact, max_step_tokens=256, speculative=speculative,
-                    num_draft_tokens=DRAFTS)
+                    num_draft_tokens=DRAFTS, prefix_caching=prefix_caching)
     rids = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     engine.run()
     return engine, [engine.result(r) for r in rids]
@@ -83,3 +83,19 @@ def test_a_stand_in_drafter_gives_plain_greedy_and_exact_statistics(tiny_llvm, r
     assert sum(s["draft_tokens"] for s in per_request) == stats.drafted
     assert sum(s["accepted_tokens"] for s in per_request) == stats.accepted
     assert not drafter.pending and len(drafter.released) == len(prompts)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_every_verify_step_takes_all_its_drafts_with_or_without_the_prefix_cache(tiny_llvm, prefix_caching):
+    """Right drafts only: each verify step takes num_draft_tokens drafts but where the request's
+    last tokens leave fewer to propose. Without the prefix cache (every GPU pool) a decode step
+    was cut as if the sequence's end were a block boundary, so it verified one draft at most."""
+    vocab = open_artifact(tiny_llvm).config.vocab_size
+    prompts = [np.random.default_rng(n).integers(0, vocab, n).tolist() for n in PROMPTS]
+    _, plain = _run(tiny_llvm, prompts, prefix_caching=prefix_caching)
+    drafter = StandIn({tuple(p): r.tokens for p, r in zip(prompts, plain)}, vocab, 1.0, seed=5)
+    engine, spec = _run(tiny_llvm, prompts, drafter, prefix_caching=prefix_caching)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    stats = engine.spec_stats
+    assert stats.accepted == stats.drafted
+    assert stats.drafted >= (DRAFTS - 1) * stats.steps  # the last step of each request may take fewer
