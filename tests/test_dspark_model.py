@@ -152,6 +152,19 @@ def test_a_target_without_drafter_tensors_compiles_without_a_drafter(tmp_path, c
     assert "--draft-model" in capsys.readouterr().err
 
 
+def test_a_biased_confidence_head_is_refused(tmp_path):
+    from dsv4c.artifact.safetensors_io import write_safetensors
+
+    write_model(tmp_path / "m", dspark_raw(stages=1, block=2, targets=(3,)))
+    write_safetensors(tmp_path / "m" / "bias.safetensors",
+                      {"mtp.0.confidence_head.proj.bias": ("F32", np.zeros(1, np.float32))})
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.0.confidence_head.proj.bias"] = "bias.safetensors"
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsupportedModelError, match="confidence_head.proj.bias"):
+        resolve_drafter(load_config(tmp_path / "m"), tmp_path / "m", None)
+
+
 def test_the_v41_markov_spelling_reads_as_0731s():
     assert official_name("mtp.2.markov_head.embed.weight") == "mtp.2.markov_head.markov_w1.weight"
     assert official_name("mtp.2.markov_head.head.weight") == "mtp.2.markov_head.markov_w2.weight"
