@@ -241,6 +241,8 @@ def test_the_passes_verify_the_drafter_and_tensor_parallel_leaves_it_out(capsys)
             assert function_cost(fn, Decode(2, 100, 580, 132))
             for node in fn.nodes:
                 assert node_families(node)
+        markov = program.functions["dspark_markov"].nodes
+        assert [node_families(n) for n in markov if n.op in ("embed", "lm_head")] == [{"head": 1.0}] * 2
     program = trace(with_weights(cfg, dense="bf16", experts="bf16"), tensor_parallel=2)
     assert list(program.functions) == ["step"]
     assert not any(n.op == "hc_mean" for n in program.functions["step"].nodes)
