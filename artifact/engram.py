@@ -144,9 +144,8 @@ class EngramTables:
             size, pad = int(metadata[_SIZE_KEY]), int(metadata[_PAD_KEY])
         except (KeyError, ValueError):
             raise fail(f"metadata {_SIZE_KEY!r} and {_PAD_KEY!r} must be integers") from None
-        tables = cls(token_map=arrays["token_map"].astype(np.int32), layer_ids=tuple(int(i) for i in arrays["layer_ids"]),
-                     primes=arrays["primes"].astype(np.int64), multipliers=arrays["multipliers"].astype(np.int64),
-                     compressed_vocab_size=size, pad=pad)
+        tables = cls(token_map=arrays["token_map"], layer_ids=tuple(int(i) for i in arrays["layer_ids"]),
+                     primes=arrays["primes"], multipliers=arrays["multipliers"], compressed_vocab_size=size, pad=pad)
         problem = tables._inconsistency()
         if problem:
             raise fail(problem)

@@ -73,6 +73,23 @@ def test_chunked_hashing_equals_the_whole_sequence(tables, chunks):
     np.testing.assert_array_equal(np.concatenate(pieces), REFERENCE["hash_ids"])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_chunking_of_a_long_sequence_equals_the_whole(tables, seed):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CONFIG["vocab_size"], 600)
+    whole = NgramHistory(tables)
+    whole.append(0, tokens)
+    expected = whole.row_ids(np.arange(len(tokens)))
+    history, pieces, start = NgramHistory(tables), [], 0
+    while start < len(tokens):
+        size = int(rng.integers(1, 40))
+        history.append(start, tokens[start:start + size])
+        pieces.append(history.row_ids(np.arange(start, min(start + size, len(tokens)))))
+        start += size
+    np.testing.assert_array_equal(np.concatenate(pieces), expected)
+    assert expected.min() >= 0 and (expected < np.array(tables.rows_per_layer)[None, :, None]).all()
+
+
 def test_a_step_needs_only_the_last_n_max_minus_1_ids(tables):
     compressed = tables.compress(TOKEN_IDS)
     window = compressed[40 - 3:]
@@ -154,8 +171,8 @@ def _one_line(error) -> str:
 
 
 def test_a_compressed_vocabulary_size_mismatch_is_a_config_error():
-    with pytest.raises(ConfigError, match="yields 254 compressed Engram ids but engram_compressed_vocab_size is 99092") \
-            as error:
+    expected = "yields 254 compressed Engram ids but engram_compressed_vocab_size is 99092"
+    with pytest.raises(ConfigError, match=expected) as error:
         build_engram_tables(DATA, **_fields(compressed_vocab_size=99092))
     _one_line(error)
 
