@@ -6,9 +6,9 @@ import json
 import pytest
 
 from dsv4c.runtime.serve.chat_output import ChatDelta, ChatOutputParser, ToolCall
-from dsv4c.runtime.serve.dsv4_encoding import THINK_END, TOOL_CALLS_OPEN, dsml_tool_calls
+from dsv4c.runtime.serve.dsml import THINK_END, V4_DSML
 
-BLOCK = dsml_tool_calls([("get_weather", {"city": "Paris", "days": 2, "tags": ["a</b>"]}), ("get_time", {})])
+BLOCK = V4_DSML.tool_calls([("get_weather", {"city": "Paris", "days": 2, "tags": ["a</b>"]}), ("get_time", {})])
 CALLS = [ToolCall("get_weather", json.dumps({"city": "Paris", "days": 2, "tags": ["a</b>"]})),
          ToolCall("get_time", "{}")]
 SECOND = BLOCK.index('<｜DSML｜invoke name="get_time"')
@@ -36,7 +36,7 @@ CASES = [
     (BLOCK.replace("</｜DSML｜invoke>\n<｜DSML｜invoke", "</｜DSML｜invoke>\nbad<｜DSML｜invoke", 1), False, True, "",
      "\nbad" + BLOCK[BLOCK.index('<｜DSML｜invoke name="get_time"'):], CALLS[:1]),
 ]
-BLOCK_MARKERS = ("\n\n" + TOOL_CALLS_OPEN, TOOL_CALLS_OPEN)
+BLOCK_MARKERS = ("\n\n" + V4_DSML.calls_open, V4_DSML.calls_open)
 
 
 def _parse(chunks, thinking, tools):

@@ -8,7 +8,7 @@ import pytest
 
 from dsv4c.runtime.serve.chat import ChatProtocol, chat_options
 from dsv4c.runtime.serve.constrained import response_format_grammar, tool_call_grammar
-from dsv4c.runtime.serve.dsv4_encoding import THINK_END, dsml_tool_calls
+from dsv4c.runtime.serve.dsml import THINK_END, V4_DSML
 
 from test_chat_serve import ANSWER_SCHEMA, CORPUS, EOS
 from v4_tokenizer import THINK_END_ID, write_v4_tokenizer
@@ -21,7 +21,7 @@ WEATHER = {"type": "object", "required": ["city", "unit"],
                           "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 # The city's text holds the start of its parameter's closing marker.
-CALL = dsml_tool_calls([("get_weather", {"city": "Paris </b></｜DSML｜", "unit": "c", "days": 3})])
+CALL = V4_DSML.tool_calls([("get_weather", {"city": "Paris </b></｜DSML｜", "unit": "c", "days": 3})])
 ANSWER = json.dumps({"name": "Ann", "age": 30, "tags": ["a"]})
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": ANSWER_SCHEMA}}
 
