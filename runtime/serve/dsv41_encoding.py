@@ -27,9 +27,10 @@ escaped so before the encoder puts in the placeholders of image parts.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from dsv4c.runtime.serve.dsml import V41_DSML
+from dsv4c.runtime.serve.dsml import V41_DSML, to_json
 from dsv4c.runtime.serve.dsv4_encoding import Dialect, encode_conversation
 from dsv4c.runtime.serve.protocol import bad_request
 
@@ -62,6 +63,24 @@ def escape_placeholder(value: Any) -> Any:
     return value
 
 
+def _escaped_message(m: dict) -> dict:
+    """A message with its strings escaped, the JSON text of its calls' arguments included (which
+    may spell the placeholder with ``\\u`` escapes: the prompt has it decoded)."""
+    m = escape_placeholder(m)
+    if isinstance(m.get("tool_calls"), list):
+        m["tool_calls"] = [_escaped_arguments(c) for c in m["tool_calls"]]
+    return m
+
+
+def _escaped_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    try:
+        arguments = json.loads(function["arguments"])
+    except (TypeError, KeyError, ValueError):
+        return call  # not a call the encoder takes: it says so
+    return {**call, "function": {**function, "arguments": to_json(escape_placeholder(arguments))}}
+
+
 def _content_text(content: Any, i: int) -> str:
     """A message's content (escaped) as the prompt has it: parts joined by a blank line."""
     if not isinstance(content, list):
@@ -86,7 +105,7 @@ def encode_chat(messages: list[dict[str, Any]], *, tools: list[dict] | None = No
     text and image parts, or kept as ``content_parts`` by :func:`.protocol.chat_messages`), as
     :func:`.dsv4_encoding.encode_chat` takes them."""
     messages = [{**m, "content": _content_text(m.get("content_parts", m.get("content")), i)}
-                for i, m in enumerate(escape_placeholder(messages))]
+                for i, m in enumerate(map(_escaped_message, messages))]
     return encode_conversation(V41, messages, tools=escape_placeholder(tools),
                                response_format=escape_placeholder(response_format), thinking=thinking,
                                reasoning_effort=reasoning_effort, add_generation_prompt=add_generation_prompt)
