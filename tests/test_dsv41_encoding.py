@@ -12,6 +12,9 @@ from dsv4c.runtime.serve import dsv4_encoding
 from dsv4c.runtime.serve.dsv41_encoding import ESCAPED_IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER, encode_chat
 from dsv4c.runtime.serve.protocol import APIError, chat_messages
 
+from test_dsv4_encoding import TIME, WEATHER
+from test_dsv4_encoding import TOOLS_SECTION as V4_TOOLS_SECTION
+
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A, S = "<｜User｜>", "<｜Assistant｜>", "<｜System｜>"
 EFFORT = S + "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
@@ -20,37 +23,10 @@ LOOKUP = {"type": "function", "function": {
     "name": "lookup", "description": "Look up a value",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}
 
-# The release's tools section in V4.1's spelling: what follows a system message's text and a blank line.
-TOOLS_SECTION = """## Tools
+# The release's tools section is V4's in V4.1's spelling of the tags.
+TOOLS_SECTION = (V4_TOOLS_SECTION.replace("｜DSML｜tool_calls", "｜DSML｜ calls")
+                 .replace("｜DSML｜invoke", "｜DSML｜ invoke").replace("｜DSML｜parameter", "｜DSML｜ parameter"))
 
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
-"<｜DSML｜ calls>" block like the following:
-
-<｜DSML｜ calls>
-<｜DSML｜ invoke name="$TOOL_NAME">
-<｜DSML｜ parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜ parameter>
-...
-</｜DSML｜ invoke>
-<｜DSML｜ invoke name="$TOOL_NAME2">
-...
-</｜DSML｜ invoke>
-</｜DSML｜ calls>
-
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, \
-arrays, objects), pass the value in JSON format and set `string="false"`.
-
-If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside \
-<think>...</think> BEFORE any tool calls or final response.
-
-Otherwise, output directly after </think> with tool calls or final response.
-
-### Available Tool Schemas
-
-{"name": "lookup", "description": "Look up a value", "parameters": {"type": "object", "properties": \
-{"query": {"type": "string"}, "limit": {"type": "integer"}}}}
-
-You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
 
 # An assistant turn with reasoning, content and one call, as the release writes it.
 CALL_TURN = ("  reason  </think>summary\n\n"
@@ -117,18 +93,21 @@ def test_a_later_system_message_is_a_turn_the_assistant_answers():
 
 
 def test_tools_go_to_the_leading_system_message_in_spaced_dsml():
+    assert ('<｜DSML｜ parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE'
+            '</｜DSML｜ parameter>\n...\n</｜DSML｜ invoke>') in TOOLS_SECTION
     messages = [{"role": "system", "content": "system"}, {"role": "user", "content": "question"},
                 {"role": "system", "content": "later"}]
-    assert encode_chat(messages, tools=[LOOKUP]) == (
+    assert encode_chat(messages, tools=[WEATHER, TIME]) == (
         f"{B}{S}system\n\n{TOOLS_SECTION}{U}question{S}later{A}</think>")
     # No leading system message: an empty one is put first to hold them.
-    assert encode_chat(messages[1:], tools=[LOOKUP]) == f"{B}{S}\n\n{TOOLS_SECTION}{U}question{S}later{A}</think>"
+    assert encode_chat(messages[1:], tools=[WEATHER, TIME]) == (
+        f"{B}{S}\n\n{TOOLS_SECTION}{U}question{S}later{A}</think>")
 
 
 def test_a_call_and_its_result_in_thinking_mode_with_tools():
     messages = [*CALLED, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     # With tools every turn keeps its reasoning.
-    assert encode_chat(messages, tools=[LOOKUP], thinking=True) == (
+    assert encode_chat(messages, tools=[WEATHER, TIME], thinking=True) == (
         f"{B}{EFFORT.format(50)}\n\n{TOOLS_SECTION}{U}question{A}<think>{CALL_TURN}"
         f"{U}<tool_result>42</tool_result>{A}<think>")
     # As history without tools, the turn before the last user turn loses its reasoning, not its call.
@@ -216,7 +195,8 @@ def test_a_v41_artifact_chats_in_v41s_encoding_and_dsml():
 
     v41, v4 = _chat("deepseek_v41"), _chat("deepseek_v4")
     assert (v41.summary, v4.summary) == (", chat (V4.1 encoding)", ", chat (V4 encoding)")
-    body = {"messages": CALLED[:1], "tools": [LOOKUP], "reasoning_effort": 30, "chat_template_kwargs": {"thinking": True}}
+    body = {"messages": CALLED[:1], "tools": [LOOKUP], "reasoning_effort": 30,
+            "chat_template_kwargs": {"thinking": True}}
     options = chat_options(body)
     assert v41.prompt_text(CALLED[:1], options) == encode_chat(CALLED[:1], tools=[LOOKUP], thinking=True,
                                                                 reasoning_effort=30)
