@@ -19,6 +19,9 @@ Reasoning effort follows the first V4 generation (the April release's encoding):
 prepends the "Absolute maximum" effort prompt to the first message in thinking mode, ``high``
 (the default) adds nothing. Later checkpoints (0731, 0813) moved that text to ``high`` and gave
 ``max`` a stronger one, which is why serving stacks that mix the two are one level off.
+
+V4.1 keeps this protocol with a few differences (:mod:`.dsv41_encoding`): the conversation loop
+here takes a :class:`Dialect`, what a member of the family writes its own way.
 """
 
 from __future__ import annotations
@@ -197,8 +200,8 @@ def encode_conversation(dialect: Dialect, messages: list[dict[str, Any]], *, too
             prompt += dialect.system_token + effort
         prompt += _render(i, m, dialect, thinking and (not drop_reasoning or i > last))
         following = turns[i + 1]["role"] if i + 1 < len(turns) else None
-        asks_reply = following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)
-        if dialect.asks_reply(i, m["role"]) and asks_reply:
+        reply_follows = following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)
+        if dialect.asks_reply(i, m["role"]) and reply_follows:
             prompt += ASSISTANT + (THINK_START if thinking and (not drop_reasoning or i >= last) else THINK_END)
     return prompt
 
