@@ -43,7 +43,7 @@ IMAGE_PARTS = ("image_url", "image")
 
 def _effort_prompt(effort: Any) -> str:
     budget = EFFORT_BUDGETS.get(effort or "high") if isinstance(effort, str) or effort is None else effort
-    if type(budget) is not int or not 1 <= budget <= 100:  # type(): True is no budget
+    if type(budget) is not int or not 1 <= budget <= 100:  # type(), not isinstance: a bool is no budget
         raise bad_request(f"'reasoning_effort' must be an integer in [1, 100] or one of {', '.join(EFFORT_BUDGETS)}, "
                           f"got {effort!r}", "reasoning_effort")
     return f"Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
