@@ -8,7 +8,7 @@ import pytest
 
 from dsv4c.runtime.serve.chat import ChatProtocol, chat_options
 from dsv4c.runtime.serve.constrained import response_format_grammar, tool_call_grammar
-from dsv4c.runtime.serve.dsv4_encoding import THINK_END, dsml_tool_calls
+from dsv4c.runtime.serve.dsml import THINK_END, V4_DSML, V41_DSML
 
 from test_chat_serve import ANSWER_SCHEMA, CORPUS, EOS
 from v4_tokenizer import THINK_END_ID, write_v4_tokenizer
@@ -21,7 +21,7 @@ WEATHER = {"type": "object", "required": ["city", "unit"],
                           "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 # The city's text holds the start of its parameter's closing marker.
-CALL = dsml_tool_calls([("get_weather", {"city": "Paris </b></｜DSML｜", "unit": "c", "days": 3})])
+CALL = V4_DSML.tool_calls([("get_weather", {"city": "Paris </b></｜DSML｜", "unit": "c", "days": 3})])
 ANSWER = json.dumps({"name": "Ann", "age": 30, "tags": ["a"]})
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": ANSWER_SCHEMA}}
 
@@ -34,6 +34,12 @@ def chat(tmp_path_factory):
     model = tmp_path_factory.mktemp("tokenizer")
     write_v4_tokenizer(model, CORPUS * 10, VOCAB)
     return ChatProtocol(model, None, "deepseek_v4", VOCAB, (EOS,), Tokenizer.from_file(str(model / "tokenizer.json")))
+
+
+@pytest.fixture(scope="module")
+def chat41(chat):
+    """The same for a V4.1 model: the same tokenizer, V4.1's encoding."""
+    return ChatProtocol(chat.grammar.path.parent, None, "deepseek_v41", VOCAB, (EOS,), chat.tokenizer)
 
 
 def _encode(chat, text: str) -> list[int]:
@@ -85,3 +91,11 @@ def test_a_chat_requests_thinking_option_reaches_its_constraint(chat, constraint
     thinking = chat_options({**constraint, "chat_template_kwargs": {"thinking": True}})
     assert _allowed(_feed(chat.constraint(thinking), reasoned)) == [EOS]
     assert _feed(chat.constraint(chat_options(constraint)), reasoned) is None
+
+
+def test_a_v41_forced_call_is_written_in_v41s_dsml(chat, chat41):
+    forced = chat_options({"tools": TOOLS, "tool_choice": "required"})
+    v41_call = _encode(chat41, V41_DSML.tool_calls([("get_weather", {"city": "Paris", "unit": "c"})]))
+    assert _allowed(_feed(chat41.constraint(forced), v41_call)) == [EOS]
+    assert _feed(chat41.constraint(forced), _encode(chat41, CALL)) is None
+    assert _feed(chat.constraint(forced), v41_call) is None

@@ -2,8 +2,9 @@
 
 * :mod:`.protocol` checks OpenAI request bodies and shapes the responses;
 * :mod:`.text` renders chat templates and turns generated tokens into text, cut at stop strings;
-* :mod:`.chat` is the conversation protocol of chat requests: :mod:`.dsv4_encoding` (V4's prompt
-  format), :mod:`.chat_output` (reasoning, content and DSML tool calls parsed as they stream) and
+* :mod:`.chat` is the conversation protocol of chat requests: :mod:`.dsv4_encoding` and
+  :mod:`.dsv41_encoding` (V4's and V4.1's prompt formats), :mod:`.dsml` (their two spellings of
+  tool calls), :mod:`.chat_output` (reasoning, content and DSML tool calls parsed as they stream) and
   :mod:`.constrained` (llguidance token masks for forced tool calls and ``response_format``);
 * :mod:`.engine_loop` owns the :class:`~dsv4c.runtime.engine.Engine` in one thread that runs
   continuous batching, and keeps the Prometheus metrics;

@@ -1,11 +1,12 @@
 """The conversation protocol of chat requests: which prompt a chat request makes (the model's
-Jinja template when it has one, else DeepSeek-V4's own encoding), its tool and structured-output
-options, and how the answer is shaped (reasoning, content and tool calls parsed from V4's
-output).
+Jinja template when it has one, else the DeepSeek V4 family's own encoding: V4's or V4.1's, by
+the artifact's ``model_type``), its tool and structured-output options, and how the answer is
+shaped (reasoning, content and tool calls parsed from the model's output).
 
-Options beyond OpenAI's: ``chat_template_kwargs`` (``{"thinking": true}`` turns V4's thinking
-mode on, as in vLLM; with a Jinja template, they are the template's variables),
-``add_generation_prompt`` (default true) and ``reasoning_effort`` (V4: ``high`` or ``max``)."""
+Options beyond OpenAI's: ``chat_template_kwargs`` (``{"thinking": true}`` turns thinking mode
+on, as in vLLM; with a Jinja template, they are the template's variables),
+``add_generation_prompt`` (default true) and ``reasoning_effort`` (V4: ``high`` or ``max``;
+V4.1: ``low``, ``high``, ``xhigh``, ``max`` or an integer budget in [1, 100])."""
 
 from __future__ import annotations
 
@@ -13,17 +14,32 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsv4c.artifact.file_names import TOKENIZER
+from dsv4c.runtime.serve import dsv4_encoding, dsv41_encoding
 from dsv4c.runtime.serve.chat_output import ChatDelta, ChatOutputParser
 from dsv4c.runtime.serve.constrained import GrammarTokenizer, response_format_grammar, tool_call_grammar
-from dsv4c.runtime.serve.dsv4_encoding import encode_chat
+from dsv4c.runtime.serve.dsml import V4_DSML, V41_DSML, Dsml
 from dsv4c.runtime.serve.protocol import ChatCompletions, bad_request
 from dsv4c.runtime.serve.text import ChatTemplate
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; it also keeps names safe inside DSML
 V4_TEMPLATE_KWARGS = {"thinking"}
+
+
+@dataclass(frozen=True)
+class DeepSeekEncoding:
+    """The conversation protocol of a V4-family model (its checkpoints ship no Jinja template):
+    the prompt of a conversation, and the DSML its answers call tools in."""
+
+    name: str
+    encode_chat: Callable[..., str]
+    dsml: Dsml
+
+
+ENCODINGS = {"deepseek_v4": DeepSeekEncoding("V4", dsv4_encoding.encode_chat, V4_DSML),
+             "deepseek_v41": DeepSeekEncoding("V4.1", dsv41_encoding.encode_chat, V41_DSML)}
 
 
 @dataclass(frozen=True)
@@ -100,8 +116,8 @@ def chat_options(body: dict) -> ChatOptions:
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     effort = body.get("reasoning_effort")
-    if effort is not None and not isinstance(effort, str):
-        raise bad_request("'reasoning_effort' must be a string", "reasoning_effort")
+    if effort is not None and not isinstance(effort, str) and type(effort) is not int:
+        raise bad_request("'reasoning_effort' must be a string (or V4.1's integer budget)", "reasoning_effort")
     generation_prompt = body.get("add_generation_prompt", True)
     if not isinstance(generation_prompt, bool):
         raise bad_request("'add_generation_prompt' must be true or false", "add_generation_prompt")
@@ -109,13 +125,13 @@ def chat_options(body: dict) -> ChatOptions:
 
 
 class ChatProtocol:
-    """One server's chat: its Jinja template or V4's encoding, and its grammar tokenizer."""
+    """One server's chat: its Jinja template or its V4-family encoding, and its grammar tokenizer."""
 
     def __init__(self, artifact: Path, template: ChatTemplate | None, model_type: str, vocab_size: int,
                  eos: tuple[int, ...], tokenizer=None):
         self.template, self.tokenizer, self.eos = template, tokenizer, eos
-        # A template, when the model ships one, wins; V4 checkpoints ship none.
-        self.v4 = template is None and model_type == "deepseek_v4"
+        # A template, when the model ships one, wins; V4 and V4.1 checkpoints ship none.
+        self.encoding = ENCODINGS.get(model_type) if template is None else None
         path = Path(artifact) / TOKENIZER
         self.grammar = GrammarTokenizer(path, vocab_size, eos) if tokenizer is not None else None
 
@@ -126,12 +142,17 @@ class ChatProtocol:
                    tuple(engine.config.eos_token_ids), engine.tokenizer)
 
     @property
+    def v4(self) -> bool:
+        """Whether a V4-family encoding (V4's or V4.1's) writes the prompt and parses the answer."""
+        return self.encoding is not None
+
+    @property
     def summary(self) -> str:
         """For the server's banner."""
-        return ", chat (template)" if self.template else ", chat (V4 encoding)" if self.v4 else ""
+        return ", chat (template)" if self.template else f", chat ({self.encoding.name} encoding)" if self.v4 else ""
 
     def decode_output(self, ids: list[int]) -> str:
-        """Generated text as V4's output parser reads it: special tokens kept (the markers must
+        """Generated text as the V4-family output parser reads it: special tokens kept (the markers must
         survive whichever of them a tokenizer calls special), the stop tokens left out."""
         return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=False)
 
@@ -146,11 +167,11 @@ class ChatProtocol:
                               "messages", "no_chat_template")
         unknown = set(options.template_kwargs) - V4_TEMPLATE_KWARGS
         if unknown or not isinstance(options.template_kwargs.get("thinking", False), bool):
-            raise bad_request(f"V4's encoding takes chat_template_kwargs {{\"thinking\": true|false}}, got "
-                              f"{sorted(options.template_kwargs)}", "chat_template_kwargs")
-        return encode_chat(messages, tools=tools, response_format=options.response_format, thinking=options.thinking,
-                           reasoning_effort=options.reasoning_effort,
-                           add_generation_prompt=options.add_generation_prompt)
+            raise bad_request(f"{self.encoding.name}'s encoding takes chat_template_kwargs {{\"thinking\": "
+                              f"true|false}}, got {sorted(options.template_kwargs)}", "chat_template_kwargs")
+        return self.encoding.encode_chat(messages, tools=tools, response_format=options.response_format,
+                                         thinking=options.thinking, reasoning_effort=options.reasoning_effort,
+                                         add_generation_prompt=options.add_generation_prompt)
 
     def constraint(self, options: ChatOptions):
         """The request's logits processor, or None when nothing constrains its answer."""
@@ -167,7 +188,8 @@ class ChatProtocol:
         think_token = self.grammar.think_token() if thinking else None
         if forced:
             names = [t["function"]["name"] for t in options.tools] if options.function is None else [options.function]
-            grammar = tool_call_grammar(options.tools, names, options.function is None, thinking, think_token)
+            grammar = tool_call_grammar(options.tools, names, options.function is None, thinking, think_token,
+                                        self.encoding.dsml)
         else:
             grammar = response_format_grammar(options.response_format, thinking, think_token)
         return self.grammar.constraint(grammar, param)
@@ -175,17 +197,17 @@ class ChatProtocol:
     def endpoint(self, options: ChatOptions):
         if not self.v4:
             return ChatCompletions
-        return V4ChatCompletions(options.thinking, options.tool_choice != "none")
+        return V4ChatCompletions(options.thinking, options.tool_choice != "none", self.encoding.dsml)
 
 
 class V4ChatCompletions(ChatCompletions):
-    """``/v1/chat/completions`` shapes with V4's output parsed: ``reasoning_content`` (thinking
-    mode), ``content`` and ``tool_calls``, whole and streamed; one per request (the stream's
-    parser is its state)."""
+    """``/v1/chat/completions`` shapes with a V4-family model's output parsed (``dsml``: its
+    spelling of tool calls): ``reasoning_content`` (thinking mode), ``content`` and
+    ``tool_calls``, whole and streamed; one per request (the stream's parser is its state)."""
 
-    def __init__(self, thinking: bool, tools: bool):
-        self.thinking, self.tools = thinking, tools
-        self.stream = ChatOutputParser(thinking, tools)
+    def __init__(self, thinking: bool, tools: bool, dsml: Dsml):
+        self.thinking, self.tools, self.dsml = thinking, tools, dsml
+        self.stream = ChatOutputParser(thinking, tools, dsml)
         self.calls_sent = 0
 
     def _calls(self, delta: ChatDelta) -> list[dict]:
@@ -201,7 +223,7 @@ class V4ChatCompletions(ChatCompletions):
 
     def choice(self, index: int, text: str, token_ids: list[int], finish: str | None,
                logprobs: dict | None = None) -> dict[str, Any]:
-        parser = ChatOutputParser(self.thinking, self.tools)
+        parser = ChatOutputParser(self.thinking, self.tools, self.dsml)
         delta = parser.feed(text).add(parser.finish())
         message = {"role": "assistant", "content": delta.content if delta.content or not delta.tool_calls else None}
         if self.thinking:

@@ -1,21 +1,28 @@
-"""What a V4 model writes, split as it streams into reasoning, content and DSML tool calls.
+"""What a V4-family model writes, split as it streams into reasoning, content and DSML tool
+calls (in its dialect's spelling of DSML: :mod:`.dsml`).
 
 Text that may be the start of a marker (``</think>``, the tool-calls block) is held back until
 it is known not to be one, so no delta carries partial markup; a tool call comes out whole once
-its ``</｜DSML｜invoke>`` has arrived. DSML the model gets wrong (a call that does not parse, a
-block cut short) comes out as content, as it was written, and the rest of the output with it."""
+its ``</｜DSML｜invoke>`` (V4.1: ``</｜DSML｜ invoke>``) has arrived. DSML the model gets wrong (a
+call that does not parse, a block cut short) comes out as content, as it was written, and the
+rest of the output with it."""
 
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cache
 
-from dsv4c.runtime.serve.dsv4_encoding import (INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN,
-                                               THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR)
+from dsv4c.runtime.serve.dsml import THINK_END, TOOL_CALLS_SEPARATOR, V4_DSML, Dsml
 
 _INVOKE = re.compile(r' name="([^"]*)">(.*)', re.S)
-_PARAMETER = re.compile(rf'\s*{PARAMETER_OPEN} name="([^"]*)" string="(true|false)">(.*?){PARAMETER_CLOSE}', re.S)
+
+
+@cache
+def _parameter(dsml: Dsml) -> re.Pattern:
+    return re.compile(rf'\s*{re.escape(dsml.parameter_open)} name="([^"]*)" string="(true|false)">(.*?)'
+                      rf'{re.escape(dsml.parameter_close)}', re.S)
 
 
 @dataclass(frozen=True)
@@ -37,15 +44,16 @@ class ChatDelta:
         return self
 
 
-def parse_invoke(body: str) -> ToolCall | None:
-    """The call in ``<｜DSML｜invoke`` BODY ``</｜DSML｜invoke>``, or None when it is not one.
+def parse_invoke(body: str, dsml: Dsml = V4_DSML) -> ToolCall | None:
+    """The call in ``<｜DSML｜invoke`` BODY ``</｜DSML｜invoke>`` (or the tags of ``dsml``), or None
+    when it is not one.
     ``string="false"`` values must be JSON; ``string="true"`` values are strings as written."""
     match = _INVOKE.fullmatch(body)
     if match is None:
         return None
     name, rest = match.groups()
     arguments, at = {}, 0
-    while (p := _PARAMETER.match(rest, at)) is not None:
+    while (p := _parameter(dsml).match(rest, at)) is not None:
         key, is_string, value = p.groups()
         if key in arguments:
             return None
@@ -73,11 +81,11 @@ class ChatOutputParser:
 
     ``thinking``: the prompt opened ``<think>``, so the text starts as reasoning, up to
     ``</think>`` (or a tool-calls block). ``tools``: DSML blocks are tool calls (with
-    ``tool_choice: "none"`` they are content)."""
+    ``tool_choice: "none"`` they are content). ``dsml``: the model's spelling of DSML."""
 
-    def __init__(self, thinking: bool, tools: bool):
+    def __init__(self, thinking: bool, tools: bool, dsml: Dsml = V4_DSML):
         self.state = "reasoning" if thinking else "content"
-        self.tools = tools
+        self.tools, self.dsml = tools, dsml
         self.pending = ""  # received, not handed out
         self.block = ""  # raw text of the tool-calls block since its last call: content if the block breaks
         self.calls = 0
@@ -102,7 +110,7 @@ class ChatOutputParser:
         return out
 
     def _markers(self) -> tuple[str, ...]:
-        block = (TOOL_CALLS_SEPARATOR + TOOL_CALLS_OPEN, TOOL_CALLS_OPEN) if self.tools else ()
+        block = (TOOL_CALLS_SEPARATOR + self.dsml.calls_open, self.dsml.calls_open) if self.tools else ()
         return ((THINK_END,) if self.state == "reasoning" else ()) + block
 
     def _step(self, out: ChatDelta) -> bool:
@@ -139,24 +147,25 @@ class ChatOutputParser:
             out.content += text
 
     def _calls(self, out: ChatDelta) -> bool:
-        stripped = self.pending.lstrip()
-        if stripped.startswith(TOOL_CALLS_CLOSE):
-            self.pending = stripped[len(TOOL_CALLS_CLOSE):]
+        dsml, stripped = self.dsml, self.pending.lstrip()
+        if stripped.startswith(dsml.calls_close):
+            self.pending = stripped[len(dsml.calls_close):]
             self.state, self.block = "content", ""
             return True
-        if stripped.startswith(INVOKE_OPEN):
-            end = stripped.find(INVOKE_CLOSE)
-            broken = stripped.find(TOOL_CALLS_CLOSE)
+        if stripped.startswith(dsml.invoke_open):
+            end = stripped.find(dsml.invoke_close)
+            broken = stripped.find(dsml.calls_close)
             if end < 0 and broken < 0:
                 return False  # the call is still coming
-            call = parse_invoke(stripped[len(INVOKE_OPEN):end]) if 0 <= end and (broken < 0 or end < broken) else None
+            whole = 0 <= end and (broken < 0 or end < broken)
+            call = parse_invoke(stripped[len(dsml.invoke_open):end], dsml) if whole else None
             if call is None:
                 return self._broken()
             out.tool_calls.append(call)
             self.calls += 1
-            self.pending, self.block = stripped[end + len(INVOKE_CLOSE):], ""
+            self.pending, self.block = stripped[end + len(dsml.invoke_close):], ""
             return True
-        if any(m.startswith(stripped) for m in (TOOL_CALLS_CLOSE, INVOKE_OPEN)):
+        if any(m.startswith(stripped) for m in (dsml.calls_close, dsml.invoke_open)):
             return False  # nothing yet, or the start of the next element
         return self._broken()
 

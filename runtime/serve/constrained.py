@@ -5,11 +5,11 @@ The grammar tokenizer (llguidance's view of every token's bytes) is built once p
 request compiles its grammar into a matcher, and the engine thread calls it before sampling
 each token (``SamplingParams.logits_processor``): tokens the grammar does not allow get -inf.
 
-A forced call is written as V4's DSML with its arguments in the schema's property order,
-required ones always and optional ones at the model's choice. Strings go as written
-(``string="true"``) when the schema says only "a string" or lists its values; a string with any
-other constraint (pattern, length, format) goes as a JSON string (``string="false"``), which
-the grammar checks against the schema like every other value."""
+A forced call is written as the model's DSML (V4's or V4.1's spelling: :mod:`.dsml`) with its
+arguments in the schema's property order, required ones always and optional ones at the model's
+choice. Strings go as written (``string="true"``) when the schema says only "a string" or lists
+its values; a string with any other constraint (pattern, length, format) goes as a JSON string
+(``string="false"``), which the grammar checks against the schema like every other value."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv4c.runtime.serve.dsv4_encoding import (INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN,
-                                               THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, TOOL_CALLS_SEPARATOR)
+from dsv4c.runtime.serve.dsml import THINK_END, TOOL_CALLS_SEPARATOR, V4_DSML, Dsml
 from dsv4c.runtime.serve.protocol import bad_request
 
 # Compact JSON as the release's encoder writes it (json.dumps' separators), with no free
@@ -68,20 +67,21 @@ def response_format_grammar(response_format: dict, thinking: bool, think_token: 
     return "\n".join(_start("answer", thinking, think_token) + [f"answer: {_json_rule(schema)}"])
 
 
-def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
+def _parameter_rules(tool: str, schema: dict, dsml: Dsml) -> tuple[str, list[str]]:
     """The rule of one tool's parameters (in property order) and the rules it needs."""
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
-    close, newline = _lit(PARAMETER_CLOSE + "\n"), _lit("\n")
+    close, newline = _lit(dsml.parameter_close + "\n"), _lit("\n")
     parts, rules = [], []
     for i, (key, sub) in enumerate(properties.items()):
         rule = f"{tool}_p{i}"
-        as_written = _lit(f'{PARAMETER_OPEN} name="{key}" string="true">')
-        as_json = _lit(f'{PARAMETER_OPEN} name="{key}" string="false">')
+        as_written = _lit(f'{dsml.parameter_open} name="{key}" string="true">')
+        as_json = _lit(f'{dsml.parameter_open} name="{key}" string="false">')
         plain = isinstance(sub, dict) and sub.get("type") == "string"
         if plain and set(sub) <= _PLAIN_STRING_KEYS:
-            rules += [f"{rule}: {as_written} {rule}_text {newline}", f"{rule}_text[lazy]: {_through(PARAMETER_CLOSE)}"]
+            rules += [f"{rule}: {as_written} {rule}_text {newline}",
+                      f"{rule}_text[lazy]: {_through(dsml.parameter_close)}"]
         elif plain and isinstance(sub.get("enum"), list) and set(sub) <= _PLAIN_STRING_KEYS | {"enum"}:
             rules.append(f"{rule}: {as_written} ({' | '.join(_lit(str(v)) for v in sub['enum'])}) {close}")
         else:
@@ -93,9 +93,10 @@ def _parameter_rules(tool: str, schema: dict) -> tuple[str, list[str]]:
 
 
 def tool_call_grammar(tools: list[dict], names: list[str], many: bool, thinking: bool,
-                      think_token: int | None = None) -> str:
-    """Output that is one DSML tool-calls block calling the named tools (``many``: one or more
-    calls, else exactly one), with arguments that satisfy each tool's parameters schema."""
+                      think_token: int | None = None, dsml: Dsml = V4_DSML) -> str:
+    """Output that is one DSML tool-calls block (in ``dsml``'s spelling) calling the named tools
+    (``many``: one or more calls, else exactly one), with arguments that satisfy each tool's
+    parameters schema."""
     rules, invokes = [], []
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     for k, name in enumerate(names):
@@ -103,12 +104,12 @@ def tool_call_grammar(tools: list[dict], names: list[str], many: bool, thinking:
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
             raise bad_request(f"tool {name!r}: 'parameters' must be an object schema for tool_choice to force "
                               "its call", "tools")
-        params, needed = _parameter_rules(f"t{k}", schema)
-        head = _lit(f'{INVOKE_OPEN} name="{name}">\n')
-        rules += [f"invoke{k}: {head} {params} {_lit(INVOKE_CLOSE)}", *needed]
+        params, needed = _parameter_rules(f"t{k}", schema, dsml)
+        head = _lit(f'{dsml.invoke_open} name="{name}">\n')
+        rules += [f"invoke{k}: {head} {params} {_lit(dsml.invoke_close)}", *needed]
         invokes.append(f"invoke{k}")
-    newline, closing = _lit("\n"), _lit(f"\n{TOOL_CALLS_CLOSE}")
-    opening = _lit(f"{TOOL_CALLS_SEPARATOR}{TOOL_CALLS_OPEN}\n")
+    newline, closing = _lit("\n"), _lit(f"\n{dsml.calls_close}")
+    opening = _lit(f"{TOOL_CALLS_SEPARATOR}{dsml.calls_open}\n")
     calls = f"invoke ({newline} invoke)*" if many else "invoke"
     block = f"{opening} {calls} {closing}"
     return "\n".join(_start("block", thinking, think_token)

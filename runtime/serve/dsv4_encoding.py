@@ -19,13 +19,18 @@ Reasoning effort follows the first V4 generation (the April release's encoding):
 prepends the "Absolute maximum" effort prompt to the first message in thinking mode, ``high``
 (the default) adds nothing. Later checkpoints (0731, 0813) moved that text to ``high`` and gave
 ``max`` a stronger one, which is why serving stacks that mix the two are one level off.
+
+V4.1 keeps this protocol with a few differences (:mod:`.dsv41_encoding`): the conversation loop
+here takes a :class:`Dialect`, what a member of the family writes its own way.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
+from dsv4c.runtime.serve.dsml import THINK_END, THINK_START, V4_DSML, Dsml, to_json
 from dsv4c.runtime.serve.protocol import bad_request
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -33,13 +38,6 @@ EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
-THINK_START, THINK_END = "<think>", "</think>"
-DSML = "｜DSML｜"
-TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
-INVOKE_OPEN, INVOKE_CLOSE = f"<{DSML}invoke", f"</{DSML}invoke>"
-PARAMETER_OPEN, PARAMETER_CLOSE = f"<{DSML}parameter", f"</{DSML}parameter>"
-# What separates an assistant's content from its tool calls.
-TOOL_CALLS_SEPARATOR = "\n\n"
 
 REASONING_EFFORTS = {
     "high": "",
@@ -53,55 +51,38 @@ REASONING_EFFORTS = {
     ),
 }
 
-TOOLS_PROMPT = f"""## Tools
-
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
-"{TOOL_CALLS_OPEN}" block like the following:
-
-{TOOL_CALLS_OPEN}
-{INVOKE_OPEN} name="$TOOL_NAME">
-{PARAMETER_OPEN} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE{PARAMETER_CLOSE}
-...
-{INVOKE_CLOSE}
-{INVOKE_OPEN} name="$TOOL_NAME2">
-...
-{INVOKE_CLOSE}
-{TOOL_CALLS_CLOSE}
-
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, \
-arrays, objects), pass the value in JSON format and set `string="false"`.
-
-If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning inside \
-{THINK_START}...{THINK_END} BEFORE any tool calls or final response.
-
-Otherwise, output directly after {THINK_END} with tool calls or final response.
-
-### Available Tool Schemas
-
-{{schemas}}
-
-You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
 RESPONSE_FORMAT_PROMPT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 ROLES = ("system", "developer", "user", "tool", "assistant", "latest_reminder")
 
 
-def to_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+def _v4_effort(effort: Any) -> str:
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                          "reasoning_effort")
+    return REASONING_EFFORTS[effort or "high"]
 
 
-def dsml_parameter(name: str, value: Any) -> str:
-    """One argument: strings as they are (``string="true"``), anything else as JSON."""
-    text, is_string = (value, "true") if isinstance(value, str) else (to_json(value), "false")
-    return f'{PARAMETER_OPEN} name="{name}" string="{is_string}">{text}{PARAMETER_CLOSE}'
+@dataclass(frozen=True)
+class Dialect:
+    """What one encoding of the V4 family writes differently from the others.
+
+    ``system_token``: the marker of a system message ("" in V4, whose system text goes in bare).
+    Where there is one (V4.1), it also opens the first message when an effort prompt leads it, a
+    system message after the first is a turn the assistant answers, like a user's, and the tools
+    go to the leading system message. ``effort_prompt``: the text of a ``reasoning_effort`` (checked
+    in every mode, written at the start in thinking mode)."""
+
+    dsml: Dsml
+    effort_prompt: Callable[[Any], str]
+    system_token: str = ""
+
+    def asks_reply(self, i: int, role: str) -> bool:
+        """Whether a turn with this role at index ``i`` is one the assistant answers."""
+        return role in ("user", "developer") or (bool(self.system_token) and role == "system" and i > 0)
 
 
-def dsml_tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> str:
-    """The block of (name, arguments) calls, as an assistant writes it after its content."""
-    invokes = [f'{INVOKE_OPEN} name="{name}">\n' + "\n".join(dsml_parameter(k, v) for k, v in arguments.items())
-               + f"\n{INVOKE_CLOSE}" for name, arguments in calls]
-    return f"{TOOL_CALLS_SEPARATOR}{TOOL_CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
+V4 = Dialect(V4_DSML, _v4_effort)
 
 
 def _history_calls(message: dict, i: int) -> list[tuple[str, dict[str, Any]]]:
@@ -161,20 +142,24 @@ def _user_turns(messages: list[dict]) -> list[dict]:
     return merged
 
 
-def _with_system_extras(messages: list[dict], tools: list[dict] | None, response_format: dict | None) -> list[dict]:
+def _with_system_extras(messages: list[dict], tools: list[dict] | None, response_format: dict | None,
+                        dialect: Dialect) -> list[dict]:
     if not tools and response_format is None:
         return messages
-    first = next((i for i, m in enumerate(messages) if m["role"] == "system"), None)
-    if first is None:
-        messages, first = [{"role": "system", "content": ""}, *messages], 0
+    if dialect.system_token:  # a later system message is a turn: the tools go to the leading one
+        host = 0 if messages and messages[0]["role"] == "system" else None
+    else:
+        host = next((i for i, m in enumerate(messages) if m["role"] == "system"), None)
+    if host is None:
+        messages, host = [{"role": "system", "content": ""}, *messages], 0
     extras = {"tools": [t["function"] for t in tools or []], "response_format": response_format}
-    return [{**m, **extras} if i == first else m for i, m in enumerate(messages)]
+    return [{**m, **extras} if i == host else m for i, m in enumerate(messages)]
 
 
-def _system_extras(m: dict) -> str:
+def _system_extras(m: dict, dsml: Dsml) -> str:
     text = ""
     if m.get("tools"):
-        text += "\n\n" + TOOLS_PROMPT.format(schemas="\n".join(to_json(t) for t in m["tools"]))
+        text += "\n\n" + dsml.tools_prompt(m["tools"])
     if m.get("response_format") is not None:
         text += "\n\n" + RESPONSE_FORMAT_PROMPT + to_json(m["response_format"])
     return text
@@ -188,40 +173,49 @@ def encode_chat(messages: list[dict[str, Any]], *, tools: list[dict] | None = No
     ``tools``: OpenAI tool definitions (``{"type": "function", "function": {...}}``), checked by
     the caller. ``add_generation_prompt=False`` leaves the last user turn without the assistant
     marker that asks for a reply."""
-    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
-        raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
-                          f"{reasoning_effort!r}", "reasoning_effort")
-    turns = _with_system_extras(_user_turns(messages), tools, response_format)
+    return encode_conversation(V4, messages, tools=tools, response_format=response_format, thinking=thinking,
+                               reasoning_effort=reasoning_effort, add_generation_prompt=add_generation_prompt)
+
+
+def encode_conversation(dialect: Dialect, messages: list[dict[str, Any]], *, tools: list[dict] | None,
+                        response_format: dict | None, thinking: bool, reasoning_effort: Any,
+                        add_generation_prompt: bool) -> str:
+    """:func:`encode_chat` in one of the family's dialects."""
+    effort = dialect.effort_prompt(reasoning_effort)  # checked in every mode, written in thinking mode
+    effort = effort if thinking else ""
+    turns = _with_system_extras(_user_turns(messages), tools, response_format, dialect)
     # The release keeps every turn's reasoning once the conversation has tools.
     drop_reasoning = thinking and not tools
-    last_user = max((i for i, m in enumerate(turns) if m["role"] in ("user", "developer")), default=-1)
+
+    def last_user() -> int:
+        return max((i for i, m in enumerate(turns) if dialect.asks_reply(i, m["role"])), default=-1)
+
+    last = last_user()
     if drop_reasoning:
-        turns = [m for i, m in enumerate(turns) if not (i < last_user and m["role"] == "developer")]
-        last_user = max((i for i, m in enumerate(turns) if m["role"] in ("user", "developer")), default=-1)
+        turns = [m for i, m in enumerate(turns) if not (i < last and m["role"] == "developer")]
+        last = last_user()
     prompt = BOS
     for i, m in enumerate(turns):
-        if i == 0 and thinking:
-            prompt += REASONING_EFFORTS[reasoning_effort or "high"]
-        prompt += _render(i, m, thinking, drop_reasoning, last_user)
+        if i == 0 and (effort or m["role"] == "system"):
+            prompt += dialect.system_token + effort
+        prompt += _render(i, m, dialect, thinking and (not drop_reasoning or i > last))
         following = turns[i + 1]["role"] if i + 1 < len(turns) else None
-        asks_reply = following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)
-        if m["role"] in ("user", "developer") and asks_reply:
-            prompt += ASSISTANT + (THINK_START if thinking and (not drop_reasoning or i >= last_user) else THINK_END)
+        reply_follows = following in ("assistant", "latest_reminder") or (following is None and add_generation_prompt)
+        if dialect.asks_reply(i, m["role"]) and reply_follows:
+            prompt += ASSISTANT + (THINK_START if thinking and (not drop_reasoning or i >= last) else THINK_END)
     return prompt
 
 
-def _render(i: int, m: dict, thinking: bool, drop_reasoning: bool, last_user: int) -> str:
+def _render(i: int, m: dict, dialect: Dialect, keeps_reasoning: bool) -> str:
     role, content = m["role"], m.get("content") or ""
     if role == "system":
-        return content + _system_extras(m)
+        return (dialect.system_token if i > 0 else "") + content + _system_extras(m, dialect.dsml)
     if role == "developer":
-        return USER + content + _system_extras(m)
+        return USER + content + _system_extras(m, dialect.dsml)
     if role == "user":
         return USER + "\n\n".join(p[1] if p[0] == "text" else f"<tool_result>{p[1]}</tool_result>"
                                   for p in m["parts"])
     if role == "latest_reminder":
         return LATEST_REMINDER + content
-    reasoning = ""
-    if thinking and (not drop_reasoning or i > last_user):
-        reasoning = (m.get("reasoning_content") or "") + THINK_END
-    return reasoning + content + (dsml_tool_calls(m["calls"]) if m["calls"] else "") + EOS
+    reasoning = (m.get("reasoning_content") or "") + THINK_END if keeps_reasoning else ""
+    return reasoning + content + (dialect.dsml.tool_calls(m["calls"]) if m["calls"] else "") + EOS

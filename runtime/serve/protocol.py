@@ -202,7 +202,8 @@ def _message_text(content, i: int, joiner: str) -> str:
 
 
 def chat_messages(body: dict) -> list[dict[str, Any]]:
-    """The request's ``messages``, each with its content as plain text."""
+    """The request's ``messages``, each with its content as plain text (a list of parts also kept
+    as ``content_parts``: DeepSeek-V4.1's encoding joins them its own way)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", "messages")
@@ -213,7 +214,8 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
         # A tool result's text parts are joined by a blank line, as DeepSeek-V4's release encoding
         # joins them; other messages' parts run on as written.
         joiner = "\n\n" if m["role"] == "tool" else ""
-        rendered.append({**m, "content": _message_text(m.get("content"), i, joiner)})
+        parts = {"content_parts": m["content"]} if isinstance(m.get("content"), list) else {}
+        rendered.append({**m, "content": _message_text(m.get("content"), i, joiner), **parts})
     return rendered
 
 
