@@ -197,6 +197,11 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _speculative_kwargs(args) -> dict:
+    return {"speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
+            "draft_confidence": args.draft_confidence}
+
+
 def _speculative_args(p: argparse.ArgumentParser) -> None:
     from dsv4c.runtime.speculative import METHODS
 
@@ -209,11 +214,6 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-confidence", type=float, default=0.0, metavar="T",
                    help="with --speculative dspark: a block's drafts stop at the first one the drafter's confidence "
                         "head rates below T, in [0, 1] (default 0: every draft is verified)")
-
-
-def _speculative_kwargs(args) -> dict:
-    return {"speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
-            "draft_confidence": args.draft_confidence}
 
 
 def _weights_arg(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import Sampler, SamplingParams
 from dsv4c.runtime.serve.engine_loop import EngineLoop, ServerMetrics
 
-from test_speculative_sampling import _chi2_p_value
+from test_speculative_sampling import BATCH, P_VALUE, PARAMS, PROMPT, VOCAB, _chi2_p_value, sampled_counts
 
 NOISE = 3
 PROMPTS = (45, 3, 120, 20, 1, 9, 77, 33)  # a ragged batch, fed in chunks of 13
@@ -246,11 +246,6 @@ def test_metrics_count_drafts_and_accepted_lengths(toy, tiny_ref):
     assert all(engine.result(r).tokens for r in rids)
 
 
-VOCAB, PROMPT, SAMPLES, BATCH = 4, [1, 0, 3, 2, 2], 4000, 100
-PARAMS = dict(temperature=1.3, top_p=1.0)
-P_VALUE = 1e-3  # the test fails when the fit is this unlikely; seeds are fixed, so it is deterministic
-
-
 def _exact_joint(tokens: int) -> np.ndarray:
     """P(t1 .. t_tokens) of plain sampling from the toy model after PROMPT."""
     law = Sampler(SamplingParams(**PARAMS)).probs
@@ -266,16 +261,9 @@ def _exact_joint(tokens: int) -> np.ndarray:
 
 
 def _sampled(toy, tiny_ref) -> tuple[np.ndarray, object]:
-    """Counts of the first four tokens: the first verify step carries three drafts (a block of 3)."""
-    counts = np.zeros((VOCAB,) * 4)
+    """The first four tokens: the first verify step carries three drafts (a block of 3)."""
     engine = toy(tiny_ref, ToyBackend(VOCAB, 0.5, 3, sampled=True), 3, speculative="dspark", max_requests=BATCH)
-    for first in range(0, SAMPLES, BATCH):
-        rids = [engine.submit(PROMPT, SamplingParams(max_new_tokens=5, seed=seed, **PARAMS))
-                for seed in range(first, first + BATCH)]
-        engine.run()
-        for rid in rids:
-            counts[tuple(engine.result(rid).tokens[:4])] += 1
-    return counts, engine
+    return sampled_counts(engine, 4), engine
 
 
 def test_sampled_dspark_output_has_the_plain_law(toy, tiny_ref, monkeypatch):
