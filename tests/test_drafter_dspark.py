@@ -7,11 +7,13 @@ should, the accepted-length counts add up (engine, ``--stats`` JSON and ``/metri
 sampled output has the plain sampler's law (chi-square on a 4-token vocabulary)."""
 
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from dsv4c.artifact.model_config import Dspark
 from dsv4c.cli import main as cli
 from dsv4c.errors import UsageError
 from dsv4c.runtime import engine as engine_module
@@ -85,19 +87,9 @@ class ToyBackend(Backend):
         return np.array(bias, np.float32), np.array(conf, np.float32) if self.confidence else None
 
 
-class _WithDspark:
-    """The artifact's model config with a DSpark drafter's fields."""
-
-    def __init__(self, config, dspark):
-        self._config, self.dspark = config, dspark
-
-    def __getattr__(self, name):
-        return getattr(self._config, name)
-
-
-def _dspark(block_size: int, confidence_head: bool = True):
-    return types.SimpleNamespace(block_size=block_size, target_layers=(1, 2), markov_rank=4, noise_token_id=NOISE,
-                                 n_routed_experts=4, n_experts_per_tok=2, confidence_head=confidence_head)
+def _dspark(block_size: int, confidence_head: bool = True) -> Dspark:
+    return Dspark(block_size=block_size, target_layers=(1, 2), markov_rank=4, noise_token_id=NOISE,
+                  n_routed_experts=4, n_experts_per_tok=2, confidence_head=confidence_head)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +109,7 @@ def toy(monkeypatch):
     def make(artifact, backend: ToyBackend, block_size: int | None = None, confidence_head: bool = True, **kwargs):
         def opened(path, verify=False):
             o = real_open(path, verify=verify)
-            config = _WithDspark(o.config, None if block_size is None else _dspark(block_size, confidence_head))
+            config = replace(o.config, dspark=None if block_size is None else _dspark(block_size, confidence_head))
             return types.SimpleNamespace(manifest=o.manifest, config=config, geometry=o.geometry)
 
         monkeypatch.setattr(engine_module, "open_artifact", opened)
@@ -209,9 +201,8 @@ def test_what_dspark_refuses(toy, tiny_ref):
     backend.has_dspark = False
     with pytest.raises(UsageError, match="without the DSpark drafter's functions"):
         toy(tiny_ref, backend, 5, speculative="dspark")
-    config = _WithDspark(types.SimpleNamespace(), _dspark(5))
     with pytest.raises(UsageError, match="compiled for 2 ranks"):
-        DsparkDrafter(backend, config, tiny_ref, "llvm", 2)
+        DsparkDrafter(backend, types.SimpleNamespace(dspark=_dspark(5)), tiny_ref, "llvm", 2)
 
 
 def test_a_drafter_of_ones_own_still_drafts_one_token_by_default(toy, tiny_ref):

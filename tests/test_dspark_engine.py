@@ -1,0 +1,172 @@
+"""Speculative decoding with a DSpark drafter end to end, on the reference interpreter: a
+``make-tiny`` model with a drafter (hc_mult 2, a ratio-4 CSA layer and a 128-token HCA layer,
+three stages) drafts blocks of 2 .. 5 in a ragged batch with chunked prefill and a prefix-cache
+hit. Greedy output equals plain greedy token for token, and the KV pool (the stages' window
+rings included, which the target step writes) equals a plain run's byte for byte after
+rejections that closed compressed windows. Drafts are forced right at a chosen rate on top of
+the drafter's own logits, so partial accepts land at every block position; the drafter's own
+drafts (random weights) run too, and the command line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dsv4c.cli import main as cli
+from dsv4c.errors import UsageError
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.sampling import SamplingParams
+
+from parity_configs import PARITY_CONFIGS
+from test_speculative import _record_rollbacks
+
+STAGES = 3
+CONFIG = {**PARITY_CONFIGS["official_hc2"], "num_nextn_predict_layers": STAGES,
+          "compress_ratios": [128, 4, 0] + [0] * STAGES, "dspark_target_layer_ids": [1, 2],
+          "dspark_markov_rank": 8, "dspark_noise_token_id": 383}
+BLOCKS = (2, 3, 4, 5)
+# A ragged batch fed in chunks of 13, then two prompts that share the 300-token prompt's first
+# 256-token block (a prefix-cache hit: the drafter's rings come from the cache too).
+PROMPTS = (45, 3, 300, 20, 1, 9, 77, 33)
+NEW_TOKENS = 40
+RATE = 0.6
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """The reference artifact of the same random model (seed 3) with each block size, and a plain
+    model without a drafter."""
+    root = tmp_path_factory.mktemp("dspark")
+    out = {}
+    for b in BLOCKS:
+        (root / f"config{b}.json").write_text(json.dumps({**CONFIG, "dspark_block_size": b}))
+        assert cli(["make-tiny", "--config", str(root / f"config{b}.json"), "--seed", "3",
+                    "--out", str(root / f"model{b}")]) == 0
+        assert cli(["compile", "--model", str(root / f"model{b}"), "--target", "reference",
+                    "-o", str(root / f"ref{b}")]) == 0
+        out[b] = root / f"ref{b}"
+    return out
+
+
+def _prompts():
+    rng = np.random.default_rng(11)
+    first = [rng.integers(0, CONFIG["vocab_size"], n).tolist() for n in PROMPTS]
+    shared = first[2][:270]
+    second = [shared + rng.integers(0, CONFIG["vocab_size"], n).tolist() for n in (10, 30)]
+    return first, second
+
+
+def _run(artifact, speculative=None, num_draft_tokens=None, oracle=None):
+    """Both batches, one after the other (the second hits the prefix cache the first filled)."""
+    engine = Engine(artifact, prefill_chunk=13, max_step_tokens=96, speculative=speculative,
+                    num_draft_tokens=num_draft_tokens)
+    if oracle is not None:
+        oracle(engine)
+    rollbacks = _record_rollbacks(engine)
+    tokens = []
+    for batch in _prompts():
+        rids = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in batch]
+        engine.run()
+        tokens += [engine.result(r).tokens for r in rids]
+    assert engine.prefix_cache.hit_tokens >= 256 * 2
+    return engine, tokens, rollbacks
+
+
+_PLAIN = {}
+
+
+def _plain(artifact):
+    if "run" not in _PLAIN:
+        _PLAIN["run"] = _run(artifact)
+    return _PLAIN["run"]
+
+
+def _forced(plain_tokens, rate: float, seed: int):
+    """Make the drafter's row logits pick the plain run's next token with probability ``rate``, else
+    another, on top of what its own functions computed (they still run on every row)."""
+    first, second = _prompts()
+    sequences = [p + t for p, t in zip(first + second, plain_tokens)]
+    rng = np.random.default_rng(seed)
+
+    def install(engine):
+        backend = engine.backend
+        draft, markov, block = backend.dspark_draft, backend.dspark_markov, {}
+
+        def recorded_draft(tokens, positions, seq_ids):
+            block["positions"], block["seqs"] = positions, seq_ids
+            return draft(tokens, positions, seq_ids)
+
+        def forced_markov(prev_tokens, rows):
+            bias, confidence = markov(prev_tokens, rows)
+            bias = bias.copy()
+            for i, row in enumerate(rows):
+                sequence = sequences[int(block["seqs"][row])]
+                at = int(block["positions"][row]) + 1  # the position row ``row`` proposes a token for
+                truth = sequence[at] if at < len(sequence) else 0
+                token = truth if rng.random() < rate else (truth + 1) % CONFIG["vocab_size"]
+                bias[i, token] += 1e4
+            return bias, confidence
+
+        backend.dspark_draft, backend.dspark_markov = recorded_draft, forced_markov
+    return install
+
+
+def _pool(engine) -> dict:
+    pool = engine.pool
+    rings = {f"{k}.{i}": v[i] for k, v in pool.state.items() for i in range(2)}
+    return {**pool.planes, "index": pool.index_plane, **rings}
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_greedy_dspark_equals_plain_greedy_and_leaves_the_same_pool(artifacts, block):
+    plain_engine, plain, _ = _plain(artifacts[5])
+    engine, tokens, rolled_back = _run(artifacts[block], "dspark", oracle=_forced(plain, RATE, block))
+    assert tokens == plain and all(len(t) == NEW_TOKENS for t in tokens)
+    stats = engine.spec_stats
+    assert engine.speculation.num_draft_tokens == block
+    # Partial accepts at every block position, and whole blocks.
+    assert len(stats.accepted_lengths) == block + 1 and all(stats.accepted_lengths), stats.accepted_lengths
+    # Rejected drafts closed ratio-4 windows (entries, index entries, the CSA ring's overlap half)
+    # and were taken back.
+    assert sum((p + 1) % 4 == 0 for p in rolled_back) >= 2
+    before, after = _pool(plain_engine), _pool(engine)
+    for name in before:
+        assert np.array_equal(before[name], after[name]), name
+
+
+def test_the_drafters_own_drafts_give_plain_greedy(artifacts):
+    _, plain, _ = _plain(artifacts[5])
+    engine, tokens, _ = _run(artifacts[4], "dspark", num_draft_tokens=3)
+    assert tokens == plain
+    assert engine.spec_stats.drafted > 0
+
+
+def test_generate_dspark_on_the_command_line(artifacts, tmp_path, capsys):
+    args = ["generate", str(artifacts[5]), "--token-ids", "5,6,7,8", "--max-new-tokens", "12", "--greedy"]
+    assert cli(args) == 0
+    plain = capsys.readouterr().out
+    for extra in ([], ["--num-draft-tokens", "2"], ["--draft-confidence", "0.3"]):
+        assert cli(args + ["--speculative", "dspark", "--stats"] + extra) == 0
+        out = capsys.readouterr()
+        assert out.out == plain
+        assert out.err.count("\n") == 1 and "speculative dspark: acceptance" in out.err
+        assert json.loads(out.err.split("steps by drafts accepted ")[1]) is not None
+    for bad, why in ((["--num-draft-tokens", "6"], "num_draft_tokens must be in [1, 5]"),
+                     (["--draft-confidence", "1.5"], "draft_confidence must be in [0, 1]")):
+        assert cli(args + ["--speculative", "dspark"] + bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dsv4c: error: ") and "\n" not in err and why in err
+    assert cli(args + ["--draft-confidence", "0.5"]) == 2
+    assert "speculative='dspark'" in capsys.readouterr().err
+
+
+def test_a_model_without_a_drafter_is_refused_in_one_line(tmp_path, capsys):
+    assert cli(["make-tiny", "--out", str(tmp_path / "model")]) == 0
+    assert cli(["compile", "--model", str(tmp_path / "model"), "--target", "reference", "-o", str(tmp_path / "ref")]) == 0
+    capsys.readouterr()
+    with pytest.raises(UsageError, match="has no DSpark drafter"):
+        Engine(tmp_path / "ref", speculative="dspark")
+    assert cli(["generate", str(tmp_path / "ref"), "--token-ids", "5,6", "--max-new-tokens", "2",
+                "--speculative", "dspark"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dsv4c: error: ") and "\n" not in err and "no DSpark drafter" in err
