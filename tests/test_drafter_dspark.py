@@ -48,7 +48,8 @@ class ToyBackend(Backend):
     has_dspark = True
 
     def __init__(self, vocab: int, rate: float, block_size: int, sampled: bool = False, confidence: bool = True):
-        self.vocab, self.rate, self.block_size, self.sampled, self.confidence = vocab, rate, block_size, sampled, confidence
+        self.vocab, self.rate, self.block_size = vocab, rate, block_size
+        self.sampled, self.confidence = sampled, confidence
         self.block = None  # the last dspark_draft call's (tokens, positions, seq_ids, base logits)
 
     def step(self, tokens, positions, seq_ids, logit_rows=None):
@@ -58,7 +59,8 @@ class ToyBackend(Backend):
     def dspark_draft(self, tokens, positions, seq_ids):
         b = self.block_size
         assert len(tokens) % b == 0 and (tokens.reshape(-1, b)[:, 1:] == NOISE).all()
-        assert (np.diff(positions.reshape(-1, b), axis=1) == 1).all() and (seq_ids.reshape(-1, b).T == seq_ids[::b]).all()
+        assert (np.diff(positions.reshape(-1, b), axis=1) == 1).all()
+        assert (seq_ids.reshape(-1, b).T == seq_ids[::b]).all()
         base = np.random.default_rng((int(positions[0]), 2)).standard_normal((len(tokens), self.vocab))
         self.block = (tokens, positions, seq_ids, base.astype(np.float32))
         return self.block[3]

@@ -191,7 +191,8 @@ def test_generate_dspark_on_the_command_line(artifacts, tmp_path, capsys):
 
 def test_a_model_without_a_drafter_is_refused_in_one_line(tmp_path, capsys):
     assert cli(["make-tiny", "--out", str(tmp_path / "model")]) == 0
-    assert cli(["compile", "--model", str(tmp_path / "model"), "--target", "reference", "-o", str(tmp_path / "ref")]) == 0
+    assert cli(["compile", "--model", str(tmp_path / "model"), "--target", "reference",
+                "-o", str(tmp_path / "ref")]) == 0
     capsys.readouterr()
     with pytest.raises(UsageError, match="has no DSpark drafter"):
         Engine(tmp_path / "ref", speculative="dspark")
@@ -199,3 +200,23 @@ def test_a_model_without_a_drafter_is_refused_in_one_line(tmp_path, capsys):
                 "--speculative", "dspark"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dsv4c: error: ") and "\n" not in err and "no DSpark drafter" in err
+
+
+def test_a_dspark_server_answers_what_generate_does_and_counts_accepted_lengths(artifacts):
+    import httpx
+
+    from serving import serving
+
+    prompt = [5, 6, 7, 8]
+    plain = Engine(artifacts[5]).generate(prompt, SamplingParams(max_new_tokens=12)).tokens
+    args = ("--speculative", "dspark", "--num-draft-tokens", "3", "--served-model-name", "tiny")
+    with serving(artifacts[5], *args) as served:
+        answer = httpx.post(f"{served.url}/v1/completions", timeout=60,
+                            json={"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+        assert answer["choices"][0]["token_ids"] == plain
+        m = served.wait_metrics(lambda m: m.get("dsv4c_spec_accepted_length_count", 0) > 0)
+        assert m["dsv4c_spec_draft_tokens_total"] >= m["dsv4c_spec_accepted_tokens_total"]
+        assert m["dsv4c_spec_accepted_length_sum"] == m["dsv4c_spec_accepted_tokens_total"]
+        buckets = [line for line in httpx.get(f"{served.url}/metrics").text.splitlines()
+                   if line.startswith("dsv4c_spec_accepted_length_bucket")]
+        assert [b.split('"')[1] for b in buckets] == ["0.0", "1.0", "2.0", "3.0", "+Inf"]
