@@ -5,7 +5,8 @@ hit. Greedy output equals plain greedy token for token, and the KV pool (the sta
 rings included, which the target step writes) equals a plain run's byte for byte after
 rejections that closed compressed windows. Drafts are forced right at a chosen rate on top of
 the drafter's own logits, so partial accepts land at every block position; the drafter's own
-drafts (random weights) run too, and the command line."""
+drafts (random weights) run too, sampled ones keep the plain law, and the command line and
+the server."""
 
 import json
 
@@ -220,3 +221,31 @@ def test_a_dspark_server_answers_what_generate_does_and_counts_accepted_lengths(
         buckets = [line for line in httpx.get(f"{served.url}/metrics").text.splitlines()
                    if line.startswith("dsv4c_spec_accepted_length_bucket")]
         assert [b.split('"')[1] for b in buckets] == ["0.0", "1.0", "2.0", "3.0", "+Inf"]
+
+
+def test_sampled_dspark_output_has_the_plain_law(tmp_path, monkeypatch):
+    """The drafter's own Markov-corrected law on a 4-token vocabulary (the chi-square test of
+    test_speculative_sampling, with a block of 3: the first verify step carries two drafts)."""
+    from test_speculative_sampling import BATCH, P_VALUE, _chi2_p_value, _exact_joint, sampled_counts
+
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "vocab_size": 4, "dspark_noise_token_id": 3,
+                                                      "dspark_block_size": 3}))
+    assert cli(["make-tiny", "--config", str(tmp_path / "config.json"), "--seed", "5",
+                "--out", str(tmp_path / "m")]) == 0
+    assert cli(["compile", "--model", str(tmp_path / "m"), "--target", "reference",
+                "-o", str(tmp_path / "ref")]) == 0
+    joint = _exact_joint(tmp_path / "ref")
+
+    def sampled():
+        engine = Engine(tmp_path / "ref", max_requests=BATCH, speculative="dspark")
+        return sampled_counts(engine, 3), engine.spec_stats
+
+    counts, stats = sampled()
+    assert 0.1 * stats.drafted < stats.accepted < 0.9 * stats.drafted and len(stats.accepted_lengths) == 3
+    assert _chi2_p_value(counts, joint) > P_VALUE
+    from dsv4c.runtime import speculative
+
+    monkeypatch.setattr(speculative, "accept", lambda sampler, logits, draft: (
+        draft.tokens + [sampler(logits[len(draft.tokens)])], len(draft.tokens)))
+    wrong, _ = sampled()
+    assert _chi2_p_value(wrong, joint) < P_VALUE
