@@ -222,9 +222,9 @@ def test_metrics_count_drafts_and_accepted_lengths(toy, tiny_ref):
     rids = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in _prompts()[:4]]
     for _ in range(6):
         engine.step()
-        loop._publish_pool()  # after every step, as the engine thread does; counted once each
+        loop._publish_engine()  # after every step, as the engine thread does; counted once each
     engine.run()
-    loop._publish_pool()
+    loop._publish_engine()
     stats = engine.spec_stats
     text = generate_latest(metrics.registry).decode()
     value = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

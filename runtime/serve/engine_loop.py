@@ -269,9 +269,11 @@ class EngineLoop:
         updates, self._fresh = list(self._fresh.items()), {}
         if updates:
             self._event_loop.call_soon_threadsafe(self._deliver, updates)
-        self._publish_pool()
+        self._publish_engine()
 
-    def _publish_pool(self) -> None:
+    def _publish_engine(self) -> None:
+        """The gauges and counters of the engine's state after a step: its pool, prefix cache,
+        preemptions and speculative decoding."""
         engine, m = self.engine, self.metrics
         pool, cache = engine.pool, engine.prefix_cache
         m.running.set(len(pool.requests))
