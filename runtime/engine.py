@@ -46,9 +46,10 @@ class Engine:
         ``speculative="mtp"`` drafts ``num_draft_tokens`` tokens per decode step with the model's
         MTP layer (chained on its own output when more than one; default 1) and verifies them in
         the step; ``speculative="dspark"`` drafts them as one block with the model's DSpark drafter
-        (at most its block size; default the block size) and, with ``draft_confidence`` T in
-        (0, 1], stops a request's drafts at the first its confidence head rates below T; a
-        :class:`~dsv4c.runtime.drafter.Drafter` of one's own drafts them instead (default 1).
+        (at most its block size; default the block size, within the pool's ring limit) and, with
+        ``draft_confidence`` T in (0, 1], stops a request's drafts at the first its confidence head
+        rates below T; a :class:`~dsv4c.runtime.drafter.Drafter` of one's own drafts them instead
+        (default 1).
         ``kv_cache_memory``: bytes of the KV pool that all requests share (rows are taken 256
         tokens at a time as requests grow; admission waits for free rows, and when decoding runs
         out of them the most recently admitted request is preempted and later recomputed). By
