@@ -584,8 +584,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{pool.nbytes_for(pool.geometry, pool.total_rows) / 2**20:,.0f} MiB"
           f"{', prefix caching' if engine.prefix_cache else ''}{server.chat.summary}"
           f"{f', tensor parallel {ranks}' if (ranks := engine.manifest.tensor_parallel) > 1 else ''}"
-          f"{f', speculative {speculative} x{engine.speculation.num_draft_tokens}' if speculative else ''})",
-          flush=True)
+          f"{f', speculative {speculative} x{engine.speculation.num_draft_tokens}' if speculative else ''}"
+          f"{f', draft confidence {draft_confidence}' if draft_confidence else ''})", flush=True)
     http.run(sockets=[sock])
     engine.close()
     if server.loop.failure is not None:
