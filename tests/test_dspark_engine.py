@@ -188,6 +188,8 @@ def test_generate_dspark_on_the_command_line(artifacts, tmp_path, capsys):
         assert err.startswith("dsv4c: error: ") and "\n" not in err and why in err
     assert cli(args + ["--draft-confidence", "0.5"]) == 2
     assert "speculative='dspark'" in capsys.readouterr().err
+    assert cli(args + ["--speculative", "mtp"]) == 2
+    assert "DSpark drafter in place of an MTP layer" in capsys.readouterr().err
 
 
 def test_a_model_without_a_drafter_is_refused_in_one_line(tmp_path, capsys):
