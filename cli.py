@@ -201,12 +201,23 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _speculative_kwargs(args) -> dict:
+    return {"speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
+            "draft_confidence": args.draft_confidence}
+
+
 def _speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=("mtp",),
-                   help="speculative decoding: draft with the model's MTP layer, verify in the decode step "
-                        "(outputs are those of plain decoding)")
-    p.add_argument("--num-draft-tokens", type=int, default=1,
-                   help="drafts per decode step with --speculative; more than 1 chains the MTP layer (default 1)")
+    from dsv4c.runtime.speculative import METHODS
+
+    p.add_argument("--speculative", choices=METHODS,
+                   help="speculative decoding: draft with the model's MTP layer (mtp) or DSpark block drafter "
+                        "(dspark), verify in the decode step (outputs are those of plain decoding)")
+    p.add_argument("--num-draft-tokens", type=int,
+                   help="drafts per decode step with --speculative: with mtp more than 1 chains the MTP layer "
+                        "(default 1); with dspark at most the drafter's block size (default the block size)")
+    p.add_argument("--draft-confidence", type=float, default=0.0, metavar="T",
+                   help="with --speculative dspark: a block's drafts stop at the first one the drafter's confidence "
+                        "head rates below T, in [0, 1] (default 0: every draft is verified)")
 
 
 def _weights_arg(p: argparse.ArgumentParser) -> None:
@@ -257,10 +268,10 @@ def _cmd_generate(args) -> int:
     text_prompt = args.prompt if messages is None else json.dumps(messages)
     prompt_bound = len(args.token_ids) if args.token_ids is not None else len(text_prompt) + 1024
     if args.stats and args.speculative is None:
-        raise UsageError("--stats reports speculative decoding; add --speculative mtp")
+        raise UsageError("--stats reports speculative decoding; add --speculative mtp (or dspark)")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
-                    speculative=args.speculative, num_draft_tokens=args.num_draft_tokens, weights=args.weights,
+                    **_speculative_kwargs(args), weights=args.weights,
                     profile=args.profile, kv_cache_memory=args.kv_cache_memory,
                     prefix_caching=args.prefix_caching, **_engine_ranks(args))
     if messages is not None:
@@ -290,9 +301,9 @@ def _cmd_generate(args) -> int:
     if args.stats:
         s = result.speculative
         rate = "n/a" if s["acceptance_rate"] is None else f"{100 * s['acceptance_rate']:.1f}%"
-        print(f"speculative mtp: acceptance {rate} ({s['accepted_tokens']}/{s['draft_tokens']} drafts), "
-              f"{s['tokens_per_step'] or 0:.2f} tokens per verify step over {s['verify_steps']} steps",
-              file=sys.stderr)
+        print(f"speculative {args.speculative}: acceptance {rate} ({s['accepted_tokens']}/{s['draft_tokens']} drafts), "
+              f"{s['tokens_per_step'] or 0:.2f} tokens per verify step over {s['verify_steps']} steps, "
+              f"steps by drafts accepted {json.dumps(s['accepted_lengths'])}", file=sys.stderr)
     if args.profile:
         from dsv4c.runtime.profile import report_lines
 
@@ -336,8 +347,7 @@ def _cmd_serve(args) -> int:
 
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
-                 shutdown_timeout=args.shutdown_timeout, speculative=args.speculative,
-                 num_draft_tokens=args.num_draft_tokens, weights=args.weights,
+                 shutdown_timeout=args.shutdown_timeout, **_speculative_kwargs(args), weights=args.weights,
                  served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
                  prefix_caching=args.prefix_caching, **_engine_ranks(args),
                  limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
@@ -435,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_arg(p)
     _distributed_args(p)
     p.add_argument("--stats", action="store_true",
-                   help="print speculative decoding's acceptance rate and tokens per step on stderr")
+                   help="print speculative decoding's acceptance rate, tokens per step and how many verify steps "
+                        "accepted 0, 1, ... drafts on stderr")
     p.add_argument("--profile", action="store_true",
                    help="time the compiled step's kernels by op family and print them on stderr beside the cost "
                         "model's prediction at this machine's measured bandwidth and matmul rate")

@@ -52,7 +52,12 @@ def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return np.matmul(x, w.T).astype(F32, copy=False)
+    """``x @ w.T``, one row at a time: a matrix product of several rows sums in another order
+    than one of a single row (BLAS picks its kernel by shape), and a token's row must not depend
+    on what else its step feeds (a verify step's tokens against plain decode's, one at a time)."""
+    wt = w.T
+    return np.stack([np.matmul(row, wt) for row in x]).astype(F32, copy=False) if len(x) else \
+        np.matmul(x, wt).astype(F32, copy=False)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, rope_dim: int, inverse: bool) -> np.ndarray:
@@ -194,29 +199,34 @@ def pool_windows(kv: np.ndarray, score: np.ndarray) -> np.ndarray:
 def compress(store: KVStore, kv, gate, ape, norm, positions, seq_ids, *, layer, stream, ratio, overlap, head_dim,
              rope_dim, entry_quant, eps, inv_freq) -> None:
     r, d = ratio, head_dim
-    cur = r if overlap else 0  # ring rows [0, r) hold the previous window when windows overlap
+    # Position p owns ring row p mod ``slots`` (the previous window and the open one with
+    # overlap), as in the compiled kernels: what a step writes depends only on the positions it
+    # feeds, and taking a token back (speculative decoding) restores its rows alone.
+    slots = 2 * r if overlap else r
     score_all = gate + ape[positions % r]
     for seq, idx, p0 in request_groups(positions, seq_ids):
         ring_kv, ring_score = store.ring(layer, stream, seq)
-        pending = p0 % r
-        seq_kv = np.concatenate([ring_kv[cur:cur + pending], kv[idx]])
-        seq_score = np.concatenate([ring_score[cur:cur + pending], score_all[idx]])
-        closed = len(seq_kv) // r
+        if p0 == 0:  # no window before the first: zero kv, -inf scores (weight 0)
+            ring_kv[:], ring_score[:] = F32(0), -np.inf
+        end = p0 + len(idx)
+        # Rows of positions start .. end-1: from the ring before p0, from the step after.
+        start = (p0 // r - (1 if overlap else 0)) * r
+        held = np.arange(start, p0) % slots
+        seq_kv = np.concatenate([ring_kv[held], kv[idx]])
+        seq_score = np.concatenate([ring_score[held], score_all[idx]])
+        first, closed = p0 // r, end // r - p0 // r
         if closed:
-            win_kv = seq_kv[:closed * r].reshape(closed, r, -1)
-            win_score = seq_score[:closed * r].reshape(closed, r, -1)
+            at = (np.arange(first, first + closed) * r - start)[:, None] + np.arange(r)  # [closed, r]
+            win_kv, win_score = seq_kv[at], seq_score[at]
             if overlap:
                 # Entry w pools the first half of window w-1's columns with the second half of
-                # window w's; before window 0 the ring holds zero kv / -inf scores (weight 0).
-                prev_kv = np.concatenate([ring_kv[None, :r], win_kv[:-1]])
-                prev_score = np.concatenate([ring_score[None, :r], win_score[:-1]])
+                # window w's (window -1: the emptied ring's rows).
+                prev_kv, prev_score = seq_kv[at - r], seq_score[at - r]
                 pool_kv = np.concatenate([prev_kv[..., :d], win_kv[..., d:]], axis=1)
                 pool_score = np.concatenate([prev_score[..., :d], win_score[..., d:]], axis=1)
-                ring_kv[:r], ring_score[:r] = win_kv[-1], win_score[-1]
             else:
                 pool_kv, pool_score = win_kv, win_score
             entries = rmsnorm(pool_windows(pool_kv, pool_score), norm, eps)
-            first = p0 // r
             entry_pos = (np.arange(first, first + closed) * r).astype(np.int32)
             entries = rope(entries, entry_pos, inv_freq, rope_dim, inverse=False)
             if entry_quant == "fp8":
@@ -224,9 +234,9 @@ def compress(store: KVStore, kv, gate, ape, norm, positions, seq_ids, *, layer, 
             elif entry_quant == "hadamard_fp4":
                 entries = lowbit.fp4_roundtrip(lowbit.hadamard(entries), 32)
             store.write_entries(layer, stream, seq, first, entries)
-        rest = len(seq_kv) - closed * r
-        ring_kv[cur:cur + rest] = seq_kv[closed * r:]
-        ring_score[cur:cur + rest] = seq_score[closed * r:]
+        kept = np.arange(max(p0, end - slots), end)
+        ring_kv[kept % slots] = seq_kv[kept - start]
+        ring_score[kept % slots] = seq_score[kept - start]
 
 
 def index_score(store: KVStore, q, w, positions, seq_ids, *, layer, ratio):

@@ -19,6 +19,9 @@ class Backend(ABC):
     on_host: bool = True
     # Whether the model's MTP layer can run (:meth:`draft`): speculative decoding with mtp needs it.
     has_mtp: bool = False
+    # Whether the model's DSpark block drafter can run (:meth:`dspark_draft`, :meth:`dspark_markov`):
+    # speculative decoding with dspark needs it.
+    has_dspark: bool = False
     # Whether speculative decoding saves and restores pool rows with :meth:`save_rows` /
     # :meth:`restore_rows` (the pool lives on a device) rather than in the KVPool's arrays.
     device_rows: bool = False
@@ -32,6 +35,16 @@ class Backend(ABC):
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
         """The MTP layer's draft logits (backends with ``has_mtp``)."""
         raise NotImplementedError(f"{type(self).__name__} has no MTP layer")
+
+    def dspark_draft(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
+        """Base logits [T, V] of a block call (every row); keeps its head hidden rows y for
+        :meth:`dspark_markov` (backends with ``has_dspark``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no DSpark drafter")
+
+    def dspark_markov(self, prev_tokens: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """For rows ``rows`` of the last :meth:`dspark_draft`: the Markov bias [R, V] from each row's
+        previous token, and the confidence logits [R] (None: the drafter has no confidence head)."""
+        raise NotImplementedError(f"{type(self).__name__} has no DSpark drafter")
 
     def check_pool_functions(self) -> None:
         """Refuse an artifact that cannot save and restore pool rows (backends with ``device_rows``)."""

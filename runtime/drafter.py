@@ -48,6 +48,10 @@ class Drafter(ABC):
     # How many of the prompt's last positions the drafter reads from the target step's output:
     # the engine feeds them even when a cached prefix holds their KV rows.
     prompt_tail: int = 0
+    # The most drafts one proposal holds when the drafter drafts a block at once (the default
+    # number of drafts per step, within the pool's ring limit); None: it chains one token at a
+    # time, with no limit of its own (default one draft).
+    block_size: int | None = None
 
     @abstractmethod
     def propose(self, parts: list[StepPart]) -> dict[int, Draft]:

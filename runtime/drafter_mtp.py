@@ -22,6 +22,9 @@ from dsv4c.runtime.drafter import Draft, Drafter, StepPart, draw_draft
 
 class MtpDrafter(Drafter):
     def __init__(self, backend: Backend, config: ModelConfig, artifact: Path, target: str):
+        if config.dspark is not None:
+            raise UsageError(f"{artifact} has a DSpark drafter in place of an MTP layer; use speculative decoding "
+                             "with dspark")
         if not backend.has_mtp:
             why = ("has no MTP layer (num_nextn_predict_layers is 0)" if not config.mtp_layers else
                    f"is a {target} artifact")

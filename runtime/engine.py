@@ -34,18 +34,22 @@ from dsv4c.runtime.weights import check_weights_mode
 class Engine:
     def __init__(self, artifact: str | Path, max_step_tokens: int = 512, prefill_chunk: int | None = None,
                  max_requests: int = 8, max_context: int = 4096, verify: bool = False,
-                 speculative: str | Drafter | None = None, num_draft_tokens: int = 1, weights: str = "auto",
+                 speculative: str | Drafter | None = None, num_draft_tokens: int | None = None, weights: str = "auto",
                  kv_cache_memory: int | None = None, prefix_caching: bool = True,
                  profile: bool = False, tensor_parallel: int | None = None,
-                 distributed_timeout: float | None = None):
+                 distributed_timeout: float | None = None, draft_confidence: float = 0.0):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
         when they take at most half the available memory; see ``runtime.weights``); compiled
         artifacts only, the reference interpreter maps them.
         ``speculative="mtp"`` drafts ``num_draft_tokens`` tokens per decode step with the model's
-        MTP layer (chained on its own output when more than one) and verifies them in the step;
-        a :class:`~dsv4c.runtime.drafter.Drafter` of one's own drafts them instead.
+        MTP layer (chained on its own output when more than one; default 1) and verifies them in
+        the step; ``speculative="dspark"`` drafts them as one block with the model's DSpark drafter
+        (at most its block size; default the block size, within the pool's ring limit) and, with
+        ``draft_confidence`` T in (0, 1], stops a request's drafts at the first its confidence head
+        rates below T; a :class:`~dsv4c.runtime.drafter.Drafter` of one's own drafts them instead
+        (default 1).
         ``kv_cache_memory``: bytes of the KV pool that all requests share (rows are taken 256
         tokens at a time as requests grow; admission waits for free rows, and when decoding runs
         out of them the most recently admitted request is preempted and later recomputed). By
@@ -59,6 +63,8 @@ class Engine:
         ``tensor_parallel``, when given, must be that N; ``distributed_timeout`` (seconds, default
         60) bounds a collective's wait for a rank."""
         check_weights_mode(weights)
+        if draft_confidence and speculative != "dspark":
+            raise UsageError("draft_confidence goes with speculative='dspark' (its confidence head rates the drafts)")
         self.path = Path(artifact)
         opened = open_artifact(self.path, verify=verify)
         manifest: Manifest = opened.manifest
@@ -78,7 +84,7 @@ class Engine:
         self.speculative = speculative
         self.speculation = None if speculative is None else SpeculativeDecoding(
             speculative, num_draft_tokens, self.backend, self.pool, self.config, self.path, manifest.target,
-            manifest.tensor_parallel)
+            manifest.tensor_parallel, draft_confidence)
         self.prefix_cache = PrefixCache(self.pool) if prefix_caching and self.backend.on_host else None
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()

@@ -19,7 +19,7 @@ distribution is exactly the non-speculative one:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +29,12 @@ from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.errors import UsageError
 from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.drafter import Draft, Drafter, StepPart
+from dsv4c.runtime.drafter_dspark import DsparkDrafter
 from dsv4c.runtime.drafter_mtp import MtpDrafter
 from dsv4c.runtime.kv_pool import KVPool
 from dsv4c.runtime.sampling import Sampler
 
-METHODS = ("mtp",)  # speculative=: the drafters by name (or a Drafter of one's own)
+METHODS = ("mtp", "dspark")  # speculative=: the drafters by name (or a Drafter of one's own)
 
 
 @dataclass
@@ -41,17 +42,27 @@ class SpecStats:
     steps: int = 0  # verify steps that carried drafts
     drafted: int = 0
     accepted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # [j]: verify steps that accepted j drafts
+
+    @classmethod
+    def of_step(cls, drafted: int, accepted: int) -> "SpecStats":
+        """One verify step's: ``drafted`` drafts, the first ``accepted`` of them accepted."""
+        return cls(1, drafted, accepted, [0] * accepted + [1])
 
     def add(self, other: "SpecStats") -> None:
         self.steps += other.steps
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.accepted_lengths += [0] * (len(other.accepted_lengths) - len(self.accepted_lengths))
+        for j, steps in enumerate(other.accepted_lengths):
+            self.accepted_lengths[j] += steps
 
     def to_json(self) -> dict:
         return {"verify_steps": self.steps, "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
                 # tokens a verify step produces: its accepted drafts and the one the backbone adds
-                "tokens_per_step": round((self.accepted + self.steps) / self.steps, 4) if self.steps else None}
+                "tokens_per_step": round((self.accepted + self.steps) / self.steps, 4) if self.steps else None,
+                "accepted_lengths": list(self.accepted_lengths)}
 
 
 def accept(sampler: Sampler, logits: np.ndarray, draft: Draft) -> tuple[list[int], int]:
@@ -77,12 +88,14 @@ class SpeculativeDecoding:
     before it writes drafts' rows, the verification of a request's drafts, and the drafter's next
     proposals after every step. ``method``: a drafter's name (:data:`METHODS`) or a drafter."""
 
-    def __init__(self, method: str | Drafter, num_draft_tokens: int, backend: Backend, pool: KVPool,
-                 config: ModelConfig, artifact: Path, target: str, ranks: int):
+    def __init__(self, method: str | Drafter, num_draft_tokens: int | None, backend: Backend, pool: KVPool,
+                 config: ModelConfig, artifact: Path, target: str, ranks: int, draft_confidence: float = 0.0):
         if isinstance(method, Drafter):
             self.drafter = method
         elif method == "mtp":
             self.drafter = MtpDrafter(backend, config, artifact, target)
+        elif method == "dspark":
+            self.drafter = DsparkDrafter(backend, config, artifact, target, ranks, draft_confidence)
         else:
             raise UsageError(f"speculative must be one of {', '.join(METHODS)} (or None), got {method!r}")
         if backend.device_rows:
@@ -93,9 +106,14 @@ class SpeculativeDecoding:
         # Positions of one verify step must own distinct window and ring rows (position_state).
         geometry: PoolGeometry = pool.geometry
         longest = min([geometry.window] + [s.rows for s in geometry.states])
-        if not 1 <= num_draft_tokens < longest:
-            raise UsageError(f"num_draft_tokens must be in [1, {longest - 1}] for this model (its smallest window "
-                             f"or compressor ring holds {longest} positions), got {num_draft_tokens}")
+        most, why = longest - 1, f"its smallest window or compressor ring holds {longest} positions"
+        block = self.drafter.block_size
+        if block is not None and block < longest:
+            most, why = block, f"its drafter's block holds {block}"
+        if num_draft_tokens is None:  # a block drafter drafts its block, another one token
+            num_draft_tokens = most if block is not None else 1
+        if not 1 <= num_draft_tokens <= most:
+            raise UsageError(f"num_draft_tokens must be in [1, {most}] for this model ({why}), got {num_draft_tokens}")
         self.backend, self.pool, self.num_draft_tokens = backend, pool, num_draft_tokens
         self.stats = SpecStats()  # over every request this loop verified drafts for
 
@@ -117,7 +135,7 @@ class SpeculativeDecoding:
         fed that is not part of the sequence now (rejected drafts; accepted ones past a stop)."""
         draft = r.draft
         out, accepted = accept(r.sampler, rows, draft)
-        stats = SpecStats(1, len(draft.tokens), accepted)
+        stats = SpecStats.of_step(len(draft.tokens), accepted)
         r.spec.add(stats)
         self.stats.add(stats)
         r.draft = Draft()

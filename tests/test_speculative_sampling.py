@@ -43,18 +43,25 @@ def _exact_joint(artifact) -> np.ndarray:
     return joint
 
 
-def _speculative_samples(artifact) -> tuple[np.ndarray, Engine]:
-    counts = np.zeros((VOCAB,) * 3)
-    engine = Engine(artifact, max_requests=BATCH, speculative="mtp", num_draft_tokens=2)
+def sampled_counts(engine: Engine, tokens: int) -> np.ndarray:
+    """How often each sequence of the first ``tokens`` generated tokens came out, over SAMPLES
+    requests of PROMPT (seeds 0, 1, ...), BATCH at a time. Each request generates one more: the
+    first verify step carries ``tokens - 1`` drafts at most (one fewer than the tokens still to
+    come after the prompt's own)."""
+    counts = np.zeros((VOCAB,) * tokens)
     for first in range(0, SAMPLES, BATCH):
-        # Four new tokens: the first verify step carries two chained drafts (one fewer than the
-        # three tokens still to come); the law tested is that of the first three.
-        rids = [engine.submit(PROMPT, SamplingParams(max_new_tokens=4, seed=seed, **PARAMS))
+        rids = [engine.submit(PROMPT, SamplingParams(max_new_tokens=tokens + 1, seed=seed, **PARAMS))
                 for seed in range(first, first + BATCH)]
         engine.run()
         for rid in rids:
-            counts[tuple(engine.result(rid).tokens[:3])] += 1
-    return counts, engine
+            counts[tuple(engine.result(rid).tokens[:tokens])] += 1
+    return counts
+
+
+def _speculative_samples(artifact) -> tuple[np.ndarray, Engine]:
+    """The first three tokens; the first verify step carries two chained drafts."""
+    engine = Engine(artifact, max_requests=BATCH, speculative="mtp", num_draft_tokens=2)
+    return sampled_counts(engine, 3), engine
 
 
 def _chi2_p_value(counts: np.ndarray, probs: np.ndarray) -> float:

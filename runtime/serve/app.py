@@ -139,7 +139,7 @@ class Server:
         self.chat = ChatProtocol.of(engine, chat_template)
         self.model = served_model_name or engine.manifest.model_name
         self.created = int(time.time())
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine.speculation.num_draft_tokens if engine.speculation is not None else 0)
         self.loop = EngineLoop(engine, self.metrics, max_waiting, on_engine_failure)
         self.eos = tuple(engine.config.eos_token_ids)
 
@@ -534,16 +534,16 @@ ANSWER_GRACE_SECONDS = 10.0
 
 def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests: int = 8,
           max_context: int = 4096, max_waiting: int = 64, api_key: str | None = None,
-          shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int = 1,
+          shutdown_timeout: float = 30.0, speculative: str | None = None, num_draft_tokens: int | None = None,
           weights: str = "auto", served_model_name: str | None = None,
           limits: RequestLimits = RequestLimits(), kv_cache_memory: int | None = None,
           prefix_caching: bool = True, tensor_parallel: int | None = None,
-          distributed_timeout: float | None = None) -> int:
+          distributed_timeout: float | None = None, draft_confidence: float = 0.0) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
     fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
-    ``speculative="mtp"``: every request decodes speculatively with the model's MTP layer
-    (``Engine``). ``served_model_name``: the name requests must give as ``model`` (default: the
+    ``speculative="mtp"`` (``"dspark"``): every request decodes speculatively with the model's MTP
+    layer (DSpark drafter; ``Engine``). ``served_model_name``: the name requests must give as ``model`` (default: the
     artifact's model name)."""
     if max_requests < 1 or max_context < 1 or max_waiting < 0 or shutdown_timeout < 0:
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
@@ -553,7 +553,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
                     num_draft_tokens=num_draft_tokens, weights=weights, kv_cache_memory=kv_cache_memory,
                     prefix_caching=prefix_caching, tensor_parallel=tensor_parallel,
-                    distributed_timeout=distributed_timeout)
+                    distributed_timeout=distributed_timeout, draft_confidence=draft_confidence)
 
     def engine_failed():
         http.should_exit = True
@@ -584,7 +584,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{pool.nbytes_for(pool.geometry, pool.total_rows) / 2**20:,.0f} MiB"
           f"{', prefix caching' if engine.prefix_cache else ''}{server.chat.summary}"
           f"{f', tensor parallel {ranks}' if (ranks := engine.manifest.tensor_parallel) > 1 else ''}"
-          f"{f', speculative {speculative} x{num_draft_tokens}' if speculative else ''})", flush=True)
+          f"{f', speculative {speculative} x{engine.speculation.num_draft_tokens}' if speculative else ''}"
+          f"{f', draft confidence {draft_confidence}' if draft_confidence else ''})", flush=True)
     http.run(sockets=[sock])
     engine.close()
     if server.loop.failure is not None:

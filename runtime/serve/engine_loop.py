@@ -35,7 +35,8 @@ def pool_usage_ratio(pool: KVPool) -> float:
 class ServerMetrics:
     """The Prometheus metrics of one server (names are a contract with dashboards), in their own registry."""
 
-    def __init__(self):
+    def __init__(self, draft_tokens: int = 0):
+        """``draft_tokens``: the most drafts a verify step carries (speculative decoding; 0 without)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("dsv4c_requests_running", "Requests holding pool rows (prefilling or decoding)",
@@ -65,6 +66,13 @@ class ServerMetrics:
                                registry=r)
         self.requests = Counter("dsv4c_http_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        self.draft_tokens = Counter("dsv4c_spec_draft_tokens", "Draft tokens verified (speculative decoding)",
+                                    registry=r)
+        self.accepted_tokens = Counter("dsv4c_spec_accepted_tokens", "Draft tokens accepted (speculative decoding)",
+                                       registry=r)
+        self.accepted_length = Histogram(
+            "dsv4c_spec_accepted_length", "Drafts a verify step accepted, of those it carried (speculative decoding)",
+            buckets=tuple(range(draft_tokens + 1)), registry=r)
         self.finished = Counter("dsv4c_choices_finished", "Choices generated to their end, by finish reason "
                                 "(stop: EOS or a stop string; length: max_tokens or the context)",
                                 ["finish_reason"], registry=r)
@@ -261,16 +269,19 @@ class EngineLoop:
         updates, self._fresh = list(self._fresh.items()), {}
         if updates:
             self._event_loop.call_soon_threadsafe(self._deliver, updates)
-        self._publish_pool()
+        self._publish_engine()
 
-    def _publish_pool(self) -> None:
+    def _publish_engine(self) -> None:
+        """The gauges and counters of the engine's state after a step: its pool, prefix cache,
+        preemptions and speculative decoding."""
         engine, m = self.engine, self.metrics
         pool, cache = engine.pool, engine.prefix_cache
         m.running.set(len(pool.requests))
         m.waiting.set(len(self._live) - len(pool.requests))
         m.pool_usage.set(pool_usage_ratio(pool))
         # The counters follow the engine's totals.
-        totals = {m.preemptions: engine.preemptions}
+        spec = engine.spec_stats
+        totals = {m.preemptions: engine.preemptions, m.draft_tokens: spec.drafted, m.accepted_tokens: spec.accepted}
         if cache is not None:
             m.pool_cached.set(cache.cached_rows / pool.total_rows)
             totals |= {m.prefix_queries: cache.queried_tokens, m.prefix_hits: cache.hit_tokens}
@@ -278,6 +289,11 @@ class EngineLoop:
             if total > self._published.get(counter, 0):
                 counter.inc(total - self._published.get(counter, 0))
                 self._published[counter] = total
+        # The histogram observes each verify step the engine counted since the last step.
+        for accepted, steps in enumerate(spec.accepted_lengths):
+            for _ in range(steps - self._published.get(("accepted_length", accepted), 0)):
+                m.accepted_length.observe(accepted)
+            self._published[("accepted_length", accepted)] = steps
 
     def _fail_all(self, error: BaseException) -> None:
         """End every request still here with ``error``: running ones through their updates, those not
