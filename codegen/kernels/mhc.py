@@ -207,3 +207,21 @@ def mhc_post(hc: int, dim: int):
                     for j in range(hc):
                         OUT[t, k, d] = OUT[t, k, d] + COMB[t, j, k] * H[t, j, d]
     return f
+
+
+def hc_mean(hc: int, dim: int):
+    """out[t] = the mean of token t's ``hc`` streams: summed in stream order, then divided by hc."""
+    @T.prim_func
+    def f(h: T.handle, out: T.handle):
+        n = T.int32()
+        H = T.match_buffer(h, (n, hc, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for t in T.parallel(n):
+            for d in range(dim):
+                OUT[t, d] = H[t, 0, d]
+            for j in range(1, hc):
+                for d in range(dim):
+                    OUT[t, d] = OUT[t, d] + H[t, j, d]
+            for d in range(dim):
+                OUT[t, d] = OUT[t, d] / T.float32(hc)
+    return f

@@ -175,3 +175,20 @@ def add(dim: int):
             for j in range(dim):
                 OUT[i, j] = A[i, j] + B[i, j]
     return f
+
+
+def concat_columns(left: int, right: int):
+    """out[i] = a[i] followed by b[i]: two [n, .] matrices side by side (``concat`` of more
+    inputs takes them one at a time)."""
+    @T.prim_func
+    def f(a: T.handle, b: T.handle, out: T.handle):
+        n = T.int32()
+        A = T.match_buffer(a, (n, left), F32)
+        B = T.match_buffer(b, (n, right), F32)
+        OUT = T.match_buffer(out, (n, left + right), F32)
+        for i in T.parallel(n):
+            for j in range(left):
+                OUT[i, j] = A[i, j]
+            for j in range(right):
+                OUT[i, left + j] = B[i, j]
+    return f
