@@ -210,7 +210,8 @@ def mhc_post(hc: int, dim: int):
 
 
 def hc_mean(hc: int, dim: int):
-    """out[t] = the mean of token t's ``hc`` streams: summed in stream order, then divided by hc."""
+    """out[t] = the mean of token t's ``hc`` streams: summed in stream order, then times 1 / hc (as
+    the reference interpreter's ``hc_mean``)."""
     @T.prim_func
     def f(h: T.handle, out: T.handle):
         n = T.int32()
@@ -223,5 +224,5 @@ def hc_mean(hc: int, dim: int):
                 for d in range(dim):
                     OUT[t, d] = OUT[t, d] + H[t, j, d]
             for d in range(dim):
-                OUT[t, d] = OUT[t, d] / T.float32(hc)
+                OUT[t, d] = OUT[t, d] * T.float32(1.0 / hc)
     return f
