@@ -174,6 +174,22 @@ class WeightFormats:
 
 
 @dataclass(frozen=True)
+class Dspark:
+    """The DSpark block drafter of 0731 / 0813 checkpoints (docs/v4.md, "DSpark"): its stages
+    are the config's ``mtp_layers``; a block of ``block_size`` rows (the anchor, then
+    ``noise_token_id``) reads the stages' window rings, which the target step fills from the
+    mean hyper-connection streams entering ``target_layers``."""
+
+    block_size: int
+    target_layers: tuple[int, ...]
+    markov_rank: int
+    noise_token_id: int
+    n_routed_experts: int  # the stages' (the target's unless the config overrides them)
+    n_experts_per_tok: int
+    confidence_head: bool = True  # the checkpoint holds confidence_head.proj
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -205,6 +221,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (1,)
     weights: WeightFormats = field(default_factory=WeightFormats)
     name: str = "custom"
+    dspark: Dspark | None = None  # set: mtp_layers are the drafter's stages, not V4's MTP layer
 
     # ----- derived sizes, one place for each -----
     @property
@@ -223,6 +240,12 @@ class ModelConfig:
     @property
     def hc_mix_size(self) -> int:
         return (2 + self.hc_mult) * self.hc_mult
+
+    def moe_experts(self, layer: LayerSpec) -> tuple[int, int]:
+        """(routed experts, experts per token) of a layer: a DSpark stage may have its own."""
+        if self.dspark is not None and layer.index >= self.num_layers:
+            return self.dspark.n_routed_experts, self.dspark.n_experts_per_tok
+        return self.n_routed_experts, self.n_experts_per_tok
 
     def compress_ratios(self, kind: str) -> tuple[int, ...]:
         return tuple(sorted({l.compress_ratio for l in self.layers + self.mtp_layers if l.attention == kind}))
@@ -342,6 +365,13 @@ class ModelConfig:
                 "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
                 "weight_block_size": [self.weights.fp8_block] * 2,
             }
+        if self.dspark is not None:
+            ds = self.dspark
+            d.update({"dspark_block_size": ds.block_size, "dspark_target_layer_ids": list(ds.target_layers),
+                      "dspark_markov_rank": ds.markov_rank, "dspark_noise_token_id": ds.noise_token_id,
+                      "dspark_n_routed_experts": ds.n_routed_experts,
+                      "dspark_num_experts_per_tok": ds.n_experts_per_tok,
+                      "dspark_confidence_head": ds.confidence_head})
         # Always written: the loader's default depends on the dense format (fp4 beside fp8).
         d["expert_dtype"] = self.weights.experts
         d["torch_dtype"] = "float32" if self.weights.dense == "fp32" else "bfloat16"
@@ -375,6 +405,11 @@ class ModelConfig:
             qc = d.get("quantization_config")
             dense = "fp8" if qc else ("fp32" if d["torch_dtype"] == "float32" else "bf16")
             eos = d["eos_token_id"]
+            dspark = None
+            if "dspark_block_size" in d:
+                dspark = Dspark(d["dspark_block_size"], tuple(d["dspark_target_layer_ids"]), d["dspark_markov_rank"],
+                                d["dspark_noise_token_id"], d["dspark_n_routed_experts"],
+                                d["dspark_num_experts_per_tok"], d["dspark_confidence_head"])
             return cls(
                 vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_heads=d["num_attention_heads"],
                 head_dim=d["head_dim"], rope_dim=d["qk_rope_head_dim"], q_lora_rank=d["q_lora_rank"],
@@ -392,7 +427,7 @@ class ModelConfig:
                 weights=WeightFormats(dense, d["expert_dtype"],
                                       "e8m0" if (qc or {}).get("scale_fmt", "ue8m0") == "ue8m0" else "fp32",
                                       (qc or {}).get("weight_block_size", [128])[0]),
-                name=name,
+                name=name, dspark=dspark,
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ArtifactError(f"{where}: the model description lacks or mangles field {e}; write it again "

@@ -21,18 +21,21 @@ holds is data, not structure (``artifact.sharding.RANK_VALUES``, one int each pe
 
 from __future__ import annotations
 
+import sys
+
 from dsv4c.artifact.model_config import HASH_MOE, LayerSpec, ModelConfig
 from dsv4c.artifact.quant import checkpoint_quants
 from dsv4c.artifact.sharding import EXPERT_FIRST, VOCAB_FIRST, ShardingPlan
 from dsv4c.errors import UnsupportedModelError, UsageError
+from dsv4c.frontend.trace_dspark import DsparkFunctions
 from dsv4c.ir.core import Builder, Function, Program, Value
 from dsv4c.ir.ops import f32, i32
 
 NUMERICS = ("exact", "qat")
 
 
-class Model:
-    """Emits the step and MTP programs of one configuration."""
+class Model(DsparkFunctions):
+    """Emits the step and MTP (or DSpark drafter) programs of one configuration."""
 
     def __init__(self, cfg: ModelConfig, numerics: str = "exact", tensor_parallel: int = 1,
                  expert_parallel: bool = True):
@@ -41,6 +44,8 @@ class Model:
         if numerics not in NUMERICS:
             raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.cfg, self.numerics = cfg, numerics
+        # A multi-rank artifact has no drafter yet (docs/tensor_parallel.md).
+        self.traces_dspark = cfg.dspark is not None and tensor_parallel == 1
         other = next((l for l in cfg.layers + cfg.mtp_layers if not l.is_v4), None)
         if other is not None:
             raise UnsupportedModelError(f"layer {other.index}: shared compressed KV, reused top-k and Engram "
@@ -102,11 +107,13 @@ class Model:
         return b.emit("mhc_pre", [h, fn, base, scale], self._hc_attrs(),
                       [f"{hint}.{which}_in", f"{hint}.{which}_post", f"{hint}.{which}_comb"])
 
-    def block(self, b: Builder, layer: LayerSpec, prefix: str, h: Value, tokens: Value, pos: Value, seq: Value):
+    def block(self, b: Builder, layer: LayerSpec, prefix: str, h: Value, tokens: Value, pos: Value, seq: Value,
+              draft: bool = False):
+        """One layer; ``draft``: a DSpark stage over a draft block (attention of kind ``block``)."""
         c, tag = self.cfg, f"l{layer.index}"
         y, post, comb = self.seam(b, h, prefix, "attn", tag)
         y = self._norm(b, y, f"{prefix}attn_norm.weight", c.hidden_size, f"{tag}.attn_x")
-        out = self.attention(b, layer, prefix, y, pos, seq)
+        out = self.attention(b, layer, prefix, y, pos, seq, draft)
         h = b.emit("mhc_post", [out, h, post, comb], {}, f"{tag}.h_attn")
         y, post, comb = self.seam(b, h, prefix, "ffn", tag)
         y = self._norm(b, y, f"{prefix}ffn_norm.weight", c.hidden_size, f"{tag}.ffn_x")
@@ -150,7 +157,18 @@ class Model:
                         f"{tag}.scores")
         return b.emit("index_topk", [scores], {"k": c.index_topk}, f"{tag}.topk")
 
-    def attention(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, pos: Value, seq: Value) -> Value:
+    def window_kv(self, b: Builder, x: Value, prefix: str, rope: dict, pos: Value, tag: str) -> Value:
+        """The window KV row of each token: ``wkv``, ``kv_norm``, rope (and the FP8 row format under qat)."""
+        c = self.cfg
+        kv = self._linear(b, x, f"{prefix}wkv.weight", c.head_dim, c.hidden_size, self.dense_quant, f"{tag}.kv_a")
+        kv = self._norm(b, kv, f"{prefix}kv_norm.weight", c.head_dim, f"{tag}.kv_normed")
+        kv = b.emit("rope", [kv, pos], {**rope, "inverse": False}, f"{tag}.kv")
+        if self.numerics == "qat":
+            kv = b.emit("fp8_roundtrip", [kv], {"block": 64, "channels": c.nope_dim}, f"{tag}.kv_fp8")
+        return kv
+
+    def attention(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, pos: Value, seq: Value,
+                  draft: bool = False) -> Value:
         c, tag = self.cfg, f"l{layer.index}"
         p = f"{prefix}attn."
         rope = {"rope": "compress" if layer.is_compressed else "main", "rope_dim": c.rope_dim}
@@ -162,11 +180,7 @@ class Model:
         q = b.emit("reshape", [q], {"shape": ["T", heads, c.head_dim]}, f"{tag}.q_heads")
         q = self._norm(b, q, None, c.head_dim, f"{tag}.q_normed")
         q = b.emit("rope", [q, pos], {**rope, "inverse": False}, f"{tag}.q_rope")
-        kv = self._linear(b, x, f"{p}wkv.weight", c.head_dim, c.hidden_size, self.dense_quant, f"{tag}.kv_a")
-        kv = self._norm(b, kv, f"{p}kv_norm.weight", c.head_dim, f"{tag}.kv_normed")
-        kv = b.emit("rope", [kv, pos], {**rope, "inverse": False}, f"{tag}.kv")
-        if self.numerics == "qat":
-            kv = b.emit("fp8_roundtrip", [kv], {"block": 64, "channels": c.nope_dim}, f"{tag}.kv_fp8")
+        kv = self.window_kv(b, x, p, rope, pos, tag)
 
         compressed = []
         if layer.is_kv_source:
@@ -174,12 +188,14 @@ class Model:
         if layer.has_indexer:
             compressed.append(self.indexer(b, layer, p, x, q_res, pos, seq))
         sink = self._w(b, f"{p}attn_sink", c.num_heads)
-        attrs = {"layer": layer.index, "kind": layer.attention, "ratio": layer.compress_ratio,
+        attrs = {"layer": layer.index, "kind": "block" if draft else layer.attention, "ratio": layer.compress_ratio,
                  "window": c.sliding_window, "scale": c.head_dim ** -0.5}
         o = b.emit("sparse_attn", [q, kv, sink, pos, seq] + compressed, attrs, f"{tag}.attn")
         # The window rows are written after attention read the older ones: a chunk longer
-        # than the window must not overwrite ring rows its own first queries still need.
-        b.emit("kv_write", [kv, pos, seq], {"layer": layer.index, "window": c.sliding_window}, f"{tag}.window")
+        # than the window must not overwrite ring rows its own first queries still need. A
+        # draft block's rows are scratch: the ring keeps the target-derived rows only.
+        if not draft:
+            b.emit("kv_write", [kv, pos, seq], {"layer": layer.index, "window": c.sliding_window}, f"{tag}.window")
         o = b.emit("rope", [o, pos], {**rope, "inverse": True}, f"{tag}.attn_derope")
         group_in = c.num_heads * c.head_dim // c.o_groups
         o = b.emit("reshape", [o], {"shape": ["T", groups, group_in]}, f"{tag}.attn_groups")
@@ -192,7 +208,8 @@ class Model:
 
     def moe(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, tokens: Value) -> Value:
         c, tag, p = self.cfg, f"l{layer.index}", f"{prefix}ffn."
-        d, inter, e, k = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.n_experts_per_tok
+        d, inter = c.hidden_size, c.moe_intermediate_size
+        e, k = c.moe_experts(layer)
         gate = self._w(b, f"{p}gate.weight", e, d)
         if layer.moe == HASH_MOE:
             table = b.weight(f"{p}gate.tid2eid", i32(c.vocab_size, k))
@@ -215,13 +232,20 @@ class Model:
         return self._reduce(b, b.emit("add", [routed, shared], {}, f"{tag}.moe_out"), f"{tag}.moe_out")
 
     def head(self, b: Builder, h: Value, prefix: str) -> Value:
+        return self.logits(b, self.head_hidden(b, h, prefix), prefix)
+
+    def head_hidden(self, b: Builder, h: Value, prefix: str) -> Value:
+        """The streams collapsed by the hc head, before the final norm."""
         c = self.cfg
         n, d = c.hc_mult, c.hidden_size
         fn = self._w(b, f"{prefix}hc_head_fn", n, n * d)
         base = self._w(b, f"{prefix}hc_head_base", n)
         scale = self._w(b, f"{prefix}hc_head_scale", 1)
-        y = b.emit("hc_head", [h, fn, base, scale], {"hc_mult": n, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps},
-                   f"{prefix}y")
+        return b.emit("hc_head", [h, fn, base, scale], {"hc_mult": n, "hc_eps": c.hc_eps, "norm_eps": c.rms_norm_eps},
+                      f"{prefix}y")
+
+    def logits(self, b: Builder, y: Value, prefix: str) -> Value:
+        c, d = self.cfg, self.cfg.hidden_size
         y = self._norm(b, y, f"{prefix}norm.weight", d, f"{prefix}y_normed")
         logits = b.emit("lm_head", [y, self._w(b, "head.weight", c.vocab_size, d)], {"quant": self.bf16_quant},
                         "logits")
@@ -237,8 +261,14 @@ class Model:
         tokens, pos, seq = b.input("tokens", i32("T")), b.input("positions", i32("T")), b.input("seq_ids", i32("T"))
         x = self._embed(b, tokens, "x")
         h = b.emit("hc_expand", [x], {"hc_mult": c.hc_mult}, "h0")
+        drafter = self.traces_dspark
+        taps = []
         for layer in c.layers:
+            if drafter and layer.index in c.dspark.target_layers:  # the streams entering the layer
+                taps.append(b.emit("hc_mean", [h], {}, f"dspark.tap{layer.index}"))
             h = self.block(b, layer, f"layers.{layer.index}.", h, tokens, pos, seq)
+        if drafter:
+            self.context_write(b, taps, pos, seq)
         fn.outputs = [self.head(b, h, ""), h]
         return fn
 
@@ -268,13 +298,20 @@ class Model:
 
 def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_parallel: int = 1,
           expert_parallel: bool = True) -> Program:
-    """The step program of ``cfg`` (plus one function per MTP layer), verified; for
+    """The step program of ``cfg`` (plus one function per MTP layer, or the DSpark drafter's
+    ``dspark_draft`` and ``dspark_markov``), verified; for
     ``tensor_parallel`` > 1 the program each rank runs (see the module docstring)."""
     from dsv4c.ir.verify import verify
 
     model = Model(cfg, numerics, tensor_parallel, expert_parallel)
     functions = {"step": model.step()}
-    if mtp:
+    if mtp and cfg.dspark is not None:
+        if model.traces_dspark:
+            functions.update({f.name: f for f in (model.dspark_draft(), model.dspark_markov())})
+        else:
+            print(f"dsv4c: warning: the DSpark drafter is not compiled for {tensor_parallel} ranks "
+                  "(tensor parallelism runs without speculative decoding)", file=sys.stderr)
+    elif mtp:
         for i in range(len(cfg.mtp_layers)):
             f = model.mtp(i)
             functions[f.name] = f

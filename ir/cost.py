@@ -214,6 +214,16 @@ def _hc_expand(node: Node, d: Decode):
     return "mhc", _io(node, d)
 
 
+@rule("hc_mean")
+def _hc_mean(node: Node, d: Decode):
+    return "mhc", Cost(numel(node.inputs[0], d)) + _io(node, d)  # an add per stream element, a scale
+
+
+@rule("concat")
+def _concat(node: Node, d: Decode):
+    return "other", _io(node, d)  # a copy
+
+
 def _rmsnorm_flops(x: Value, d: Decode, weighted: bool) -> int:
     return numel(x, d) * (4 if weighted else 3) + _tokens(x, d)  # square-add, scale (, weight); one rsqrt a row
 
@@ -327,7 +337,8 @@ def _sparse_attn(node: Node, d: Decode):
     topk = node.inputs[6].type.shape[1] if len(node.inputs) > 6 else None  # the index top-k input
     window, compressed = attention_rows(a["window"], a["ratio"], topk, d)
     cost = attention_cost(heads, dim, dim, window + compressed, d.main_row_bytes, d) + _io(node, d)
-    return f"{a['kind']}_attention", cost
+    # A draft block reads a window like a sliding layer (plus its own rows, which _io counts).
+    return f"{'sliding' if a['kind'] == 'block' else a['kind']}_attention", cost
 
 
 @rule("moe_route")

@@ -143,6 +143,28 @@ def _hc_head(ins, attrs):
     return [f32(h.shape[0], h.shape[2])]
 
 
+@_op("hc_mean", arity=(1,))
+def _hc_mean(ins, attrs):
+    """The plain mean of the N hyper-connection streams (DSpark's tap of a target layer's input)."""
+    h = _float(ins[0], "hc_mean streams", 3)
+    return [f32(h.shape[0], h.shape[2])]
+
+
+@_op("concat")
+def _concat(ins, attrs):
+    """Rank-2 tensors of the same rows side by side along the last axis, in input order."""
+    if len(ins) < 2:
+        raise IRError(f"concat takes at least 2 inputs, got {len(ins)}")
+    parts = [_float(v, f"concat input {i}", 2) for i, v in enumerate(ins)]
+    width = 0
+    for i, p in enumerate(parts):
+        _same(p.shape[0], parts[0].shape[0], f"concat input {i} rows")
+        if not isinstance(p.shape[1], int):
+            raise IRError(f"concat input {i} has a symbolic width {p.shape[1]}")
+        width += p.shape[1]
+    return [f32(parts[0].shape[0], width)]
+
+
 @_op("rmsnorm", attrs=("eps",), arity=(1, 2))
 def _rmsnorm(ins, attrs):
     x = _float(ins[0], "rmsnorm input")
@@ -290,16 +312,21 @@ def _index_topk(ins, attrs):
 def _sparse_attn(ins, attrs):
     """Attention of each query over its window rows (this step's kv for positions in the step,
     the cache for older ones) and its compressed rows: every visible one (HCA) or the index
-    top-k (CSA). Compressed layers take the state token of their compressor, CSA the top-k."""
+    top-k (CSA). Compressed layers take the state token of their compressor, CSA the top-k.
+    Kind ``block`` (a DSpark draft block): every query of a request attends the same keys, the
+    ring rows of the ``window`` positions before the request's first position in the call and
+    then all of its rows of the call (no causal mask)."""
     q = _float(ins[0], "sparse_attn queries", 3)
     kv = _float(ins[1], "sparse_attn step kv", 2)
     sink = _float(ins[2], "sparse_attn sink", 1)
     _same(kv.shape, (q.shape[0], q.shape[2]), "sparse_attn kv shape")
     _same(sink.shape, (q.shape[1],), "sparse_attn sink shape")
     _same(q.shape[0], _token_meta(ins, 3, "sparse_attn"), "sparse_attn token dim")
-    expected = {"sliding": 5, "hca": 6, "csa": 7}.get(attrs["kind"])
+    expected = {"sliding": 5, "block": 5, "hca": 6, "csa": 7}.get(attrs["kind"])
     if expected != len(ins):
         raise IRError(f"sparse_attn of kind {attrs['kind']!r} takes {expected} inputs, got {len(ins)}")
+    if attrs["kind"] == "block" and attrs["ratio"] != 0:
+        raise IRError(f"sparse_attn of kind 'block' reads the window only (ratio 0), got ratio {attrs['ratio']}")
     if len(ins) > 5:
         _state(ins[5], "sparse_attn compressed state")
     if len(ins) > 6:

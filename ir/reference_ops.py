@@ -98,6 +98,14 @@ def mhc_pre(h, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
     return y, post.astype(F32), comb.astype(F32)
 
 
+def hc_mean(h):
+    """Mean over the streams: summed in stream order 0 .. N-1, then times 1/N."""
+    acc = h[:, 0].astype(F32, copy=True)
+    for k in range(1, h.shape[1]):
+        acc += h[:, k]
+    return (acc * F32(1.0 / h.shape[1])).astype(F32)
+
+
 def mhc_post(out, h, post, comb):
     """h'[k] = post[k] * out + sum_j comb[j, k] * h[j]."""
     return (post[:, :, None] * out[:, None, :] + np.einsum("tjk,tjd->tkd", comb, h)).astype(F32)
@@ -253,10 +261,25 @@ def index_topk(scores: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def _attend(q, rows, sink, scale):
+    """One query's heads ``[H, d]`` over ``rows``, the sink in the softmax denominator."""
+    logits = (q @ rows.T) * F32(scale)  # [H, n]
+    m = np.maximum(logits.max(axis=1), sink)
+    e = np.exp(logits - m[:, None])
+    den = e.sum(axis=1) + np.exp(sink - m)
+    return (e @ rows) / den[:, None]
+
+
 def sparse_attn(store: KVStore, q, kv, sink, positions, seq_ids, topk=None, *, layer, kind, ratio, window, scale):
     """Softmax attention with the sink in the denominator over window + compressed rows."""
     t, heads, dim = q.shape
     out = np.zeros_like(q, dtype=F32)
+    if kind == "block":  # a draft block: the ring before the block, then the whole block, for every row
+        for seq, idx, p0 in request_groups(positions, seq_ids):
+            rows = np.concatenate([store.window_rows(layer, seq, max(0, p0 - window), p0), kv[idx]])
+            for ti in idx:
+                out[ti] = _attend(q[ti], rows, sink, scale)
+        return out
     for seq, idx, p0 in request_groups(positions, seq_ids):
         old_start = max(0, p0 - window + 1)
         keys = np.concatenate([store.window_rows(layer, seq, old_start, p0), kv[idx]])  # positions old_start..
@@ -273,11 +296,7 @@ def sparse_attn(store: KVStore, q, kv, sink, positions, seq_ids, topk=None, *, l
             elif kind == "csa":
                 sel = topk[ti][topk[ti] >= 0]
                 rows = np.concatenate([rows, comp[sel]])
-            logits = (q[ti] @ rows.T) * F32(scale)  # [H, n]
-            m = np.maximum(logits.max(axis=1), sink)
-            e = np.exp(logits - m[:, None])
-            den = e.sum(axis=1) + np.exp(sink - m)
-            out[ti] = (e @ rows) / den[:, None]
+            out[ti] = _attend(q[ti], rows, sink, scale)
     return out.astype(F32)
 
 
@@ -294,6 +313,10 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
                          "per rank; the reference interpreter runs single-device programs")
     if op == "hc_expand":
         return np.repeat(args[0][:, None, :], a["hc_mult"], axis=1)
+    if op == "hc_mean":
+        return hc_mean(args[0])
+    if op == "concat":
+        return np.concatenate(args, axis=-1).astype(F32, copy=False)
     if op == "mhc_pre":
         return mhc_pre(*args, a["hc_mult"], a["sinkhorn_iters"], a["hc_eps"], a["norm_eps"])
     if op == "mhc_post":
