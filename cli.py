@@ -146,7 +146,8 @@ def _cmd_compile(args) -> int:
                              print_ir_after=set(args.print_ir_after or ()), verbose=args.verbose)
     compile_model(args.model, args.target, args.output, numerics=args.numerics, no_weights=args.no_weights,
                   passes=passes, kv_cache_dtype=args.kv_cache_dtype, cpu=args.cpu,
-                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
+                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
+                  draft_model=args.draft_model)
     return 0
 
 
@@ -377,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="artifact directory to create")
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="take the DSpark drafter (its dspark_* config fields and mtp.* tensors) from this checkpoint")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     p.add_argument("--cpu", metavar="NAME",
                    help="llvm: the CPU to build for, an LLVM name (x86-64-v3: any AVX2 CPU, x86-64-v4, znver4, "

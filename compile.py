@@ -33,6 +33,7 @@ from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources
 from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.draft_model import resolve_drafter
 from dsv4c.frontend.random_model import iter_random_weights
 from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
@@ -125,16 +126,18 @@ def stored_weights(cfg: ModelConfig, plan: QuantPlan) -> list[tuple[str, tuple[i
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
                   kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None,
-                  tensor_parallel: int = 1, expert_parallel: bool = True) -> Path:
+                  tensor_parallel: int = 1, expert_parallel: bool = True, draft_model: str | Path | None = None) -> Path:
     """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
     in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
     caps each weight file (default 4 GiB); ``cpu`` (llvm only) is the LLVM CPU name to build
     for, or native (the default: this machine's). ``tensor_parallel`` N > 1 builds one library
     every rank runs and each rank's weights (``rank<r>-weights*.safetensors``), per the model's
-    sharding plan (``artifact.sharding``; a model that does not split so is refused)."""
+    sharding plan (``artifact.sharding``; a model that does not split so is refused). A DSpark
+    drafter comes from the model's checkpoint or from ``draft_model``'s (``frontend.draft_model``)."""
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
+    cfg = resolve_drafter(cfg, Path(model) if Path(model).is_dir() and not no_weights else None, draft_model)
     sharding = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
     if tensor_parallel > 1 and not info.compiled:
         raise UsageError(f"--tensor-parallel {tensor_parallel}: the {target} target runs one process on one device; "
@@ -149,7 +152,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     with ExitStack() as stack:
         sources = None
         if not no_weights:
-            ckpt = stack.enter_context(Checkpoint(_checkpoint_dir(cfg, model, stack)))
+            ckpt = stack.enter_context(Checkpoint(_checkpoint_dir(cfg, model, stack), drafter=draft_model))
             # Every tensor's storage and shape is checked here, before anything is written.
             sources = ir_sources(cfg, ckpt, {n for n in base_weight_names(program) if n not in RANK_VALUES})
         with staging(out, log) as tmp:

@@ -54,6 +54,9 @@ _HF_TO_OFFICIAL = [
     (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"),
     (r"\.mlp\.", ".ffn."),
     (r"\.weight_scale_inv$", ".scale"),
+    # V4.1's spelling of the DSpark Markov head; 0731's is the official one here.
+    (r"\.markov_head\.embed\.weight$", ".markov_head.markov_w1.weight"),
+    (r"\.markov_head\.head\.weight$", ".markov_head.markov_w2.weight"),
 ]
 _HF_RULES = [(re.compile(a), b) for a, b in _HF_TO_OFFICIAL]
 _HF_MERGED_EXPERTS = re.compile(r"^(?P<prefix>.*\.ffn\.experts)\.(?P<which>gate_up_proj|down_proj)$")
@@ -101,47 +104,56 @@ class TensorRows(RowSource):
         return [Rows(self.storage, values, scales)]
 
 
-class Checkpoint:
-    """A single ``.safetensors`` file or a directory of shards, read tensor by tensor."""
+DRAFT_PREFIX = "mtp."  # the drafter's tensors (V4's MTP layer, or DSpark's stages)
 
-    def __init__(self, path: str | os.PathLike):
+
+def _shard_files(p: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: a file, an index, or a directory of shards."""
+    index = p / "model.safetensors.index.json"
+    if p.is_file() and p.name.endswith(".index.json"):
+        p, index = p.parent, p
+    elif p.is_file():
+        return [p]
+    elif not p.is_dir():
+        raise CheckpointError(f"{p}: no such checkpoint file or directory")
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({p / v for v in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e.__class__.__name__})") from None
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard {missing[0].name}, which is missing from {p}")
+        return files
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{p}: no .safetensors files in this directory")
+    return files
+
+
+class Checkpoint:
+    """A single ``.safetensors`` file or a directory of shards, read tensor by tensor; with a
+    ``drafter`` checkpoint, the ``mtp.*`` tensors come from it and only from it."""
+
+    def __init__(self, path: str | os.PathLike, drafter: str | os.PathLike | None = None):
         self.path = Path(path)
-        files = self._shard_files()
         self._files: dict[Path, SafetensorsFile] = {}
         self._where: dict[str, tuple[Path, str]] = {}  # official name -> (file, stored name)
         self._merged: dict[str, tuple[Path, str, int]] = {}  # virtual per-expert name -> merged tensor
+        sources = [(self.path, lambda name: drafter is None or not name.startswith(DRAFT_PREFIX))]
+        if drafter is not None:
+            sources.append((Path(drafter), lambda name: name.startswith(DRAFT_PREFIX)))
         try:
-            for f in files:
-                st = self._open(f)
-                for stored in st.names():
-                    self._add(official_name(stored), f, stored)
+            for path, wanted in sources:
+                for f in _shard_files(path):
+                    st = self._open(f)
+                    for stored in st.names():
+                        if wanted(name := official_name(stored)):
+                            self._add(name, f, stored)
         except BaseException:
             self.close()
             raise
-
-    def _shard_files(self) -> list[Path]:
-        p = self.path
-        index = p / "model.safetensors.index.json"
-        if p.is_file() and p.name.endswith(".index.json"):
-            p, index = p.parent, p
-        elif p.is_file():
-            return [p]
-        elif not p.is_dir():
-            raise CheckpointError(f"{p}: no such checkpoint file or directory")
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted({p / v for v in weight_map.values()})
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e.__class__.__name__})") from None
-            missing = [f for f in files if not f.is_file()]
-            if missing:
-                raise CheckpointError(f"{index}: lists shard {missing[0].name}, which is missing from {p}")
-            return files
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{p}: no .safetensors files in this directory")
-        return files
 
     def _open(self, f: Path) -> SafetensorsFile:
         if f not in self._files:

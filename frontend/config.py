@@ -10,8 +10,9 @@ Configs arrive in three spellings and all load into :class:`ModelConfig`:
   ``rope_parameters`` with ``main`` / ``compress``).
 
 The per-layer schedule is kept as a plain list of :class:`LayerSpec`, never a formula.
-Anything we do not implement (V4.1 ratios 1/2 and shared-KV roles, which ``frontend.schedule``
-reads and checks first, DSpark tails, unknown fields) is refused with a
+DSpark drafter fields are read by ``frontend.dspark_config``. Anything we do not implement
+(V4.1 ratios 1/2 and shared-KV roles, which ``frontend.schedule`` reads and checks first,
+unknown fields) is refused with a
 :class:`~dsv4c.errors.ConfigError` that names the field: a silently ignored field would
 compile a wrong model.
 """
@@ -29,9 +30,11 @@ from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_
                                          ModelConfig, Rope, WeightFormats, Yarn, v4_layer)
 from dsv4c.artifact.quant import FP8_BLOCK_SIZES
 from dsv4c.errors import ConfigError, UnsupportedModelError
+from dsv4c.frontend.dspark_config import DSPARK_KEYS, parse_dspark, stage_ratios
 from dsv4c.frontend.schedule import SHARED_KV_FIELDS, shared_kv_schedule, validate_schedule
 
-PRESETS = ("pro", "flash", "tiny")
+# flash-0731 / pro-0813: the DSpark releases' structure (presets/README.md says what is confirmed).
+PRESETS = ("pro", "flash", "tiny", "flash-0731", "pro-0813")
 COST_ONLY_PRESETS = ("v3.2",)  # costed by `dsv4c inspect --cost` (frontend.v32), never compiled
 
 
@@ -84,6 +87,7 @@ _OTHER_KNOWN = {
     "rope_scaling", "rope_parameters", "rope_factor", "original_seq_len", "beta_fast", "beta_slow",
     "num_key_value_heads", "bos_token_id", "eos_token_id", "quantization_config", "expert_dtype", "scale_fmt",
     "tie_word_embeddings", "hidden_act", "norm_topk_prob", "attention_bias", "mlp_bias", *SHARED_KV_FIELDS,
+    *DSPARK_KEYS,
 }
 _REQUIRED = (
     "vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
@@ -100,12 +104,6 @@ _DEFAULTS: dict[str, Any] = {
 
 
 def _refuse_unsupported_variants(raw: dict[str, Any]) -> None:
-    for key in raw:
-        low = key.lower()
-        if "dspark" in low:
-            raise UnsupportedModelError(
-                f"config field {key!r}: DSpark speculative tails (V4-Pro-0813) are not implemented by dsv4c"
-            )
     # Malformed containers are reported with their type by _attention_schedule.
     ratios, rates = raw.get("compress_ratios"), raw.get("compress_rates")
     given = [(f"compress_ratios[{i}]", r) for i, r in enumerate(ratios if isinstance(ratios, list) else [])]
@@ -435,7 +433,13 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
         ints[k] = _positive_int(raw, f, k)
     n = ints["num_layers"]
     n_mtp = f["num_mtp"]
-    if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or not 0 <= n_mtp <= 1:
+    dspark = parse_dspark(raw, n, ints["vocab_size"], ints["n_routed_experts"], ints["n_experts_per_tok"])
+    if dspark is not None:  # the stages: as many as the config says (a checkpoint may correct it)
+        if isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or n_mtp < 1:
+            raise ConfigError(f"config field {_field(raw, 'num_mtp')} = {n_mtp!r}: a DSpark drafter has at least "
+                              "one stage")
+        raw = stage_ratios(raw, n)
+    elif isinstance(n_mtp, bool) or not isinstance(n_mtp, int) or not 0 <= n_mtp <= 1:
         raise UnsupportedModelError(f"config field {_field(raw, 'num_mtp')} = {n_mtp!r}; dsv4c implements 0 or 1")
 
     head_dim = ints["head_dim"]
@@ -512,7 +516,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
         hc_eps=_number(raw, f, "hc_eps"), rms_norm_eps=_number(raw, f, "rms_norm_eps"), main_rope=main_rope,
         compress_rope=compress_rope, layers=layers, mtp_layers=mtp_layers,
         max_position_embeddings=_positive_int(raw, f, "max_position_embeddings"),
-        bos_token_id=raw.get("bos_token_id", 0), eos_token_ids=eos_ids, weights=weights, name=name,
+        bos_token_id=raw.get("bos_token_id", 0), eos_token_ids=eos_ids, weights=weights, name=name, dspark=dspark,
     )
 
 

@@ -26,7 +26,8 @@ class TensorSpec:
 
 def _block_tensors(cfg: ModelConfig, layer: LayerSpec, p: str) -> Iterator[TensorSpec]:
     d, n, q, h, dh = cfg.hidden_size, cfg.hc_mult, cfg.q_lora_rank, cfg.num_heads, cfg.head_dim
-    g, r, e, inter = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_intermediate_size
+    g, r, inter = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size
+    e = cfg.moe_experts(layer)[0]
     yield TensorSpec(f"{p}attn_norm.weight", (d,), FP32)
     yield TensorSpec(f"{p}ffn_norm.weight", (d,), FP32)
     for which in ("attn", "ffn"):
@@ -82,12 +83,37 @@ def inventory(cfg: ModelConfig) -> list[TensorSpec]:
            TensorSpec("hc_head_base", (n,), FP32), TensorSpec("hc_head_scale", (1,), FP32)]
     for layer in cfg.layers:
         out += _block_tensors(cfg, layer, f"layers.{layer.index}.")
+    if cfg.dspark is not None:
+        return out + dspark_inventory(cfg)
     for i, layer in enumerate(cfg.mtp_layers):
         p = f"mtp.{i}."
         out += [TensorSpec(f"{p}e_proj.weight", (d, d), DENSE), TensorSpec(f"{p}h_proj.weight", (d, d), DENSE),
                 TensorSpec(f"{p}enorm.weight", (d,), FP32), TensorSpec(f"{p}hnorm.weight", (d,), FP32),
                 TensorSpec(f"{p}norm.weight", (d,), FP32), TensorSpec(f"{p}hc_head_fn", (n, n * d), FP32),
                 TensorSpec(f"{p}hc_head_base", (n,), FP32), TensorSpec(f"{p}hc_head_scale", (1,), FP32)]
+        out += _block_tensors(cfg, layer, p)
+    return out
+
+
+def dspark_inventory(cfg: ModelConfig) -> list[TensorSpec]:
+    """The DSpark drafter's tensors: a sliding block per stage, ``main_proj`` / ``main_norm`` on the
+    first stage, the final norm, hc head, Markov head and (optional) confidence head on the last.
+    The drafter shares the target's embedding and head."""
+    d, n, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    ds, last = cfg.dspark, len(cfg.mtp_layers) - 1
+    out: list[TensorSpec] = []
+    for s, layer in enumerate(cfg.mtp_layers):
+        p = f"mtp.{s}."
+        if s == 0:
+            out += [TensorSpec(f"{p}main_proj.weight", (d, len(ds.target_layers) * d), DENSE),
+                    TensorSpec(f"{p}main_norm.weight", (d,), FP32)]
+        if s == last:
+            out += [TensorSpec(f"{p}norm.weight", (d,), FP32), TensorSpec(f"{p}hc_head_fn", (n, n * d), FP32),
+                    TensorSpec(f"{p}hc_head_base", (n,), FP32), TensorSpec(f"{p}hc_head_scale", (1,), FP32),
+                    TensorSpec(f"{p}markov_head.markov_w1.weight", (v, ds.markov_rank), BF16),
+                    TensorSpec(f"{p}markov_head.markov_w2.weight", (v, ds.markov_rank), BF16)]
+            if ds.confidence_head:
+                out.append(TensorSpec(f"{p}confidence_head.proj.weight", (1, d + ds.markov_rank), BF16))
         out += _block_tensors(cfg, layer, p)
     return out
 
