@@ -46,26 +46,25 @@ def _drafts(artifact, prompts: list[np.ndarray], prev: np.ndarray):
     """Feed each prompt but its last token in one step (the context write), draft one block per
     request (its last token the anchor), then the Markov head row by row for every request and
     once over all rows: (base logits, [(bias, confidence)] per call)."""
-    cfg_block = BLOCK
     engine = Engine(artifact, max_step_tokens=96)
     backend, pool = engine.backend, engine.pool
     assert backend.has_dspark
     tokens, positions, seqs = [], [], []
     for seq, p in enumerate(prompts):
-        pool.admit(seq, reserve_tokens=len(p) + cfg_block)
-        pool.ensure(seq, len(p) + cfg_block)
+        pool.admit(seq, reserve_tokens=len(p) + BLOCK)
+        pool.ensure(seq, len(p) + BLOCK)
         tokens.append(p[:-1])
         positions.append(np.arange(len(p) - 1))
         seqs.append(np.full(len(p) - 1, seq))
     backend.step(*(np.concatenate(a).astype(np.int32) for a in (tokens, positions, seqs)))
     noise = engine.config.dspark.noise_token_id
-    block_tokens = np.concatenate([[p[-1]] + [noise] * (cfg_block - 1) for p in prompts]).astype(np.int32)
-    block_pos = np.concatenate([np.arange(len(p) - 1, len(p) - 1 + cfg_block) for p in prompts]).astype(np.int32)
-    block_seq = np.repeat(np.arange(len(prompts)), cfg_block).astype(np.int32)
+    block_tokens = np.concatenate([[p[-1]] + [noise] * (BLOCK - 1) for p in prompts]).astype(np.int32)
+    block_pos = np.concatenate([np.arange(len(p) - 1, len(p) - 1 + BLOCK) for p in prompts]).astype(np.int32)
+    block_seq = np.repeat(np.arange(len(prompts)), BLOCK).astype(np.int32)
     base = backend.dspark_draft(block_tokens, block_pos, block_seq)
     heads = []
-    for i in range(cfg_block):  # row i of every request, as the drafter asks
-        rows = np.arange(len(prompts)) * cfg_block + i
+    for i in range(BLOCK):  # row i of every request, as the drafter asks
+        rows = np.arange(len(prompts)) * BLOCK + i
         heads.append(backend.dspark_markov(prev[rows], rows))
     every = np.arange(len(block_tokens))
     heads.append(backend.dspark_markov(prev, every))
