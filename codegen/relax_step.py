@@ -40,7 +40,8 @@ GEMV_MAX_ROWS = 4  # steps with at most this many tokens run the decode function
 STEP_INPUTS = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "entry_extents")
 # An MTP function's inputs after those: the streams it starts from (a step's, or its own output
 # when drafts chain) and which of their rows each token takes. Its ``tokens`` are the tokens
-# of the next positions (docs/v4.md, "Forward pass").
+# of the next positions (docs/v4.md, "Forward pass"). DSpark's Markov function takes them too:
+# rows of the last draft's y, its ``tokens`` each row's previous token.
 MTP_INPUTS = ("streams", "stream_rows")
 
 
