@@ -23,7 +23,8 @@ def _cmd_make_tiny(args) -> int:
 
     cfg = load_config(args.config) if args.config else preset("tiny")
     out = write_checkpoint(cfg, iter_random_weights(cfg, args.seed), args.out, progress=sys.stderr.isatty())
-    print(f"wrote a random {cfg.name} model (seed {args.seed}, {cfg.num_layers} layers) to {out}")
+    drafter = f", a DSpark drafter of {len(cfg.mtp_layers)} stage(s)" if cfg.dspark is not None else ""
+    print(f"wrote a random {cfg.name} model (seed {args.seed}, {cfg.num_layers} layers{drafter}) to {out}")
     return 0
 
 
@@ -166,7 +167,9 @@ def _cmd_export(args) -> int:
         raise UsageError(f"--with-weights needs a model directory (e.g. from `dsv4c make-tiny`), got {args.model!r}")
     from dsv4c.ir.onnx_io import write_onnx  # a one-line error where onnx is not installed
 
-    cfg = resolve_model(args.model)
+    from dsv4c.frontend.draft_model import resolve_drafter
+
+    cfg = resolve_drafter(resolve_model(args.model), Path(args.model) if args.with_weights else None, None)
     program, stage = trace(cfg, args.numerics), "traced"
     if args.after_passes:
         from dsv4c.passes.pipeline import run_pipeline

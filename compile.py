@@ -126,7 +126,8 @@ def stored_weights(cfg: ModelConfig, plan: QuantPlan) -> list[tuple[str, tuple[i
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
                   kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None,
-                  tensor_parallel: int = 1, expert_parallel: bool = True, draft_model: str | Path | None = None) -> Path:
+                  tensor_parallel: int = 1, expert_parallel: bool = True,
+                  draft_model: str | Path | None = None) -> Path:
     """Compile ``model`` for ``target`` into the artifact directory ``out``. The kernels build
     in a thread while the weights convert (see :mod:`dsv4c.codegen.convert`); ``shard_bytes``
     caps each weight file (default 4 GiB); ``cpu`` (llvm only) is the LLVM CPU name to build

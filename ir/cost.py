@@ -131,7 +131,7 @@ def weight_family(name: str) -> str:
         return "compressor"
     if "indexer." in name:
         return "indexer"
-    if name == "head.weight":
+    if name == "head.weight" or ".markov_head." in name:  # DSpark's Markov head is a low-rank vocab head
         return "head"
     if "shared_experts." in name:
         return "shared_experts"

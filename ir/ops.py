@@ -145,7 +145,8 @@ def _hc_head(ins, attrs):
 
 @_op("hc_mean", arity=(1,))
 def _hc_mean(ins, attrs):
-    """The plain mean of the N hyper-connection streams (DSpark's tap of a target layer's input)."""
+    """The plain mean of the N hyper-connection streams (DSpark's tap of a target layer's input):
+    summed in stream order 0 .. N-1, then times 1/N."""
     h = _float(ins[0], "hc_mean streams", 3)
     return [f32(h.shape[0], h.shape[2])]
 
