@@ -209,6 +209,15 @@ class VmProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VmDspark:
+    """The DSpark drafter's entry functions' arguments and results (``dspark_draft_*``, ``dspark_markov_*``)."""
+    draft_inputs: tuple[str, ...]
+    draft_outputs: tuple[str, ...]
+    markov_inputs: tuple[str, ...]
+    markov_outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Vm:
     """The compiled step (``codegen.build.build_step``; docs/artifact.md, "The compiled step")."""
     library: str
@@ -224,6 +233,7 @@ class Vm:
     cuda_graph: bool
     pool_functions: dict[str, str] | None = None  # by role; absent in artifacts built before them
     profile: VmProfile | None = None  # absent in artifacts built before the profiler
+    dspark: VmDspark | None = None  # a model with a DSpark drafter only
     constants: str
 
 

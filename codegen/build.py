@@ -97,6 +97,9 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
           "cuda_graph": step.cuda_graph, "pool_functions": POOL_FUNCTIONS,
           "profile": {"kernels": symbols, "calls": {name: call_runs(calls) for name, calls in step.call_families.items()}}}
+    if "dspark_draft" in program.functions:  # a DSpark drafter (docs/artifact.md, "The compiled step")
+        vm["dspark"] = {"draft_inputs": list(STEP_INPUTS), "draft_outputs": ["logits", "y"],
+                        "markov_inputs": list(STEP_INPUTS + MTP_INPUTS), "markov_outputs": ["bias", "confidence"]}
     return kernels, vm
 
 

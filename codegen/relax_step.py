@@ -40,7 +40,8 @@ GEMV_MAX_ROWS = 4  # steps with at most this many tokens run the decode function
 STEP_INPUTS = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "entry_extents")
 # An MTP function's inputs after those: the streams it starts from (a step's, or its own output
 # when drafts chain) and which of their rows each token takes. Its ``tokens`` are the tokens
-# of the next positions (docs/v4.md, "Forward pass").
+# of the next positions (docs/v4.md, "Forward pass"). DSpark's Markov function takes them too:
+# rows of the last draft's y, its ``tokens`` each row's previous token.
 MTP_INPUTS = ("streams", "stream_rows")
 
 
@@ -162,9 +163,13 @@ class _Emitter:
 
     # ------------------------------------------------------------------ function
     def function(self, name: str, source: str, max_tokens: int) -> None:
-        """Emit entry function ``name`` running IR function ``source``; it returns (the logits
-        of the requested rows, the last streams: the backbone's last layer for ``step``, the
-        MTP layer's own for an MTP function)."""
+        """Emit entry function ``name`` running IR function ``source``; it returns the IR
+        function's two outputs: (the logits of the requested rows, the last streams: the
+        backbone's last layer for ``step``, the MTP layer's own for an MTP function), for
+        DSpark's ``dspark_draft`` (the base logits, the head's hidden rows y) and
+        ``dspark_markov`` (the Markov bias, the confidence logits or, without a confidence head,
+        the Markov embeddings). A function with a ``streams`` input also takes ``stream_rows``
+        (MTP_INPUTS)."""
         cfg, bb = self.cfg, self.bb
         t, r, b, lr, s = (tirx.Var(v, "int64") for v in ("T", "R", "B", "L", "S"))
         self.ratios = sorted({layer.compress_ratio for layer in cfg.layers if layer.is_compressed})
@@ -182,8 +187,10 @@ class _Emitter:
             "entry_extents": relax.Var("entry_extents", relax.ShapeType(extents)),
         }
         fn = self.program.functions[source]
-        if source != "step":
-            inputs["streams"] = relax.Var("streams", relax.TensorType([s, cfg.hc_mult, cfg.hidden_size], F32))
+        streams = next((v for v in fn.inputs if v.name == "streams"), None)
+        if streams is not None:  # an MTP layer's [*, hc, D] or DSpark's Markov head's [*, D]
+            row_shape = list(streams.type.shape[1:])
+            inputs["streams"] = relax.Var("streams", relax.TensorType([s] + row_shape, F32))
             inputs["stream_rows"] = relax.Var("stream_rows", relax.TensorType([t], I32))
         self.inputs = inputs
         self.params_var = relax.Var("params", relax.TupleType(
@@ -211,15 +218,16 @@ class _Emitter:
             self.pool = dict(zip((p.name for p in self.pool_layout),
                                  pool_row_views(bb, pool_var, self.pool_layout, sizes)))
             env: dict[int, relax.Var] = {}
-            if source == "step":
-                for v, key in zip(fn.inputs, ("tokens", "positions")):
-                    env[id(v)] = inputs[key]
-            else:  # streams, next tokens, positions (seq_ids: the kernels read token_request)
-                width = cfg.hc_mult * cfg.hidden_size
-                rows = self.call("gather_rows", [self.view(inputs["streams"], [s, width]), inputs["stream_rows"]],
-                                 ([t, width], F32))
-                env[id(fn.inputs[0])] = self.view(rows, [t, cfg.hc_mult, cfg.hidden_size])
-                env[id(fn.inputs[1])], env[id(fn.inputs[2])] = inputs["tokens"], inputs["positions"]
+            # The IR function's inputs by name (seq_ids: the kernels read token_request); an
+            # MTP layer's ``next_tokens`` are its ``tokens``.
+            for v in fn.inputs:
+                if v is streams:
+                    width = prod(row_shape)
+                    rows = self.call("gather_rows", [self.view(inputs["streams"], [s, width]),
+                                                     inputs["stream_rows"]], ([t, width], F32))
+                    env[id(v)] = self.view(rows, [t] + row_shape)
+                elif v.name in ("tokens", "next_tokens", "positions"):
+                    env[id(v)] = inputs["positions" if v.name == "positions" else "tokens"]
             for node, roles in zip(fn.nodes, self.per_node[source]):
                 self.families = node_families(node)
                 outs = lowering_of(node.op).emit(self, node, roles, [env.get(id(v)) for v in node.inputs])

@@ -236,6 +236,33 @@ def attention_rows(window: int, window_rows_per_request: int, ratio: int, compre
     return f
 
 
+def block_attention_rows(window: int, window_rows_per_request: int):
+    """Per query of a draft block (``sparse_attn`` kind ``block``), the rows it reads: its
+    request's window ring for the ``window`` positions before the request's first position in
+    the call (ascending; -1 before position 0), then every one of the request's rows of this call
+    in call order (no causal mask inside a block), -1 up to the call's token count ``n``: every
+    query of a request reads the same list. The ring is read, never written: the target step
+    writes it."""
+    @T.prim_func
+    def f(tok_req: T.handle, req: T.handle, layer: T.int64, pool_rows: T.int64, rows: T.handle):
+        n = T.int32()
+        nr = T.int32()
+        TOK_REQ = T.match_buffer(tok_req, (n,), "int32")
+        REQ = T.match_buffer(req, (nr, REQ_COLUMNS), "int32")
+        ROWS = T.match_buffer(rows, (n, window + n), "int32")
+        for t in T.parallel(n):
+            for j in range(window):
+                ROWS[t, j] = T.if_then_else(
+                    REQ[TOK_REQ[t], REQ_FIRST_POS] - window + j < 0, -1,
+                    window_ring_row(REQ, TOK_REQ[t], pool_rows, window, window_rows_per_request, layer,
+                                    REQ[TOK_REQ[t], REQ_FIRST_POS] - window + j))
+            for j in range(n):
+                ROWS[t, window + j] = T.if_then_else(
+                    j < REQ[TOK_REQ[t], REQ_COUNT], T.Cast("int32", pool_rows) + REQ[TOK_REQ[t], REQ_FIRST_TOKEN] + j,
+                    -1)
+    return f
+
+
 def moe_group(k: int, n_experts: int):
     """Routed (token, slot) pairs grouped by expert: ``offsets[e]`` .. ``offsets[e + 1]`` are
     expert e's pairs, in token order; ``pair_token[p]`` is pair p's token and ``token_pair[t,

@@ -53,6 +53,10 @@ class TvmBackend(Backend):
         self.functions = {name: self.vm[name] for name in vm.functions}
         # The MTP layer's entry functions, when the model has one (``codegen.relax_step.entry_functions``).
         self.has_mtp = "mtp0_decode" in self.functions
+        # DSpark's block drafter, when the model has one (``vm.dspark``); its Markov function
+        # returns confidence logits only where the checkpoint has a confidence head.
+        self.has_dspark = "dspark_draft_decode" in self.functions
+        self.dspark_confidence = bool(manifest.model.get("dspark_confidence_head"))
         self.decode_max_tokens, self.max_step_tokens = vm.decode_max_tokens, vm.max_step_tokens
         self.entry_ratios = vm.entry_ratios
         # Decode steps replaying CUDA graphs cover their context's bucket (artifact.pool.context_bucket).
@@ -79,8 +83,11 @@ class TvmBackend(Backend):
         # What the last step uploaded and read back (a test checks they stay compact).
         self.uploaded_ints = self.read_back = 0
         self.last_step: dict[str, int] = {}
-        # The last streams of the last step and of the last draft, left on the device for the next draft.
+        # The last streams of the last step and of the last draft, left on the device for the next draft;
+        # the head's hidden rows y of the last DSpark draft (with its rows' positions and requests),
+        # for its Markov function.
         self.step_streams = self.draft_streams = None
+        self.dspark_rows = self.dspark_block = None
 
     # ------------------------------------------------------------------ memory
     def _upload(self, a: np.ndarray):
@@ -118,8 +125,10 @@ class TvmBackend(Backend):
 
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None, stream_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
-        """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; the logits of ``logit_rows``."""
+             logit_rows: np.ndarray | None, stream_rows: np.ndarray | None = None, chain: bool = False,
+             second: bool = False):
+        """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; the logits of ``logit_rows``
+        (``second``: and its second output, read back too)."""
         n = len(tokens)
         if n > self.max_step_tokens:
             raise UsageError(f"a step of {n} tokens exceeds the artifact's max_step_tokens ({self.max_step_tokens})")
@@ -133,27 +142,39 @@ class TvmBackend(Backend):
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
         name = prefix + ("decode" if decode else "prefill")
-        logits = rt.to_numpy(self.call(name, arrays, inputs[3], stream_rows, chain))[:len(rows)]
+        logits, other = self.call(name, arrays, inputs[3], stream_rows, chain)
+        logits = rt.to_numpy(logits)[:len(rows)]
         self.read_back = logits.size
-        return logits
+        if not second:
+            return logits
+        other = rt.to_numpy(other)
+        self.read_back += other.size
+        return logits, other
 
     def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
              chain: bool = False):
         """One call of entry function ``name`` on the step inputs ``arrays`` (``STEP_INPUTS`` but the
         entry extents) and ``extents``; an MTP function also reads rows ``stream_rows`` of the last
-        step's streams (``chain``: of the last draft's). The logits, left on the device; the streams
-        it returns are kept for the next draft. Every rank of a multi-rank artifact makes the same
-        calls (``runtime.tensor_parallel``)."""
+        step's streams (``chain``: of the last draft's), DSpark's Markov function rows of the last
+        DSpark draft's y. Its two outputs, left on the device; the streams a step or an MTP draft
+        returns, and a DSpark draft's y, are kept for the next draft. Every rank of a multi-rank
+        artifact makes the same calls (``runtime.tensor_parallel``)."""
+        markov = name.startswith("dspark_markov_")
         extra = ()
         if stream_rows is not None:
-            extra = (self.draft_streams if chain else self.step_streams, self._upload(np.asarray(stream_rows, np.int32)))
-        logits, streams = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
-                                               self.params, self.pool_tensors)
-        if stream_rows is None:
-            self.step_streams = streams
+            streams = self.dspark_rows if markov else self.draft_streams if chain else self.step_streams
+            extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
+        first, second = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
+                                             self.params, self.pool_tensors)
+        if name.startswith("dspark_draft_"):
+            self.dspark_rows = second
+        elif markov:
+            pass  # confidence logits: the caller's
+        elif stream_rows is None:
+            self.step_streams = second
         else:
-            self.draft_streams = streams
-        return logits
+            self.draft_streams = second
+        return first, second
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logit_rows: np.ndarray | None = None) -> np.ndarray:
@@ -172,6 +193,30 @@ class TvmBackend(Backend):
         if (self.draft_streams if chain else self.step_streams) is None:
             raise UsageError("draft() needs the streams of a step (or of a draft, to chain) first")
         return self._run("mtp0_", next_tokens, positions, seq_ids, logit_rows, stream_rows, chain)
+
+    def dspark_draft(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:
+        """Run DSpark's draft stages over blocks (each request's rows consecutive: its anchor, then
+        noise tokens, at the positions after its last fed one); the base logits of every row. The
+        head's hidden rows y stay on the device for :meth:`dspark_markov`."""
+        if not self.has_dspark:
+            raise UsageError("this artifact has no DSpark drafter (no dspark_block_size in its model); "
+                             "speculative decoding with dspark needs one")
+        self.dspark_block = (np.asarray(positions, np.int32), np.asarray(seq_ids))
+        return self._run("dspark_draft_", tokens, positions, seq_ids, None)
+
+    def dspark_markov(self, prev_tokens: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """For rows ``rows`` of the last :meth:`dspark_draft`: the Markov bias [R, V] from each row's
+        previous token ``prev_tokens``, and the confidence logits [R] (None: the drafter has no
+        confidence head). The rows keep their positions and requests, so a request's rows
+        must be consecutive in ``rows``."""
+        if self.dspark_rows is None:
+            raise UsageError("dspark_markov() needs a dspark_draft() first")
+        rows = np.asarray(rows, np.int32)
+        positions, seq_ids = (a[rows] for a in self.dspark_block)
+        if not self.dspark_confidence:
+            return self._run("dspark_markov_", prev_tokens, positions, seq_ids, None, rows), None
+        bias, confidence = self._run("dspark_markov_", prev_tokens, positions, seq_ids, None, rows, second=True)
+        return bias, confidence[:, 0]
 
 
 def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndarray, tuple]]) -> list[np.ndarray]:

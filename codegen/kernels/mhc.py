@@ -207,3 +207,21 @@ def mhc_post(hc: int, dim: int):
                     for j in range(hc):
                         OUT[t, k, d] = OUT[t, k, d] + COMB[t, j, k] * H[t, j, d]
     return f
+
+
+def hc_mean(hc: int, dim: int):
+    """out[t] = the mean of token t's ``hc`` streams: summed in stream order, then times 1 / hc (as
+    the reference interpreter's ``hc_mean``). In parallel over every (token, column): a GPU
+    thread each, where a thread per token would read its hc * dim values one after another."""
+    @T.prim_func
+    def f(h: T.handle, out: T.handle):
+        n = T.int32()
+        H = T.match_buffer(h, (n, hc, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for i in T.parallel(n * dim):
+            acc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            acc[0] = H[i // dim, 0, i % dim]
+            for j in range(1, hc):
+                acc[0] = acc[0] + H[i // dim, j, i % dim]
+            OUT[i // dim, i % dim] = acc[0] * T.float32(1.0 / hc)
+    return f

@@ -175,3 +175,22 @@ def add(dim: int):
             for j in range(dim):
                 OUT[i, j] = A[i, j] + B[i, j]
     return f
+
+
+def concat_columns(left: int, right: int):
+    """out[i] = a[i] followed by b[i]: two [n, .] matrices side by side (``concat`` of more
+    inputs takes them one at a time). In parallel over every output value (a GPU thread each)."""
+    width = left + right
+
+    @T.prim_func
+    def f(a: T.handle, b: T.handle, out: T.handle):
+        n = T.int32()
+        A = T.match_buffer(a, (n, left), F32)
+        B = T.match_buffer(b, (n, right), F32)
+        OUT = T.match_buffer(out, (n, width), F32)
+        for i in T.parallel(n * width):
+            if i % width < left:
+                OUT[i // width, i % width] = A[i // width, i % width]
+            else:
+                OUT[i // width, i % width] = B[i // width, i % width - left]
+    return f

@@ -132,15 +132,20 @@ class IndexTopk(OpLowering):
 
 
 class SparseAttn(OpLowering):
-    """Each query over its row list: the window, plus all HCA entries or the CSA top-k."""
+    """Each query over its row list: the window, plus all HCA entries or the CSA top-k; or, for a
+    DSpark draft block (kind ``block``), its request's window ring before the block and the
+    whole block (``step_kernels.block_attention_rows``)."""
 
     def kernels(self, node, cfg, plan):
         a, q = node.attrs, input_shapes(node)[0]
-        compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
         main_format = main_row_format(cfg, plan)
         # Prefill takes wider blocks of heads on the CPU (GPU builds block the heads their own
         # way either way, kernels.gpu_attention: the same code under two symbols).
-        rows = kernel("attention_rows", cfg.sliding_window, cfg.window_rows_per_request, a["ratio"], compressed)
+        if a["kind"] == "block":
+            rows = kernel("block_attention_rows", cfg.sliding_window, cfg.window_rows_per_request)
+        else:
+            compressed = {"sliding": "none", "hca": "all", "csa": "topk"}[a["kind"]]
+            rows = kernel("attention_rows", cfg.sliding_window, cfg.window_rows_per_request, a["ratio"], compressed)
         return {"rows": rows,
                 "main": kernel("sparse_attn", q[1], q[2], a["scale"], *main_format),
                 "prefill": kernel("sparse_attn", q[1], q[2], a["scale"], plan.main_kv.storage,
@@ -151,7 +156,9 @@ class SparseAttn(OpLowering):
         window = em.cfg.sliding_window
         common = [i["positions"], i["token_request"], i["requests"]]
         layer = [_i64(a["layer"]), relax.prim_value(em.pool_rows)]
-        if a["kind"] == "sliding":
+        if a["kind"] == "block":
+            rows = em.call(roles["rows"], common[1:] + layer, ([em.t, window + em.t], I32))
+        elif a["kind"] == "sliding":
             rows = em.call(roles["rows"], common + layer, ([em.t, window], I32))
         elif a["kind"] == "hca":
             rows = em.call(roles["rows"], common + [i["block_table"]] + layer + [*_envelope(em, a["layer"], False)],

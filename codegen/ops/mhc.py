@@ -1,5 +1,5 @@
 """The hyper-connection (mHC) ops: the streams' expansion, the fused pre / seam / head mixes,
-and the post mix."""
+the post mix, and the plain mean over the streams (``hc_mean``, the DSpark drafter's taps)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ from dsv4c.codegen.ops.base import F32, OpLowering, input_shapes, kernel
 class HcExpand(OpLowering):
     def kernels(self, node, cfg, plan):
         return {"main": kernel("hc_expand", node.attrs["hc_mult"], input_shapes(node)[0][1])}
+
+    def emit(self, em, node, roles, args):
+        return [em.call(roles["main"], [args[0]], (em.dims(node.outputs[0].type.shape), F32))]
+
+
+class HcMean(OpLowering):
+    def kernels(self, node, cfg, plan):
+        h = input_shapes(node)[0]
+        return {"main": kernel("hc_mean", h[1], h[2])}
 
     def emit(self, em, node, roles, args):
         return [em.call(roles["main"], [args[0]], (em.dims(node.outputs[0].type.shape), F32))]

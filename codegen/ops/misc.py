@@ -1,4 +1,4 @@
-"""The ops with one plain kernel or none: ``embed``, ``add``, ``reshape``."""
+"""The ops with plain row kernels or none: ``embed``, ``add``, ``concat``, ``reshape``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,21 @@ class Add(OpLowering):
         flat = [shape[0], prod(shape[1:])]
         out = em.call(roles["main"], [em.view(args[0], flat), em.view(args[1], flat)], (flat, F32))
         return [em.view(out, shape)]
+
+
+class Concat(OpLowering):
+    """Along the last axis, one input at a time: the first k inputs side by side, then the next."""
+
+    def kernels(self, node, cfg, plan):
+        widths = [shape[1] for shape in input_shapes(node)]
+        return {f"join{i}": kernel("concat_columns", sum(widths[:i]), widths[i]) for i in range(1, len(widths))}
+
+    def emit(self, em, node, roles, args):
+        out = args[0]
+        for i in range(1, len(args)):
+            shape = em.shape(out)
+            out = em.call(roles[f"join{i}"], [out, args[i]], ([shape[0], shape[1] + em.shape(args[i])[1]], F32))
+        return [out]
 
 
 class Reshape(OpLowering):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dsv4c.codegen.ops.attention import Compress, IndexScore, IndexTopk, KvWrite, SparseAttn
 from dsv4c.codegen.ops.base import OpLowering
 from dsv4c.codegen.ops.linear import GroupedLinear, Linear, LinearSplit, LmHead
-from dsv4c.codegen.ops.mhc import HcExpand, Mhc, MhcPost
-from dsv4c.codegen.ops.misc import Add, Embed, Reshape
+from dsv4c.codegen.ops.mhc import HcExpand, HcMean, Mhc, MhcPost
+from dsv4c.codegen.ops.misc import Add, Concat, Embed, Reshape
 from dsv4c.codegen.ops.moe import Experts, MoeRoute, SharedExpert
 from dsv4c.codegen.ops.norm import RmsNorm, RmsNormRope, Rope
 from dsv4c.codegen.ops.tensor_parallel import AllGather, AllReduce, ShardIds
@@ -25,6 +25,7 @@ class Unsupported(OpLowering):
 LOWERINGS: dict[str, OpLowering] = {
     "embed": Embed(),
     "hc_expand": HcExpand(),
+    "hc_mean": HcMean(),
     "mhc_pre": Mhc(seam=False, head=False),
     "hc_head": Mhc(seam=False, head=True),
     "mhc_seam": Mhc(seam=True, head=False),
@@ -38,6 +39,7 @@ LOWERINGS: dict[str, OpLowering] = {
     "grouped_linear": GroupedLinear(),
     "lm_head": LmHead(),
     "add": Add(),
+    "concat": Concat(),
     "reshape": Reshape(),
     "kv_write": KvWrite(),
     "compress": Compress(),
