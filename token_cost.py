@@ -5,7 +5,7 @@ report measures itself against (``frontend.v32``). ``dsv4c inspect --cost`` prin
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsv4c.ir.cost import FAMILIES, Cost, Decode, function_cost, node_costs, total
@@ -19,6 +19,7 @@ class TokenCost:
     batch: int
     by_family: dict[str, Cost]  # per decode token
     kv_bytes_per_token: float  # the pool bytes each token of context keeps
+    speculation: "SpeculationCost | None" = None  # what the model's drafter costs and buys
 
     @property
     def total(self) -> Cost:
@@ -34,7 +35,57 @@ class TokenCost:
             "bytes_per_token": self.kv_bytes_per_token,
             "cost_by_family": {f: {"flops": c.flops, "bytes_read": c.bytes_read, "bytes_written": c.bytes_written}
                                for f, c in self.by_family.items()},
+            **({"speculation": self.speculation.to_json()} if self.speculation else {}),
         }
+
+
+ACCEPTANCES = (0.5, 0.7, 0.9)  # the acceptance rates ``inspect --cost`` prices speculation at
+
+
+@dataclass(frozen=True)
+class SpeculationCost:
+    """What speculative decoding with the model's drafter reads per request, beside a plain decode
+    step (decode is bandwidth-bound: bytes read stand for time). A verify step carrying k drafts
+    is a step of k + 1 tokens: the dense weights once, the routed experts of all k + 1 tokens
+    (``ir.cost.experts_touched``), attention and the rest per token. Drafting k tokens is, for
+    DSpark, one ``dspark_draft`` call over the block's B rows and k ``dspark_markov`` calls; for
+    MTP, k calls of the MTP layer."""
+
+    method: str
+    plain: float  # bytes a plain decode step reads per request
+    rounds: dict[int, tuple[float, float]]  # drafts k -> (verify step, drafting) bytes per request
+
+    def speedup(self, drafts: int, acceptance: float) -> float:
+        """Decode tokens per byte against plain decoding, when each draft is accepted with
+        probability ``acceptance`` given that the ones before it were: a round yields
+        1 + a + ... + a^k tokens."""
+        verify, draft = self.rounds[drafts]
+        return sum(acceptance ** i for i in range(drafts + 1)) * self.plain / (verify + draft)
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "plain_step_bytes": self.plain,
+                "rounds": [{"drafts": k, "verify_step_bytes": v, "drafting_bytes": dr,
+                            "speedup": {str(a): round(self.speedup(k, a), 4) for a in ACCEPTANCES}}
+                           for k, (v, dr) in self.rounds.items()]}
+
+
+def speculation_cost(program, cfg, d: Decode) -> SpeculationCost | None:
+    """The drafter's :class:`SpeculationCost` at decode step ``d`` (None without a drafter)."""
+    functions = program.functions
+
+    def read(name: str, batch: int) -> float:
+        return total(function_cost(functions[name], replace(d, batch=batch))).bytes_read / d.batch
+
+    if "dspark_draft" in functions:
+        block = cfg.dspark.block_size
+        draft, markov = read("dspark_draft", d.batch * block), read("dspark_markov", d.batch)
+        method, drafting = "dspark", {k: draft + k * markov for k in range(1, block + 1)}
+    elif "mtp0" in functions:
+        method, drafting = "mtp", {k: k * read("mtp0", d.batch) for k in (1, 2)}
+    else:
+        return None
+    return SpeculationCost(method, read("step", d.batch),
+                           {k: (read("step", d.batch * (k + 1)), cost) for k, cost in drafting.items()})
 
 
 def _per_token(costs: dict[str, Cost], batch: int) -> dict[str, Cost]:
@@ -65,10 +116,10 @@ def decode_cost(model: str, target: str = "llvm", context: int = 4096, batch: in
     cfg = resolve_model(model)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
-    program = run_pipeline(trace(cfg, numerics, mtp=False))
+    program = run_pipeline(trace(cfg, numerics))
     d = Decode(batch, context, plan.main_kv.row_bytes, plan.index_kv.row_bytes, plan.fp8_format)
     return TokenCost(cfg.name, target, context, batch, _per_token(function_cost(program.functions["step"], d), batch),
-                     sum(geometry.bytes_per_token().values()))
+                     sum(geometry.bytes_per_token().values()), speculation_cost(program, cfg, d))
 
 
 def artifact_step_costs(artifact: Path, config, geometry, batch: int, context: int) -> list[tuple[str, Cost]]:
@@ -104,6 +155,15 @@ def format_cost(c: TokenCost) -> list[str]:
                          f"{cost.bytes_read / 1e6:>11.2f} {share_text(cost.bytes_read, t.bytes_read):>6}")
     lines.append(f"  {'total':<34} {t.flops / 1e9:>10.3f} {'':>6} {t.bytes_read / 1e6:>11.2f}")
     lines.append(f"  KV bytes per token of context: {c.kv_bytes_per_token:,.1f}")
+    s = c.speculation
+    if s is not None:
+        rates = " / ".join(str(a) for a in ACCEPTANCES)
+        lines += [f"speculative decoding with {s.method}, bytes read per request against a plain step "
+                  f"({s.plain / 1e6:,.2f} MB; bandwidth-bound)",
+                  f"  {'drafts':>6} {'verify step':>12} {'drafting':>9}   speedup at acceptance {rates}"]
+        for k, (verify, draft) in s.rounds.items():
+            speedups = " / ".join(f"{s.speedup(k, a):.2f}x" for a in ACCEPTANCES)
+            lines.append(f"  {k:>6} {verify / s.plain:>11.2f}x {draft / s.plain:>8.2f}x   {speedups}")
     return lines
 
 

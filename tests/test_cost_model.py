@@ -193,3 +193,21 @@ def test_inspect_cost_json_and_errors(capsys):
     assert "add --cost" in err[0] and "batch >= 1" in err[1]
     with pytest.raises(UsageError):
         Decode(1, 0, MAIN, INDEX)
+
+
+def test_speculation_prices_a_verified_block_against_a_plain_step():
+    s = decode_cost("flash-0731", "sm90", 4096).speculation
+    plain = decode_cost("flash-0731", "sm90", 4096).total.bytes_read
+    assert s.method == "dspark" and list(s.rounds) == [1, 2, 3, 4, 5] and s.plain == pytest.approx(plain)
+    verify = [s.rounds[k][0] for k in s.rounds]
+    # Each more token of a verify step brings its own routed experts but shares the dense weights.
+    assert all(plain < a < b for a, b in zip(verify, verify[1:]))
+    assert all(v < (k + 1) * plain for k, v in zip(s.rounds, verify))
+    drafting = [s.rounds[k][1] for k in s.rounds]
+    assert all(0 < a < b for a, b in zip(drafting, drafting[1:]))  # one block call, then a Markov call per draft
+    v, d = s.rounds[2]
+    assert s.speedup(2, 1.0) == pytest.approx(3 * plain / (v + d))
+    assert s.speedup(2, 0.0) == pytest.approx(plain / (v + d)) and s.speedup(2, 0.0) < 1
+    report = decode_cost("flash-0731", "sm90", 4096).to_json()["speculation"]
+    assert [r["drafts"] for r in report["rounds"]] == [1, 2, 3, 4, 5]
+    assert decode_cost("flash", "sm90", 4096).speculation.method == "mtp"
