@@ -13,7 +13,9 @@
    interpreter in numpy) on a KV pool of the same format (FP8 rows); checks that speculative
    decoding with the MTP layer (tiny has one; the pool rows of rejected drafts put back by the artifact's
    pool functions on the device, decode steps replaying CUDA graphs) gives plain greedy's
-   tokens; then prints prefill and decode timings of the GPU artifact, and what fraction of the
+   tokens, and so does DSpark's block drafter (``tiny-dspark``: tiny with 2 DSpark stages, block
+   4), whose ``dspark_draft`` / ``dspark_markov`` outputs are also compared with the reference
+   backend's after the same prompt; then prints prefill and decode timings of the GPU artifact, and what fraction of the
    GPU's memory bandwidth a decode token's weight reads reach; with ``--profile``, decode's kernel
    time by op family (a copy of the artifact without CUDA graphs).
 
@@ -22,7 +24,7 @@ Without such a GPU it says so and stops after step 1. Budget: under 8 minutes on
 GEMMs emulated with sm90's fragment layout against the MFMA's), which is how the script itself
 is tested where no GPU is.
 
-    scripts/device_check [--target sm90|llvm] [--models tiny flash-slice] [--prompt-tokens 256]
+    scripts/device_check [--target sm90|llvm] [--models tiny tiny-dspark flash-slice] [--prompt-tokens 256]
                          [--decode-steps 16] [--keep DIR] [--profile]
 """
 
@@ -30,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shutil
 import sys
 import tempfile
 import time
 import traceback
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +62,11 @@ EXPERT_ROWS = [3, 0, 70, 9]  # rows per expert: none, part of a tile, more than 
 # Decode's GEMVs (kernels.gpu_gemv), the same shapes: 3 rows (linear), experts of 0-2 rows.
 GEMV_CASES = [(kind, out, inp, quant, groups) for kind, out, inp, quant, groups in GEMM_CASES]
 GEMV_EXPERT_ROWS = [1, 0, 2, 1]
+# tiny plus a DSpark drafter: 2 stages tapping layers 2 and 3, blocks of 4 (its CSA layers make
+# rejected drafts cross ratio-4 compression boundaries).
+TINY_DSPARK = {"num_nextn_predict_layers": 2, "dspark_block_size": 4, "dspark_target_layer_ids": [2, 3],
+               "dspark_markov_rank": 16, "dspark_noise_token_id": 511}
+MODELS = ("tiny", "tiny-dspark", "flash-slice")
 
 
 def _compile(model: Path, target: str, out: Path) -> float:
@@ -77,7 +86,9 @@ def build(work: Path, target: str, models: list[str]) -> None:
     from dsv4c.frontend.random_model import random_weights
     from dsv4c.frontend.config import config_from_dict, preset
 
-    configs = {"tiny": preset("tiny"), "flash-slice": config_from_dict(FLASH_SLICE, "flash-slice")}
+    tiny = json.loads(resources.files("dsv4c.frontend").joinpath("presets/tiny.json").read_text())
+    configs = {"tiny": preset("tiny"), "tiny-dspark": config_from_dict({**tiny, **TINY_DSPARK}, "tiny-dspark"),
+               "flash-slice": config_from_dict(FLASH_SLICE, "flash-slice")}
     for label in models:
         start = time.perf_counter()
         write_checkpoint(configs[label], random_weights(configs[label], 0), work / label)
@@ -223,27 +234,73 @@ def parity(work: Path, target: str, label: str, steps: int) -> bool:
     return ok
 
 
-def _has_mtp(work: Path, target: str, label: str) -> bool:
+def _drafter(work: Path, target: str, label: str) -> str | None:
+    """The speculative method the artifact's drafter runs: mtp, dspark or None."""
     from dsv4c.artifact.manifest import read_manifest
 
-    return "mtp0_decode" in read_manifest(work / f"{label}-{target}").vm.functions
+    functions = read_manifest(work / f"{label}-{target}").vm.functions
+    return "dspark" if "dspark_draft_decode" in functions else "mtp" if "mtp0_decode" in functions else None
 
 
 def speculation(work: Path, target: str, label: str, steps: int) -> bool:
-    """Greedy decoding with MTP drafts (2 per step) against plain greedy on the target's artifact:
-    the same tokens, whatever the drafts (rejected ones' pool rows are put back)."""
+    """Greedy decoding with the artifact's drafter (2 MTP drafts, or DSpark's block) against plain
+    greedy on the target's artifact: the same tokens, whatever the drafts (rejected ones' pool rows
+    are put back)."""
     from dsv4c.artifact.directory import open_artifact
     from dsv4c.runtime.engine import Engine
     from dsv4c.runtime.sampling import SamplingParams
 
     artifact = work / f"{label}-{target}"
+    method = _drafter(work, target, label)
     vocab = open_artifact(artifact).config.vocab_size
     prompt = np.random.default_rng(4).integers(0, vocab, 40).tolist()
-    outs = [Engine(artifact, max_requests=1, max_context=len(prompt) + steps + 4, speculative=speculative,
-                   num_draft_tokens=2).generate(prompt, SamplingParams(max_new_tokens=steps)).tokens
-            for speculative in (None, "mtp")]
+    outs = [Engine(artifact, max_requests=1, max_context=len(prompt) + steps + 8, speculative=speculative,
+                   num_draft_tokens=2 if speculative == "mtp" else None).generate(
+                       prompt, SamplingParams(max_new_tokens=steps)).tokens
+            for speculative in (None, method)]
     ok = outs[0] == outs[1]
-    print(f"{label}: {steps} greedy tokens with MTP drafts equal plain greedy's: {ok} -> {'PASS' if ok else 'FAIL'}")
+    print(f"{label}: {steps} greedy tokens with {method} drafts equal plain greedy's: {ok} -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def _block_outputs(artifact: Path, prompt: list[int]) -> list[np.ndarray]:
+    """DSpark's outputs for a block after ``prompt``: base logits, then per row its Markov bias and
+    confidence logit (each row's previous token: the anchor, then the base logits' argmax). The
+    prompt goes in steps of decode's width, whose GEMVs compute in fp32 on every target (prefill's
+    GEMMs round operands to fp16 on GPUs), so that the comparison isolates the drafter's kernels."""
+    from dsv4c.codegen.relax_step import GEMV_MAX_ROWS
+    from dsv4c.runtime.engine import Engine
+
+    engine = Engine(artifact, max_step_tokens=len(prompt), max_requests=1, max_context=len(prompt) + 16)
+    backend, n, dspark = engine.backend, len(prompt), engine.config.dspark
+    engine.pool.admit(0, n + dspark.block_size)
+    for start in range(0, n, GEMV_MAX_ROWS):
+        chunk = prompt[start:start + GEMV_MAX_ROWS]
+        backend.step(np.array(chunk, np.int32), np.arange(start, start + len(chunk), dtype=np.int32),
+                     np.zeros(len(chunk), np.int32), np.array([len(chunk) - 1], np.int32))
+    b = dspark.block_size
+    base = backend.dspark_draft(np.array(prompt[-1:] + [dspark.noise_token_id] * (b - 1), np.int32),
+                                np.arange(n - 1, n - 1 + b, dtype=np.int32), np.zeros(b, np.int32))
+    prev = np.array([prompt[-1]] + [int(t) for t in base[:-1].argmax(axis=1)], np.int32)
+    bias, confidence = backend.dspark_markov(prev, np.arange(b, dtype=np.int32))
+    return [base, bias, confidence]
+
+
+def drafter_parity(work: Path, target: str, label: str) -> bool:
+    """DSpark's compiled drafter on the target vs the reference backend after the same prompt (a
+    block of at most decode's width: fp32 GEMVs, so the GEMM bound of fp32 summation order holds)."""
+    from dsv4c.artifact.directory import open_artifact
+
+    vocab = open_artifact(work / f"{label}-{target}").config.vocab_size
+    prompt = np.random.default_rng(5).integers(0, vocab, 30).tolist()
+    reference = work / f"{label}-reference"
+    _compile(work / label, "reference", reference)
+    ours, ref = _block_outputs(work / f"{label}-{target}", prompt), _block_outputs(reference, prompt)
+    shutil.rmtree(reference)
+    errors = [float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())) for a, b in zip(ours, ref)]
+    ok = max(errors) <= GEMM_BOUND
+    print(f"{label}: DSpark block after 30 tokens, relative max |{target} - reference|: base logits {errors[0]:.2e}, "
+          f"Markov bias {errors[1]:.2e}, confidence {errors[2]:.2e} -> {'PASS' if ok else 'FAIL'}")
     return ok
 
 
@@ -324,7 +381,7 @@ def _checked(name: str, check, *args) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", choices=("sm90", "llvm"), default="sm90")
-    parser.add_argument("--models", nargs="+", choices=("tiny", "flash-slice"), default=["tiny", "flash-slice"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--keep", help="build in this directory and keep it")
@@ -342,9 +399,11 @@ def main(argv=None) -> int:
                 print("no sm_90 CUDA GPU on this machine: built and checked the artifacts only")
                 return 0
             print(f"GPU: {device.device_name}")
-        drafting = [label for label in args.models if _has_mtp(work, args.target, label)]
+        drafting = [label for label in args.models if _drafter(work, args.target, label)]
         checks = [("gemm kernels", gemm_kernels, (args.target,)), ("gemv kernels", gemv_kernels, (args.target,))]
         checks += [(f"{label}: parity", parity, (work, args.target, label, 8)) for label in args.models]
+        checks += [(f"{label}: drafter parity", drafter_parity, (work, args.target, label)) for label in drafting
+                   if _drafter(work, args.target, label) == "dspark"]
         checks += [(f"{label}: speculation", speculation, (work, args.target, label, 8)) for label in drafting]
         checks += [(f"{label}: timings", timings, (work, args.target, label, args.prompt_tokens, args.decode_steps))
                    for label in args.models]

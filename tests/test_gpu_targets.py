@@ -272,21 +272,24 @@ def test_full_structure_compiles_without_weights(tmp_path, model, target, ranks)
 
 
 def test_device_check_logic_runs_on_the_cpu():
-    """scripts/device_check's tensor-core GEMM check, whole-model parity and timing path, on the
-    CPU (--target llvm, the same FP8 pool format): on an H200 the same code runs the sm90 artifact
-    and the GEMMs on the GPU."""
+    """scripts/device_check's tensor-core GEMM check, whole-model and DSpark drafter parity,
+    speculation (MTP and DSpark) and timing path, on the CPU (--target llvm, the same FP8 pool
+    format): on an H200 the same code runs the sm90 artifacts and the GEMMs on the GPU."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
-    done = subprocess.run([sys.executable, str(script), "--target", "llvm", "--models", "tiny", "--prompt-tokens",
-                           "32", "--decode-steps", "2", "--profile"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--target", "llvm", "--models", "tiny", "tiny-dspark",
+                           "--prompt-tokens", "32", "--decode-steps", "2", "--profile"], capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr
-    assert "same tokens: True -> PASS" in done.stdout
+    assert done.stdout.count("same tokens: True -> PASS") == 2
     assert done.stdout.count("| = 0.0e+00 -> PASS") == 12  # 6 GEMMs, 6 GEMVs: both emulations sum alike
     assert "decode at 32 context" in done.stdout and "GB/s" in done.stdout
-    assert "equal plain greedy's: True -> PASS" in done.stdout
+    assert "tiny: 8 greedy tokens with mtp drafts equal plain greedy's: True -> PASS" in done.stdout
+    assert "tiny-dspark: 8 greedy tokens with dspark drafts equal plain greedy's: True -> PASS" in done.stdout
+    assert "tiny-dspark: DSpark block after 30 tokens" in done.stdout and "confidence" in done.stdout
     assert "tiny: profile of prefill 32 tokens and 2 decode steps on llvm" in done.stdout
     assert "outside kernels (VM, host)" in done.stdout
 
