@@ -213,6 +213,16 @@ def quantize_fp8_blocks(w, block: int = 128, scale_format: str = "e8m0") -> tupl
     return encode_e4m3fn(w / _expand_blocks(scale, block, w.shape)), stored
 
 
+def quantize_fp8_row_groups(w, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 rows ``[O, I]`` -> (e4m3fn codes ``[O, I]``, e8m0 scales ``[O, I / group]``): one scale
+    per ``group`` columns of each row, as V4.1's Engram tables are stored (the weight rule of
+    :func:`quantize_fp8_blocks` on 1 x ``group`` blocks)."""
+    w = np.asarray(w, np.float32)
+    groups = _split_last_axis(w, group)
+    scale = _pow2_block_scale(groups, FP8_AMAX_FLOOR, E4M3_MAX)
+    return encode_e4m3fn(groups / scale).reshape(w.shape), encode_e8m0(scale[..., 0])
+
+
 def dequantize_fp8_blocks(codes, scales, block: int = 128, scale_format: str = "e8m0") -> np.ndarray:
     """float32 ``[O, I]`` weight of :func:`quantize_fp8_blocks` output."""
     _check_scale_format(scale_format)
