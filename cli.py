@@ -88,14 +88,14 @@ def _cmd_inspect(args) -> int:
               "fp8_format": plan.fp8_format, "expert_format": plan.expert_format,
               "tensor_parallel": sharding.tensor_parallel}
     if cfg.family == "v4.1":
-        # The artifact's weight layouts come from the traced program, which V4.1 does not have yet;
-        # its pool is priced beside V4-Flash's under the same plan.
+        # The artifact's weight sizes come from the compiled targets' weight layouts, which V4.1's
+        # ops do not have yet; its pool is priced beside V4-Flash's under the same plan.
         flash = resolve_model("flash")
         flash_geometry = PoolGeometry.build(flash, plan_for(flash, args.target, args.numerics, args.kv_cache_dtype))
         report["flash_bytes_per_token"] = flash_geometry.summary()["bytes_per_token"]
         if args.memory is not None:
             raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes, which DeepSeek-V4.1 models do "
-                             "not have until their forward is traced")
+                             "not have until their ops have TVM kernels")
     else:
         report["weight_bytes_per_device"] = sharding.device_weight_bytes(stored_weights(cfg, plan))
     device_weight_bytes = report.get("weight_bytes_per_device")
