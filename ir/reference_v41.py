@@ -56,10 +56,13 @@ def shared_compress(store: KVStore, kv, norm, positions, seq_ids, *rest, layer, 
             if index_keys:
                 keys = rope(rmsnorm(linear(latent, wk), k_norm, eps), row_pos, inv_freq, rope_dim, inverse=False)
                 store.write_entries(layer, "index", seq, first, lowbit.v41_roundtrip(keys, "fp4_b32"))
-        rest_rows = len(seq_kv) - closed * r
-        ring_kv[:rest_rows] = seq_kv[closed * r:]
-        if seq_gate is not None:
-            ring_gate[:rest_rows] = seq_gate[closed * r:]
+        # Position p owns ring row p mod r, whether or not its window closed in this step: a
+        # speculative rollback puts back the rows of rejected positions only, so the accepted
+        # ones of a window the rejected ones closed must already be in the ring.
+        last = idx[-r:]
+        ring_kv[positions[last] % r] = kv[last]
+        if gate is not None:
+            ring_gate[positions[last] % r] = gate[last]
 
 
 def candidate_mask(scores, positions, seq_ids, *, ratio, block, blocks):

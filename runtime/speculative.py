@@ -92,7 +92,8 @@ class SpeculativeDecoding:
             backend.check_pool_functions()
         # Positions of one verify step must own distinct window and ring rows (position_state).
         geometry: PoolGeometry = pool.geometry
-        longest = min([geometry.window] + [s.rows for s in geometry.states])
+        # A one-row ring (ratio 1) never holds a pending token: every token closes its window.
+        longest = min([geometry.window] + [s.rows for s in geometry.states if s.rows > 1])
         if not 1 <= num_draft_tokens < longest:
             raise UsageError(f"num_draft_tokens must be in [1, {longest - 1}] for this model (its smallest window "
                              f"or compressor ring holds {longest} positions), got {num_draft_tokens}")
