@@ -1,5 +1,6 @@
 """DeepSeek-V4.1 against transformers' reference (tests/data/v41_case0/README.md): the reference
-artifact's logits and greedy tokens whole, with chunked prefill and one token at a time; every
+artifact's logits and greedy tokens whole, with chunked prefill, one token at a time and in a
+ragged batch; every
 layer role (sliding, KV sources of ratio 2 and 1, reuse, re-index before and after the candidate
 source), both top-k levels, the group's compressed rows and index keys and the Engram layers
 against the reference's internals; a prefix-cache hit, a preempted request and speculative
@@ -49,6 +50,25 @@ def test_logits_and_greedy_tokens_match_the_reference(artifact, tmp_path, capsys
     got, n = np.load(logits), len(TOKEN_IDS)
     assert np.abs(got[:n] - np.load(CASE / "logits_full.npy")).max() < TOLERANCE
     assert np.abs(got[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
+
+
+def test_a_ragged_batch_matches_the_reference(artifact):
+    """The case's prompt fed beside two others of other lengths, in chunks that never line up."""
+    engine = Engine(artifact, max_requests=3, max_context=256, max_step_tokens=48, prefill_chunk=13)
+    params = SamplingParams(max_new_tokens=len(GREEDY))
+    others = [engine.submit(_prompt(5, 30), params), engine.submit(_prompt(6, 71), params)]
+    rid = engine.submit(TOKEN_IDS, params, record_logits=True)
+    engine.run()
+    result, n = engine.result(rid), len(TOKEN_IDS)
+    assert result.tokens == GREEDY and all(len(engine.result(o).tokens) == len(GREEDY) for o in others)
+    assert np.abs(result.logits[:n] - np.load(CASE / "logits_full.npy")).max() < TOLERANCE
+    assert np.abs(result.logits[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
+
+
+def test_the_artifact_chats_in_v41s_encoding(artifact):
+    from dsv4c.runtime.serve.chat import ChatProtocol
+
+    assert ChatProtocol.of(Engine(artifact, max_context=256), None).encoding.name == "V4.1"
 
 
 def _record(artifact) -> dict[str, np.ndarray]:
