@@ -58,8 +58,8 @@ class V41Functions:
             ws = [self._w(b, f"{p}engram.embed.weight", e.num_embeddings[e.layer_ids.index(layer.index)], e.head_dim),
                   self._w(b, f"{p}engram.wkv.weight", (c.hc_mult + 1) * d, e.columns * e.head_dim),
                   self._w(b, f"{p}engram.q_weight", c.hc_mult, d), self._w(b, f"{p}engram.k_weight", c.hc_mult, d)]
-            h = b.emit("engram", [h, rows] + ws, {"slot": e.layer_ids.index(layer.index), "eps": c.rms_norm_eps},
-                       f"{tag}.engram")
+            attrs = {"slot": e.layer_ids.index(layer.index), "eps": c.rms_norm_eps, "quant": self.dense_quant}
+            h = b.emit("engram", [h, rows] + ws, attrs, f"{tag}.engram")
         attn_pre, post, comb = self._mix(b, h, p, "attn", tag)
         y = b.emit("hc_collapse", [h] if pre is None else [h, pre], {}, f"{tag}.attn_in")
         y = self._norm(b, y, f"{p}attn_norm.weight", c.hidden_size, f"{tag}.attn_x")

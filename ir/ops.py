@@ -455,7 +455,7 @@ def _candidate_mask(ins, attrs):
     return [s]
 
 
-@_op("engram", attrs=("slot", "eps"), arity=(6,))
+@_op("engram", attrs=("slot", "eps", "quant"), arity=(6,))
 def _engram(ins, attrs):
     """An Engram layer's lookup and gate: the table rows ``ids[:, slot]`` ``[T, L_e, C]`` of each
     token, projected by ``wkv`` to one key per stream and a value, gated into the streams."""
@@ -465,9 +465,8 @@ def _engram(ins, attrs):
     wkv = _float(ins[3], "engram wkv", 2)
     t, n, d = h.shape
     _same(ids.shape[0], t, "engram token dim")
-    _same(wkv.shape, ((n + 1) * d if isinstance(n, int) and isinstance(d, int) else wkv.shape[0],
-                      ids.shape[2] * table.shape[1] if isinstance(ids.shape[2], int) else wkv.shape[1]),
-          "engram wkv shape")
+    if all(isinstance(v, int) for v in (n, d, ids.shape[2], table.shape[1])):
+        _same(wkv.shape, ((n + 1) * d, ids.shape[2] * table.shape[1]), "engram wkv shape")
     for v in ins[4:]:
         _same(_float(v, "engram q/k weight", 2).shape, (n, d), "engram q/k weight shape")
     return [h]

@@ -139,6 +139,10 @@ def test_inspect_prices_v41_flash_beside_v4_flash(capsys):
     assert report["rows_per_envelope"] == 640 and report["bytes_per_token"] < report["flash_bytes_per_token"]
     assert cli(["inspect", "v41-flash"]) == 0
     assert "V4-Flash beside it" in capsys.readouterr().out
+    assert cli(["inspect", "v41-flash", "--cost", "--json"]) == 0
+    engram = json.loads(capsys.readouterr().out)["cost_by_family"]["engram"]
+    # Two Engram layers, 24 table rows of 256 FP8 values each per token, beside their projections.
+    assert engram["flops"] > 0 and engram["bytes_read"] > 2 * 24 * 256
 
 
 def _transformers_name(name: str) -> str:
