@@ -97,7 +97,8 @@ def _cmd_inspect(args) -> int:
             raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes, which DeepSeek-V4.1 models do "
                              "not have until their ops have TVM kernels")
     else:
-        report["weight_bytes_per_device"] = sharding.device_weight_bytes(stored_weights(cfg, plan))
+        weights = stored_weights(cfg, plan)
+        report["weight_bytes_per_device"] = sharding.device_weight_bytes(weights)
     device_weight_bytes = report.get("weight_bytes_per_device")
     if args.memory is not None:
         # Every device holds the whole pool (one KV head: see artifact/sharding.py) beside its weights.
