@@ -10,9 +10,10 @@ Configs arrive in three spellings and all load into :class:`ModelConfig`:
   ``rope_parameters`` with ``main`` / ``compress``).
 
 The per-layer schedule is kept as a plain list of :class:`LayerSpec`, never a formula.
-DSpark drafter fields are read by ``frontend.dspark_config``. Anything we do not implement
-(V4.1 ratios 1/2 and shared-KV roles, which ``frontend.schedule`` reads and checks first,
-unknown fields) is refused with a
+DSpark drafter fields are read by ``frontend.dspark_config``; DeepSeek-V4.1 configs
+(``model_type`` ``deepseek_v41`` / ``deepseek_v41_text``) by ``frontend.config_v41`` first.
+Anything we do not implement (in a V4 config: V4.1's ratios 1/2 and shared-KV roles, which
+``frontend.schedule`` reads and checks first; unknown fields) is refused with a
 :class:`~dsv4c.errors.ConfigError` that names the field: a silently ignored field would
 compile a wrong model.
 """
