@@ -41,6 +41,11 @@ class V41Functions:
         fn.outputs = [self.logits(b, y, ""), h]
         return fn
 
+    def _fake_quant(self, b: Builder, x: Value, fmt: str, hint: str) -> Value:
+        """V4.1's round trip of ``x`` in format ``fmt``, where the model applies them (always, as
+        released; a research config may turn them off)."""
+        return b.emit("v41_roundtrip", [x], {"format": fmt}, hint) if self.cfg.activation_fake_quant else x
+
     def _mix(self, b: Builder, h: Value, prefix: str, which: str, tag: str):
         c = self.cfg
         n, d = c.hc_mult, c.hidden_size
@@ -80,9 +85,10 @@ class V41Functions:
         q = self._linear(b, q_res, f"{p}wq_b.weight", c.num_heads * c.head_dim, c.q_lora_rank, self.dense_quant,
                          f"{tag}.q")
         q = b.emit("reshape", [q], {"shape": ["T", c.num_heads, c.head_dim]}, f"{tag}.q_heads")
+        if c.q_head_norm:
+            q = self._norm(b, q, None, c.head_dim, f"{tag}.q_normed")
         q = b.emit("rope", [q, pos], {**rope, "inverse": False}, f"{tag}.q_rope")
-        kv = b.emit("v41_roundtrip", [self.window_kv(b, x, p, rope, pos, tag)], {"format": "fp8_b32"},
-                    f"{tag}.kv_fp8")
+        kv = self._fake_quant(b, self.window_kv(b, x, p, rope, pos, tag), "fp8_b32", f"{tag}.kv_fp8")
         compressed = []
         if layer.is_kv_source:
             published["state"][layer.index] = self.v41_compressor(b, layer, p, x, pos, seq)
@@ -112,7 +118,7 @@ class V41Functions:
                     self._w(b, f"{p}indexer.k_norm.weight", c.index_head_dim)]
         attrs = {"layer": layer.index, "ratio": layer.compress_ratio, "head_dim": c.head_dim,
                  "index_dim": c.index_head_dim, "rope_dim": c.rope_dim, "eps": c.rms_norm_eps,
-                 "index_keys": layer.owns_index_keys}
+                 "index_keys": layer.owns_index_keys, "fake_quant": c.activation_fake_quant}
         return b.emit("shared_compress", ins, attrs, f"{tag}.entries")
 
     def v41_indexer(self, b: Builder, layer: LayerSpec, p: str, x: Value, q_res: Value, pos: Value, seq: Value,
@@ -124,7 +130,7 @@ class V41Functions:
         q = self._linear(b, q_res, f"{p}indexer.wq_b.weight", hi * di, c.q_lora_rank, self.dense_quant, f"{tag}.q")
         q = b.emit("reshape", [q], {"shape": ["T", hi, di]}, f"{tag}.q_heads")
         q = b.emit("rope", [q, pos], {"rope": "compress", "rope_dim": c.rope_dim, "inverse": False}, f"{tag}.q_rope")
-        q = b.emit("v41_roundtrip", [q], {"format": "fp4_b32"}, f"{tag}.q_fp4")
+        q = self._fake_quant(b, q, "fp4_b32", f"{tag}.q_fp4")
         weights = self._linear(b, x, f"{p}indexer.weights_proj.weight", hi, c.hidden_size, self.bf16_quant,
                                f"{tag}.w")
         scores = b.emit("index_score", [q, weights, pos, seq, state], {"layer": layer.index,

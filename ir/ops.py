@@ -418,14 +418,15 @@ def _v41_rt(ins, attrs):
     return [_float(ins[0], "v41_roundtrip input")]
 
 
-@_op("shared_compress", attrs=("layer", "ratio", "head_dim", "index_dim", "rope_dim", "eps", "index_keys"),
+@_op("shared_compress", attrs=("layer", "ratio", "head_dim", "index_dim", "rope_dim", "eps", "index_keys",
+                                "fake_quant"),
      effect=True, arity=(4, 5, 6, 7))
 def _shared_compress(ins, attrs):
     """A V4.1 KV source's compressor: ``[kv, norm, positions, seq_ids]``, then the gate when the
     ratio pools several tokens, then ``[wk, k_norm]`` when it makes its group's index keys.
     Every window the step closes becomes a row of the group (softmax-gated pool, rmsnorm, rope
-    at its first position, FP4 round trip) and, from the same latent, an index key (wk, k_norm,
-    rope, FP4 round trip)."""
+    at its first position, FP4 round trip where ``fake_quant``) and, from the same latent, an
+    index key (wk, k_norm, rope, FP4 round trip)."""
     kv = _float(ins[0], "shared_compress kv", 2)
     _same(kv.shape[1], attrs["head_dim"], "shared_compress kv width")
     _same(_float(ins[1], "shared_compress norm", 1).shape, (attrs["head_dim"],), "shared_compress norm shape")

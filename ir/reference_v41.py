@@ -32,10 +32,14 @@ def _gated_pool(kv: np.ndarray, gate: np.ndarray) -> np.ndarray:
 
 
 def shared_compress(store: KVStore, kv, norm, positions, seq_ids, *rest, layer, ratio, head_dim, index_dim, rope_dim,
-                    eps, index_keys, inv_freq) -> None:
+                    eps, index_keys, fake_quant, inv_freq) -> None:
     r = ratio
     gate = rest[0] if r > 1 else None
     wk, k_norm = rest[-2:] if index_keys else (None, None)
+
+    def quant(x, fmt):
+        return lowbit.v41_roundtrip(x, fmt) if fake_quant else x
+
     for seq, idx, p0 in request_groups(positions, seq_ids):
         ring_kv, ring_gate = store.ring(layer, "main", seq)
         pending = p0 % r
@@ -52,10 +56,10 @@ def shared_compress(store: KVStore, kv, norm, positions, seq_ids, *rest, layer, 
             first = p0 // r
             row_pos = (np.arange(first, first + closed) * r).astype(np.int32)
             rows = rope(latent, row_pos, inv_freq, rope_dim, inverse=False)
-            store.write_entries(layer, "main", seq, first, lowbit.v41_roundtrip(rows, "fp4_e4m3_b16"))
+            store.write_entries(layer, "main", seq, first, quant(rows, "fp4_e4m3_b16"))
             if index_keys:
                 keys = rope(rmsnorm(linear(latent, wk), k_norm, eps), row_pos, inv_freq, rope_dim, inverse=False)
-                store.write_entries(layer, "index", seq, first, lowbit.v41_roundtrip(keys, "fp4_b32"))
+                store.write_entries(layer, "index", seq, first, quant(keys, "fp4_b32"))
         # Position p owns ring row p mod r, whether or not its window closed in this step: a
         # speculative rollback puts back the rows of rejected positions only, so the accepted
         # ones of a window the rejected ones closed must already be in the ring.
@@ -112,7 +116,7 @@ def run_v41(op: str, args: list, a: dict, ctx):
     if op == "shared_compress":
         shared_compress(ctx.store, *args, layer=a["layer"], ratio=a["ratio"], head_dim=a["head_dim"],
                         index_dim=a["index_dim"], rope_dim=a["rope_dim"], eps=a["eps"], index_keys=a["index_keys"],
-                        inv_freq=ctx.inv_freq("compress"))
+                        fake_quant=a["fake_quant"], inv_freq=ctx.inv_freq("compress"))
         return None
     if op == "candidate_mask":
         return candidate_mask(*args, ratio=a["ratio"], block=a["block"], blocks=a["blocks"])

@@ -124,10 +124,10 @@ class Engine:
         every_row = {r.rid: r.wants_every_row for r, _ in plan}
         for r, n in plan:
             start = len(tokens)
-            fed = r.sequence + r.draft.tokens
-            tokens += fed[r.fed:r.fed + n]
+            sequence = r.sequence + r.draft.tokens
+            tokens += sequence[r.fed:r.fed + n]
             if self.engram is not None:  # hashed from the request's tokens: exact however it got here
-                engram_rows.append(self.engram.request_rows(fed, r.fed, r.fed + n))
+                engram_rows.append(self.engram.request_rows(sequence, r.fed, r.fed + n))
             positions += range(r.fed, r.fed + n)
             seqs += [r.rid] * n
             # Only the logits the engine uses come back: every row when recorded, verifying drafts
