@@ -93,6 +93,8 @@ def _cmd_inspect(args) -> int:
         flash = resolve_model("flash")
         flash_geometry = PoolGeometry.build(flash, plan_for(flash, args.target, args.numerics, args.kv_cache_dtype))
         report["flash_bytes_per_token"] = flash_geometry.summary()["bytes_per_token"]
+        if cfg.engram is not None:  # tables gathered a few rows a token, apart from the weights
+            report["engram_bytes"] = cfg.engram.table_bytes
         if args.memory is not None:
             raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes, which DeepSeek-V4.1 models do "
                              "not have until their ops have TVM kernels")
@@ -130,6 +132,8 @@ def _cmd_inspect(args) -> int:
     rows.append(("bytes per token, total", f"{report['bytes_per_token']:,.1f}"))
     if "flash_bytes_per_token" in report:
         rows.append(("bytes per token, V4-Flash beside it", f"{report['flash_bytes_per_token']:,.1f}"))
+    if "engram_bytes" in report:
+        rows.append(("Engram tables", f"{report['engram_bytes'] / gib:,.2f} GiB"))
     rows.append(("window rows per request", f"{geometry.window_rows_per_request:,} "
                  f"({report['window_bytes_per_request'] / mib:,.2f} MiB)"))
     rows.append(("compressor state per request", f"{geometry.state_bytes_per_request / mib:,.2f} MiB"))

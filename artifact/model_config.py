@@ -227,10 +227,18 @@ class Engram:
     pad_id: int  # the token that stands for positions before the sequence start
     compressed_vocab_size: int
 
+    # Bytes of one table element as the checkpoint stores it: FP8, one E8M0 scale per 32.
+    ELEMENT_BYTES = 1 + 1 / 32
+
     @property
     def columns(self) -> int:
         """Table rows one token reads per layer: one per (n-gram size, hash head)."""
         return (self.max_ngram_size - 1) * self.n_heads
+
+    @property
+    def table_bytes(self) -> int:
+        """Every table's rows as the checkpoint stores them."""
+        return int(sum(self.num_embeddings) * self.head_dim * self.ELEMENT_BYTES)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from dsv4c.artifact.model_config import Engram
 from dsv4c.artifact.quant import FP32, dense_format, expert_format
 from dsv4c.errors import UsageError
 from dsv4c.ir.core import Function, Node, Value, concat_parts
@@ -335,10 +336,6 @@ def _candidate_mask(node: Node, d: Decode):
     return "topk", Cost(2 * d.batch * entries) + _io(node, d, entries=entries)
 
 
-# Bytes of one Engram table element as the checkpoint stores it: FP8, one E8M0 scale per 32.
-ENGRAM_ELEMENT_BYTES = 1 + 1 / 32
-
-
 @rule("engram")
 def _engram(node: Node, d: Decode):
     """Each token's table rows (only those its n-grams hash to), projected by ``wkv`` into a key
@@ -349,7 +346,7 @@ def _engram(node: Node, d: Decode):
     n, dim = h.type.shape[1], h.type.shape[2]
     project = 2 * d.batch * ids.type.shape[2] * width * wkv.type.shape[0]
     gate = d.batch * n * dim * 8
-    lookup = Cost(0, rows / ids.type.shape[1] * width * ENGRAM_ELEMENT_BYTES + _dense_weight_bytes(node, wkv, d))
+    lookup = Cost(0, rows / ids.type.shape[1] * width * Engram.ELEMENT_BYTES + _dense_weight_bytes(node, wkv, d))
     return "engram", Cost(project + gate) + lookup + _io(node, d, [h, ids])
 
 

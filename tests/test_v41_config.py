@@ -137,6 +137,8 @@ def test_inspect_prices_v41_flash_beside_v4_flash(capsys):
     report = json.loads(capsys.readouterr().out)
     # Four groups held once: three of ratio 2 and one of ratio 1, 2.5 rows a token, against V4-Flash's.
     assert report["rows_per_envelope"] == 640 and report["bytes_per_token"] < report["flash_bytes_per_token"]
+    # The two tables apart from the weights: 768,022,850 rows of 256 FP8 values and 8 scales.
+    assert report["engram_bytes"] == int((384006168 + 384016682) * 256 * (1 + 1 / 32))
     assert cli(["inspect", "v41-flash"]) == 0
     assert "V4-Flash beside it" in capsys.readouterr().out
     assert cli(["inspect", "v41-flash", "--cost", "--json"]) == 0
