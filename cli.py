@@ -19,12 +19,19 @@ from dsv4c.targets import COMPILED_TARGETS, TARGETS
 def _cmd_make_tiny(args) -> int:
     from dsv4c.frontend.checkpoint_writer import write_checkpoint
     from dsv4c.frontend.random_model import iter_random_weights
-    from dsv4c.frontend.config import load_config, preset
+    from dsv4c.frontend.config import resolve_model
 
-    cfg = load_config(args.config) if args.config else preset("tiny")
+    cfg = resolve_model(args.config or "tiny")
     out = write_checkpoint(cfg, iter_random_weights(cfg, args.seed), args.out, progress=sys.stderr.isatty())
-    drafter = f", a DSpark drafter of {len(cfg.mtp_layers)} stage(s)" if cfg.dspark is not None else ""
-    print(f"wrote a random {cfg.name} model (seed {args.seed}, {cfg.num_layers} layers{drafter}) to {out}")
+    extras = f", a DSpark drafter of {len(cfg.mtp_layers)} stage(s)" if cfg.dspark is not None else ""
+    if cfg.engram is not None:  # its compressed vocabulary comes from a tokenizer
+        from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
+        from dsv4c.frontend.engram import engram_tables
+
+        write_byte_tokenizer(out, cfg.vocab_size)
+        engram_tables(cfg, out)  # a config whose Engram fields this tokenizer does not fit fails here
+        extras += ", a byte-level tokenizer"
+    print(f"wrote a random {cfg.name} model (seed {args.seed}, {cfg.num_layers} layers{extras}) to {out}")
     return 0
 
 
@@ -77,11 +84,24 @@ def _cmd_inspect(args) -> int:
     plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
     sharding = ShardingPlan.build(cfg, args.tensor_parallel)
     geometry = PoolGeometry.build(cfg, plan)
-    weights = stored_weights(cfg, plan)
-    device_weight_bytes = sharding.device_weight_bytes(weights)
     report = {"model": cfg.name, "target": args.target, "numerics": args.numerics, **geometry.summary(),
               "fp8_format": plan.fp8_format, "expert_format": plan.expert_format,
-              "tensor_parallel": sharding.tensor_parallel, "weight_bytes_per_device": device_weight_bytes}
+              "tensor_parallel": sharding.tensor_parallel}
+    if cfg.family == "v4.1":
+        # The artifact's weight sizes come from the compiled targets' weight layouts, which V4.1's
+        # ops do not have yet; its pool is priced beside V4-Flash's under the same plan.
+        flash = resolve_model("flash")
+        flash_geometry = PoolGeometry.build(flash, plan_for(flash, args.target, args.numerics, args.kv_cache_dtype))
+        report["flash_bytes_per_token"] = flash_geometry.summary()["bytes_per_token"]
+        if cfg.engram is not None:  # tables gathered a few rows a token, apart from the weights
+            report["engram_bytes"] = cfg.engram.table_bytes
+        if args.memory is not None:
+            raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes, which DeepSeek-V4.1 models do "
+                             "not have until their ops have TVM kernels")
+    else:
+        weights = stored_weights(cfg, plan)
+        report["weight_bytes_per_device"] = sharding.device_weight_bytes(weights)
+    device_weight_bytes = report.get("weight_bytes_per_device")
     if args.memory is not None:
         # Every device holds the whole pool (one KV head: see artifact/sharding.py) beside its weights.
         pool_memory = max(0, args.memory - device_weight_bytes)
@@ -110,11 +130,16 @@ def _cmd_inspect(args) -> int:
     for plane, b in geometry.bytes_per_token().items():
         rows.append((f"bytes per token, {plane} plane", f"{b:,.1f}"))
     rows.append(("bytes per token, total", f"{report['bytes_per_token']:,.1f}"))
+    if "flash_bytes_per_token" in report:
+        rows.append(("bytes per token, V4-Flash beside it", f"{report['flash_bytes_per_token']:,.1f}"))
+    if "engram_bytes" in report:
+        rows.append(("Engram tables", f"{report['engram_bytes'] / gib:,.2f} GiB"))
     rows.append(("window rows per request", f"{geometry.window_rows_per_request:,} "
                  f"({report['window_bytes_per_request'] / mib:,.2f} MiB)"))
     rows.append(("compressor state per request", f"{geometry.state_bytes_per_request / mib:,.2f} MiB"))
-    rows.append((f"weights per device at tensor parallel {sharding.tensor_parallel}",
-                 f"{device_weight_bytes / gib:,.2f} GiB"))
+    if device_weight_bytes is not None:
+        rows.append((f"weights per device at tensor parallel {sharding.tensor_parallel}",
+                     f"{device_weight_bytes / gib:,.2f} GiB"))
     if args.memory is not None:
         rows.append((f"pool memory left in {args.memory / gib:,.1f} GiB", f"{pool_memory / gib:,.2f} GiB" if pool_memory
                      else "none: the weights alone do not fit; raise --tensor-parallel"))
@@ -375,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny", help="write a deterministic random model a user can compile and run")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--config", help="config.json to use instead of the built-in tiny preset")
+    p.add_argument("--config", help="config.json or preset (e.g. v41-tiny) to use instead of the tiny preset")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(run=_cmd_make_tiny)
 

@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from dsv4c import __version__
-from dsv4c.artifact.file_names import CONSTANTS, COPIED_FROM_MODEL, PROGRAM, rank_prefix
+from dsv4c.artifact.file_names import CONSTANTS, COPIED_FROM_MODEL, ENGRAM_HASH, PROGRAM, TOKENIZER, rank_prefix
 from dsv4c.artifact.manifest import EntryPoint, Kernels, Manifest, RankWeights, Vm, Weights, staging, write_manifest
 from dsv4c.artifact.json_record import parse_record
 from dsv4c.artifact.model_config import ModelConfig
@@ -30,10 +30,11 @@ from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import QuantPlan, WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
-from dsv4c.errors import UsageError
-from dsv4c.frontend.checkpoint import Checkpoint, ir_sources
+from dsv4c.errors import UnsupportedModelError, UsageError
+from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, skipped_v41_tensors
 from dsv4c.frontend.checkpoint_writer import write_checkpoint
 from dsv4c.frontend.draft_model import resolve_drafter
+from dsv4c.frontend.engram import engram_tables
 from dsv4c.frontend.random_model import iter_random_weights
 from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
@@ -123,6 +124,16 @@ def stored_weights(cfg: ModelConfig, plan: QuantPlan) -> list[tuple[str, tuple[i
             for part in concat_parts(layout.name) or [layout.name]]
 
 
+def _write_engram_hash(cfg: ModelConfig, model: str, out: Path, log) -> None:
+    """The Engram hash constants, derived from the model directory's tokenizer; a model without
+    one (a preset) compiles, but its artifact cannot run a step."""
+    if not (Path(model).is_dir() and (Path(model) / TOKENIZER).is_file()):
+        log(f"dsv4c: note: {cfg.name} has no {TOKENIZER}: the artifact has no Engram hash constants and "
+            "cannot run; compile a model directory with its tokenizer")
+        return
+    engram_tables(cfg, model).save(out / ENGRAM_HASH)
+
+
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
                   progress: bool | None = None, log=print, passes: PipelineOptions | None = None,
                   kv_cache_dtype: str = "auto", shard_bytes: int | None = None, cpu: str | None = None,
@@ -138,6 +149,10 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
+    if cfg.family == "v4.1" and info.compiled:
+        raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1's ops (shared_compress, candidate_mask, engram, "
+                                    "mhc_mix, hc_collapse, v41_roundtrip) have no TVM kernels yet; compile it with "
+                                    "--target reference")
     cfg = resolve_drafter(cfg, Path(model) if Path(model).is_dir() and not no_weights else None, draft_model)
     sharding = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
     if tensor_parallel > 1 and not info.compiled:
@@ -154,6 +169,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
         sources = None
         if not no_weights:
             ckpt = stack.enter_context(Checkpoint(_checkpoint_dir(cfg, model, stack), drafter=draft_model))
+            skipped_v41_tensors(cfg, ckpt.names())
             # Every tensor's storage and shape is checked here, before anything is written.
             sources = ir_sources(cfg, ckpt, {n for n in base_weight_names(program) if n not in RANK_VALUES})
         with staging(out, log) as tmp:
@@ -162,6 +178,8 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             for name in COPIED_FROM_MODEL:
                 if Path(model).is_dir() and (Path(model) / name).is_file():
                     shutil.copyfile(Path(model) / name, tmp / name)
+            if cfg.engram is not None:
+                _write_engram_hash(cfg, model, tmp, log)
             with ThreadPoolExecutor(1, thread_name_prefix="dsv4c-kernels") as builder:
                 building = None
                 if info.compiled:

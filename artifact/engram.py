@@ -111,6 +111,12 @@ class EngramTables:
         rows = ngram_hash[..., None] % self.primes[None] + self.offsets.reshape(self.primes.shape)[None]
         return rows.reshape(len(positions), n_layers, -1)
 
+    def request_rows(self, tokens, start: int, stop: int) -> np.ndarray:
+        """The table rows ``[stop - start, L_e, C]`` of positions ``start .. stop - 1`` of a request
+        whose token ids by position are ``tokens`` (at least ``stop`` of them)."""
+        first = max(0, start - (self.max_ngram_size - 1))
+        return self.row_ids(self.compress(tokens[first:stop]), first, np.arange(start, stop))
+
     # ------------------------------------------------------------------ storage
     def save(self, path) -> None:
         """Write the tables as a safetensors file (arrays and string metadata, no pickle)."""

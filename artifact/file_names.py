@@ -13,6 +13,7 @@ WEIGHTS_INDEX = "weights.safetensors.index.json"  # which weight file holds whic
 TOKENIZER = "tokenizer.json"  # copied from the model directory when it has one
 TOKENIZER_CONFIG = "tokenizer_config.json"  # likewise; its chat_template serves chat requests
 COPIED_FROM_MODEL = (TOKENIZER, TOKENIZER_CONFIG)
+ENGRAM_HASH = "engram_hash.safetensors"  # a V4.1 model's Engram hash constants (artifact.engram.EngramTables)
 
 
 def rank_prefix(rank: int, ranks: int) -> str:

@@ -159,7 +159,12 @@ def pow2_ceil_scale(amax, qmax) -> np.ndarray:
     The ratio is the float32 quotient, as in the reference ops. Zero, inf and NaN
     ratios pass through unchanged.
     """
-    ratio = np.asarray(amax, np.float32) / np.float32(qmax)
+    return pow2_ceil(np.asarray(amax, np.float32) / np.float32(qmax))
+
+
+def pow2_ceil(ratio) -> np.ndarray:
+    """``2**ceil(log2(ratio))`` of float32 ``ratio``, exact; zero, inf and NaN pass through."""
+    ratio = np.asarray(ratio, np.float32)
     mantissa, exponent = np.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
     exponent = exponent - (mantissa == 0.5)  # an exact power of two is not rounded up
     scale = np.ldexp(np.float32(1), exponent)
@@ -211,6 +216,16 @@ def quantize_fp8_blocks(w, block: int = 128, scale_format: str = "e8m0") -> tupl
     else:
         scale = stored = amax / np.float32(E4M3_MAX)
     return encode_e4m3fn(w / _expand_blocks(scale, block, w.shape)), stored
+
+
+def quantize_fp8_row_groups(w, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 rows ``[O, I]`` -> (e4m3fn codes ``[O, I]``, e8m0 scales ``[O, I / group]``): one scale
+    per ``group`` columns of each row, as V4.1's Engram tables are stored (the weight rule of
+    :func:`quantize_fp8_blocks` on 1 x ``group`` blocks)."""
+    w = np.asarray(w, np.float32)
+    groups = _split_last_axis(w, group)
+    scale = _pow2_block_scale(groups, FP8_AMAX_FLOOR, E4M3_MAX)
+    return encode_e4m3fn(groups / scale).reshape(w.shape), encode_e8m0(scale[..., 0])
 
 
 def dequantize_fp8_blocks(codes, scales, block: int = 128, scale_format: str = "e8m0") -> np.ndarray:
@@ -266,6 +281,34 @@ def fp4_roundtrip(x, block: int = 32) -> np.ndarray:
     blocks = _split_last_axis(np.asarray(x, np.float32), block)
     scale = _pow2_block_scale(blocks, FP4_AMAX_FLOOR, E2M1_MAX)
     return (decode_e2m1(encode_e2m1(blocks / scale)) * scale).reshape(np.shape(x))
+
+
+# DeepSeek-V4.1's activation round trips (docs/v41.md, "Fake-quant"): the reference scales by the
+# product with the float32 reciprocal of the format's maximum (not a quotient), and passes a vector
+# whose length is not a multiple of the block through unchanged.
+V41_ROUNDTRIPS = ("fp8_b32", "fp4_b32", "fp4_e4m3_b16")
+
+
+def v41_roundtrip(x, fmt: str) -> np.ndarray:
+    """``fp8_b32``: window KV, e4m3 in blocks of 32 with power-of-two scales; ``fp4_b32``: index
+    queries and keys, e2m1 in blocks of 32 with power-of-two scales; ``fp4_e4m3_b16``: compressed
+    rows, e2m1 in blocks of 16 with e4m3 scales."""
+    x = np.asarray(x, np.float32)
+    block = 16 if fmt == "fp4_e4m3_b16" else 32
+    if x.shape[-1] % block:
+        return x
+    blocks = _split_last_axis(x, block)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    if fmt == "fp8_b32":
+        scale = pow2_ceil(np.maximum(amax, np.float32(FP8_AMAX_FLOOR)) * np.float32(1 / E4M3_MAX))
+        return (decode_e4m3fn(encode_e4m3fn(blocks / scale)) * scale).reshape(x.shape)
+    if fmt == "fp4_b32":
+        scale = pow2_ceil(np.maximum(amax, np.float32(FP4_AMAX_FLOOR)) * np.float32(1 / E2M1_MAX))
+    elif fmt == "fp4_e4m3_b16":
+        scale = decode_e4m3fn(encode_e4m3fn(np.maximum(amax, np.float32(E2M1_MAX * 2.0**-9)) / np.float32(E2M1_MAX)))
+    else:
+        raise ValueError(f"unknown V4.1 round trip {fmt!r}; expected one of {', '.join(V41_ROUNDTRIPS)}")
+    return (decode_e2m1(encode_e2m1(blocks / scale)) * scale).reshape(x.shape)
 
 
 def hadamard(x) -> np.ndarray:

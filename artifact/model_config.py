@@ -10,7 +10,7 @@ without re-validating it (the compiler did).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,25 @@ def v4_layer(index: int, kind: str, ratio: int, moe: str) -> LayerSpec:
     return LayerSpec(index, ratio, moe, kv_source=index, topk_source=index, overlap=True)
 
 
+def shared_kv_layers(ratios, moe, kv_sources, index_sources, candidates: Candidates | None,
+                     engram) -> tuple[LayerSpec, ...]:
+    """The roles of a schedule named by layer ids (V4.1's config fields, checked by the frontend):
+    a compressed layer reads the rows of the last KV source at or before it and the top-k of the
+    last index source at or before it inside that group; index sources from the candidate source
+    on select inside its candidate blocks."""
+    layers = []
+    for i, (r, m) in enumerate(zip(ratios, moe)):
+        if r == 0:
+            layers.append(LayerSpec(i, 0, m, engram=i in engram))
+            continue
+        kv = max(j for j in kv_sources if j <= i)
+        topk = max((j for j in index_sources if j <= i), default=None)
+        topk = topk if topk is not None and topk >= kv else None
+        level = candidates if candidates is not None and topk == i and i >= candidates.source else None
+        layers.append(LayerSpec(i, r, m, kv_source=kv, topk_source=topk, candidates=level, engram=i in engram))
+    return tuple(layers)
+
+
 @dataclass(frozen=True)
 class WeightFormats:
     """How the checkpoint stores weights (docs/v4.md, "Checkpoint"); the loader also accepts other dtypes."""
@@ -187,6 +206,39 @@ class Dspark:
     n_routed_experts: int  # the stages' (the target's unless the config overrides them)
     n_experts_per_tok: int
     confidence_head: bool = True  # the checkpoint holds confidence_head.proj
+
+
+# What sets DeepSeek-V4.1's numerics apart from V4's besides its schedule, gate_temp and Engram.
+V41_NUMERICS = dict(q_head_norm=False, delayed_mhc=True, activation_fake_quant=True)
+
+
+@dataclass(frozen=True)
+class Engram:
+    """The Engram n-gram memory's settings (config fields ``engram_*``, docs/v41.md): the layers
+    whose blocks it feeds, the hash's size parameters and each layer's table rows. The hash
+    constants derived from the tokenizer are :class:`dsv4c.artifact.engram.EngramTables`."""
+
+    layer_ids: tuple[int, ...]
+    vocab_size: int  # the primes are searched above it
+    num_embeddings: tuple[int, ...]  # table rows per Engram layer
+    max_ngram_size: int
+    n_heads: int  # hash heads per n-gram size
+    head_dim: int  # table row width
+    pad_id: int  # the token that stands for positions before the sequence start
+    compressed_vocab_size: int
+
+    # Bytes of one table element as the checkpoint stores it: FP8, one E8M0 scale per 32.
+    ELEMENT_BYTES = 1 + 1 / 32
+
+    @property
+    def columns(self) -> int:
+        """Table rows one token reads per layer: one per (n-gram size, hash head)."""
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    @property
+    def table_bytes(self) -> int:
+        """Every table's rows as the checkpoint stores them."""
+        return int(sum(self.num_embeddings) * self.head_dim * self.ELEMENT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -222,6 +274,17 @@ class ModelConfig:
     weights: WeightFormats = field(default_factory=WeightFormats)
     name: str = "custom"
     dspark: Dspark | None = None  # set: mtp_layers are the drafter's stages, not V4's MTP layer
+    # DeepSeek-V4.1's numerics (docs/v41.md); the defaults are V4's.
+    q_head_norm: bool = True  # V4 normalises each query head; V4.1 does not
+    delayed_mhc: bool = False  # V4.1: a site collapses with the previous site's pre, and there is no hc_head
+    gate_temp: float = 1.0  # router logits are divided by it
+    activation_fake_quant: bool = False  # V4.1's always-on round trips of window KV, compressed KV, index q / k
+    engram: Engram | None = None
+
+    @property
+    def family(self) -> str:
+        """The architecture generation: "v4" or "v4.1" (which names its numerics in messages)."""
+        return "v4.1" if self.delayed_mhc else "v4"
 
     # ----- derived sizes, one place for each -----
     @property
@@ -257,6 +320,8 @@ class ModelConfig:
         ``official`` is the hub spelling (``compress_ratios``); ``transformers`` reads it
         only for ratios 0/4/128, so ``hf`` (``layer_types`` + ``compress_rates``) is the
         default for anything else."""
+        if self.family == "v4.1":
+            return self._v41_json_dict(spelling)
         other = next((l for l in self.layers + self.mtp_layers if not l.is_v4), None)
         if other is not None:
             raise ConfigError(f"layer {other.index}: both config spellings express V4's sliding / CSA / HCA "
@@ -270,9 +335,90 @@ class ModelConfig:
             raise ConfigError(f"unknown config spelling {spelling!r}; use 'official' or 'hf'")
         if spelling == "official" and not standard:
             raise ConfigError("the official config spelling only expresses compress ratios 0/4/128; use spelling='hf'")
-        d: dict[str, Any] = {
-            "architectures": ["DeepseekV4ForCausalLM"],
-            "model_type": "deepseek_v4",
+        d: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+                             **self._shared_json_fields()}
+        yarn = self.compress_rope.yarn
+        if spelling == "official":
+            d["compress_ratios"] = [l.compress_ratio for l in self.layers + self.mtp_layers]
+            if n_hash is None:
+                raise ConfigError("num_hash_layers only expresses hash layers as a prefix; use spelling='hf'")
+            d["num_hash_layers"] = n_hash
+            if yarn:
+                d["rope_scaling"] = {
+                    "type": "yarn",
+                    "factor": yarn.factor,
+                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
+                    "beta_fast": yarn.beta_fast,
+                    "beta_slow": yarn.beta_slow,
+                }
+        else:
+            if any(l.is_compressed for l in self.mtp_layers):
+                raise ConfigError(
+                    "the hf config spelling has no field for a compressed MTP layer; use spelling='official'"
+                )
+            inverse = {v: k for k, v in HF_LAYER_TYPES.items()}
+            d["layer_types"] = [inverse[l.attention] for l in self.layers]
+            d["mlp_layer_types"] = [{HASH_MOE: "hash_moe", ROUTED_MOE: "moe"}[l.moe] for l in self.layers]
+            rates = {}
+            for kind in (CSA, HCA):
+                ratios = self.compress_ratios(kind)
+                if len(ratios) > 1:
+                    raise ConfigError(f"the hf spelling holds one ratio per attention kind; {kind} layers use {ratios}")
+                if ratios:
+                    rates[inverse[kind]] = ratios[0]
+            d["compress_rates"] = rates
+            d.update(self._rope_parameters())
+        if self.dspark is not None:
+            ds = self.dspark
+            d.update({"dspark_block_size": ds.block_size, "dspark_target_layer_ids": list(ds.target_layers),
+                      "dspark_markov_rank": ds.markov_rank, "dspark_noise_token_id": ds.noise_token_id,
+                      "dspark_n_routed_experts": ds.n_routed_experts,
+                      "dspark_num_experts_per_tok": ds.n_experts_per_tok,
+                      "dspark_confidence_head": ds.confidence_head})
+        d.update(self._format_json_fields())
+        return d
+
+    def _rope_parameters(self) -> dict[str, Any]:
+        """transformers' ``rope_parameters`` (``main`` / ``compress``) and ``partial_rotary_factor``."""
+        yarn = self.compress_rope.yarn
+        compress: dict[str, Any] = {"rope_type": "default", "rope_theta": self.compress_rope.theta}
+        if yarn:
+            compress = {
+                "rope_type": "yarn",
+                "rope_theta": self.compress_rope.theta,
+                "factor": yarn.factor,
+                "original_max_position_embeddings": yarn.original_max_position_embeddings,
+                "beta_fast": yarn.beta_fast,
+                "beta_slow": yarn.beta_slow,
+                "attention_factor": 1.0,
+            }
+        partial = self.rope_dim / self.head_dim
+        if int(self.head_dim * partial) != self.rope_dim:  # transformers truncates the product
+            partial = math.nextafter(partial, 1.0)
+        return {"partial_rotary_factor": partial, "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": self.main_rope.theta, "partial_rotary_factor": partial},
+            "compress": {**compress, "partial_rotary_factor": partial},
+        }}
+
+    def _format_json_fields(self) -> dict[str, Any]:
+        """How the weights are stored, in both families' spelling."""
+        d: dict[str, Any] = {}
+        if self.weights.dense == "fp8":
+            d["quantization_config"] = {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
+                "weight_block_size": [self.weights.fp8_block] * 2,
+            }
+        # Always written: the loader's default depends on the dense format (fp4 beside fp8).
+        d["expert_dtype"] = self.weights.experts
+        d["torch_dtype"] = "float32" if self.weights.dense == "fp32" else "bfloat16"
+        return d
+
+    def _shared_json_fields(self) -> dict[str, Any]:
+        """The fields both families spell the same way."""
+        return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -308,74 +454,47 @@ class ModelConfig:
             "tie_word_embeddings": False,
             "hidden_act": "silu",
         }
-        yarn = self.compress_rope.yarn
-        if spelling == "official":
-            d["compress_ratios"] = [l.compress_ratio for l in self.layers + self.mtp_layers]
-            if n_hash is None:
-                raise ConfigError("num_hash_layers only expresses hash layers as a prefix; use spelling='hf'")
-            d["num_hash_layers"] = n_hash
-            if yarn:
-                d["rope_scaling"] = {
-                    "type": "yarn",
-                    "factor": yarn.factor,
-                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                    "beta_fast": yarn.beta_fast,
-                    "beta_slow": yarn.beta_slow,
-                }
-        else:
-            if any(l.is_compressed for l in self.mtp_layers):
-                raise ConfigError(
-                    "the hf config spelling has no field for a compressed MTP layer; use spelling='official'"
-                )
-            inverse = {v: k for k, v in HF_LAYER_TYPES.items()}
-            d["layer_types"] = [inverse[l.attention] for l in self.layers]
-            d["mlp_layer_types"] = [{HASH_MOE: "hash_moe", ROUTED_MOE: "moe"}[l.moe] for l in self.layers]
-            rates = {}
-            for kind in (CSA, HCA):
-                ratios = self.compress_ratios(kind)
-                if len(ratios) > 1:
-                    raise ConfigError(f"the hf spelling holds one ratio per attention kind; {kind} layers use {ratios}")
-                if ratios:
-                    rates[inverse[kind]] = ratios[0]
-            d["compress_rates"] = rates
-            compress: dict[str, Any] = {"rope_type": "default", "rope_theta": self.compress_rope.theta}
-            if yarn:
-                compress = {
-                    "rope_type": "yarn",
-                    "rope_theta": self.compress_rope.theta,
-                    "factor": yarn.factor,
-                    "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                    "beta_fast": yarn.beta_fast,
-                    "beta_slow": yarn.beta_slow,
-                    "attention_factor": 1.0,
-                }
-            partial = self.rope_dim / self.head_dim
-            if int(self.head_dim * partial) != self.rope_dim:  # transformers truncates the product
-                partial = math.nextafter(partial, 1.0)
-            d["partial_rotary_factor"] = partial
-            d["rope_parameters"] = {
-                "main": {"rope_type": "default", "rope_theta": self.main_rope.theta, "partial_rotary_factor": partial},
-                "compress": {**compress, "partial_rotary_factor": partial},
-            }
-        if self.weights.dense == "fp8":
-            d["quantization_config"] = {
-                "quant_method": "fp8",
-                "fmt": "e4m3",
-                "activation_scheme": "dynamic",
-                "scale_fmt": "ue8m0" if self.weights.scale == "e8m0" else None,
-                "weight_block_size": [self.weights.fp8_block] * 2,
-            }
-        if self.dspark is not None:
-            ds = self.dspark
-            d.update({"dspark_block_size": ds.block_size, "dspark_target_layer_ids": list(ds.target_layers),
-                      "dspark_markov_rank": ds.markov_rank, "dspark_noise_token_id": ds.noise_token_id,
-                      "dspark_n_routed_experts": ds.n_routed_experts,
-                      "dspark_num_experts_per_tok": ds.n_experts_per_tok,
-                      "dspark_confidence_head": ds.confidence_head})
-        # Always written: the loader's default depends on the dense format (fp4 beside fp8).
-        d["expert_dtype"] = self.weights.experts
-        d["torch_dtype"] = "float32" if self.weights.dense == "fp32" else "bfloat16"
-        return d
+
+    def _v41_json_dict(self, spelling: str | None) -> dict[str, Any]:
+        """V4.1's flat transformers spelling (``deepseek_v41_text``, what ``save_pretrained`` writes;
+        the frontend also reads the official nesting under ``text_config``)."""
+        if spelling not in (None, "official", "hf"):
+            raise ConfigError(f"unknown config spelling {spelling!r}; use 'official' or 'hf'")
+        layers = self.layers
+        candidates = next((l.candidates for l in layers if l.is_candidate_source), None)
+        d: dict[str, Any] = {
+            "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41_text",
+            **self._shared_json_fields(),
+            "compress_ratios": [l.compress_ratio for l in layers],
+            "kv_source_layer_ids": [l.index for l in layers if l.is_kv_source],
+            "index_source_layer_ids": [l.index for l in layers if l.is_compressed and l.has_indexer],
+            # A negative id says "no candidate level"; absent would mean the last KV source.
+            "candidate_source_layer_id": candidates.source if candidates else -1,
+            "gate_temp": self.gate_temp,
+            "num_nextn_predict_layers": 0,
+        }
+        if candidates is not None:
+            d.update(candidate_block_size=candidates.block_size, candidate_topk_blocks=candidates.blocks)
+        d.update(self._rope_parameters())
+        e = self.engram
+        d.update(engram_layer_ids=list(e.layer_ids) if e else [], **({
+            "engram_vocab_size": e.vocab_size, "engram_num_embeddings": list(e.num_embeddings),
+            "engram_max_ngram_size": e.max_ngram_size, "engram_n_heads": e.n_heads, "engram_head_dim": e.head_dim,
+            "engram_pad_id": e.pad_id, "engram_compressed_vocab_size": e.compressed_vocab_size} if e else {}))
+        d.update(self._format_json_fields())
+        if spelling != "official":
+            return d
+        # The release's nesting: the text model under text_config, the weight formats at the top.
+        top = {k: d.pop(k) for k in ("architectures", "quantization_config") if k in d}
+        return {**top, "model_type": "deepseek_v41", "text_config": d}
+
+    @staticmethod
+    def _v41_layers_from_json(d: dict[str, Any]) -> tuple[LayerSpec, ...]:
+        ratios = d["compress_ratios"]
+        source = d["candidate_source_layer_id"]
+        candidates = Candidates(source, d["candidate_block_size"], d["candidate_topk_blocks"]) if source >= 0 else None
+        return shared_kv_layers(ratios, [ROUTED_MOE] * len(ratios), d["kv_source_layer_ids"],
+                                d["index_source_layer_ids"], candidates, d["engram_layer_ids"])
 
     def _hash_prefix_length(self) -> int | None:
         """``num_hash_layers`` of the official spelling; None where hash layers are not a prefix."""
@@ -392,10 +511,17 @@ class ModelConfig:
         """The model :meth:`to_json_dict` wrote in the ``hf`` spelling (an artifact's ``model``).
         A missing or mistyped field is an ArtifactError naming it (a manifest from another writer)."""
         try:
-            kinds = [HF_LAYER_TYPES[t] for t in d["layer_types"]]
-            rates = {HF_LAYER_TYPES[k]: r for k, r in d["compress_rates"].items()}
-            moe = [HF_MLP_TYPES[t] for t in d["mlp_layer_types"]]
-            n = len(kinds)
+            v41 = d.get("model_type") == "deepseek_v41_text"
+            if v41:
+                layers, mtp_layers = cls._v41_layers_from_json(d), ()
+            else:
+                kinds = [HF_LAYER_TYPES[t] for t in d["layer_types"]]
+                rates = {HF_LAYER_TYPES[k]: r for k, r in d["compress_rates"].items()}
+                moe = [HF_MLP_TYPES[t] for t in d["mlp_layer_types"]]
+                n = len(kinds)
+                layers = tuple(v4_layer(i, k, rates.get(k, 0), m) for i, (k, m) in enumerate(zip(kinds, moe)))
+                mtp_layers = tuple(v4_layer(n + i, SLIDING, 0, ROUTED_MOE)
+                                   for i in range(d["num_nextn_predict_layers"]))
             params = d["rope_parameters"]
             compress = params["compress"]
             yarn = None
@@ -410,7 +536,7 @@ class ModelConfig:
                 dspark = Dspark(d["dspark_block_size"], tuple(d["dspark_target_layer_ids"]), d["dspark_markov_rank"],
                                 d["dspark_noise_token_id"], d["dspark_n_routed_experts"],
                                 d["dspark_num_experts_per_tok"], d["dspark_confidence_head"])
-            return cls(
+            cfg = cls(
                 vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], num_heads=d["num_attention_heads"],
                 head_dim=d["head_dim"], rope_dim=d["qk_rope_head_dim"], q_lora_rank=d["q_lora_rank"],
                 o_groups=d["o_groups"], o_lora_rank=d["o_lora_rank"], n_routed_experts=d["n_routed_experts"],
@@ -420,15 +546,21 @@ class ModelConfig:
                 sliding_window=d["sliding_window"], hc_mult=d["hc_mult"], hc_sinkhorn_iters=d["hc_sinkhorn_iters"],
                 hc_eps=d["hc_eps"], rms_norm_eps=d["rms_norm_eps"],
                 main_rope=Rope(params["main"]["rope_theta"]), compress_rope=Rope(compress["rope_theta"], yarn),
-                layers=tuple(v4_layer(i, k, rates.get(k, 0), m) for i, (k, m) in enumerate(zip(kinds, moe))),
-                mtp_layers=tuple(v4_layer(n + i, SLIDING, 0, ROUTED_MOE) for i in range(d["num_nextn_predict_layers"])),
-                max_position_embeddings=d["max_position_embeddings"], bos_token_id=d["bos_token_id"],
+                layers=layers, mtp_layers=mtp_layers, max_position_embeddings=d["max_position_embeddings"], bos_token_id=d["bos_token_id"],
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                 weights=WeightFormats(dense, d["expert_dtype"],
                                       "e8m0" if (qc or {}).get("scale_fmt", "ue8m0") == "ue8m0" else "fp32",
                                       (qc or {}).get("weight_block_size", [128])[0]),
                 name=name, dspark=dspark,
             )
+            if not v41:
+                return cfg
+            e = None
+            if d["engram_layer_ids"]:
+                e = Engram(tuple(d["engram_layer_ids"]), d["engram_vocab_size"], tuple(d["engram_num_embeddings"]),
+                           d["engram_max_ngram_size"], d["engram_n_heads"], d["engram_head_dim"], d["engram_pad_id"],
+                           d["engram_compressed_vocab_size"])
+            return replace(cfg, **V41_NUMERICS, gate_temp=d["gate_temp"], engram=e)
         except (KeyError, TypeError, AttributeError) as e:
             raise ArtifactError(f"{where}: the model description lacks or mangles field {e}; write it again "
                                 "with this dsv4c (recompile / re-export)") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from dsv4c.artifact.quant import FP8_BLOCK_SIZES
 from dsv4c.artifact.rows import ConcatRows, Rows, RowSource
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import CheckpointError, UsageError
-from dsv4c.frontend.tensor_inventory import DENSE, EXPERT, INDEX, TensorSpec, inventory, scale_name
+from dsv4c.frontend.tensor_inventory import DENSE, EXPERT, INDEX, TABLE, TensorSpec, inventory, scale_name
 
 # transformers' names (conversion_mapping.py, "deepseek_v4") back to the official ones.
 _HF_TO_OFFICIAL = [
@@ -70,6 +71,22 @@ def official_name(name: str) -> str:
 
 
 FLOAT_STORAGE = ("F32", "F16", "BF16")
+TABLE_SCALE_COLUMNS = 32
+# Tensors of a V4.1 checkpoint that are not the text model dsv4c compiles: the DSpark drafter
+# (compiled for V4.1 by a later change) and the vision tower with its aligner and image markers.
+V41_SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
+
+
+def skipped_v41_tensors(cfg: ModelConfig, names) -> list[str]:
+    """The checkpoint tensors of ``names`` a V4.1 model leaves unread, said once on stderr."""
+    if cfg.family != "v4.1":
+        return []
+    skipped = [n for n in names if n.startswith(V41_SKIPPED_PREFIXES)]
+    if skipped:
+        print(f"dsv4c: note: ignoring {len(skipped)} checkpoint tensors of the DSpark drafter (mtp.*) and the "
+              "vision tower (vision.*, aligner.*, image_*): dsv4c compiles V4.1's text model without them",
+              file=sys.stderr)
+    return skipped
 
 
 class TensorRows(RowSource):
@@ -91,11 +108,11 @@ class TensorRows(RowSource):
             if self.n_experts is not None and ((values < 0) | (values >= self.n_experts)).any():
                 raise CheckpointError(f"{self.where} holds expert ids outside [0, {self.n_experts})")
         elif self.storage == "FP8":
-            sst, sname, fmt, block = self.scale
-            first = start // block
-            grid = sst.read_rows(sname, first, -(-stop // block))
+            sst, sname, fmt, block, rows_per_scale = self.scale
+            first = start // rows_per_scale
+            grid = sst.read_rows(sname, first, -(-stop // rows_per_scale))
             grid = lowbit.decode_e8m0(grid) if fmt == "e8m0" else grid.astype(np.float32)
-            scales = grid[np.arange(start, stop) // block - first]
+            scales = grid[np.arange(start, stop) // rows_per_scale - first]
             return [Rows(self.storage, values, scales, block)]
         elif self.storage == "FP4":
             values = values.view(np.uint8)
@@ -224,6 +241,8 @@ class Checkpoint:
             storage = dtype
         elif dtype == "F8_E4M3" and spec.kind in (DENSE, EXPERT):
             storage, scale = "FP8", self._fp8_scale(spec.name, shape, where)
+        elif dtype == "F8_E4M3" and spec.kind == TABLE:
+            storage, scale = "FP8", self._row_scale(spec.name, shape, where)
         elif dtype in ("I8", "U8") and spec.kind == EXPERT:
             storage, scale = "FP4", self._fp4_scale(spec.name, shape, where)
             logical = (shape[0], 2 * shape[1])
@@ -241,9 +260,10 @@ class Checkpoint:
         st = self._open(f)
         return st, stored, st.dtype(stored)
 
-    def _fp8_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str, int]:
-        """The scale tensor of an FP8 tensor, its format and its block size, which its shape tells
-        (blocks of every size agree on a tensor of one block)."""
+    def _fp8_scale(self, name: str, shape: tuple[int, ...], where: str
+                   ) -> tuple[SafetensorsFile, str, str, int, int]:
+        """The scale tensor of an FP8 tensor, its format, its block size, which its shape tells
+        (blocks of every size agree on a tensor of one block), and the rows one scale row covers."""
         sst, sname, sdtype = self._companion_scale(name, where)
         if len(shape) != 2:
             raise CheckpointError(f"{where}: FP8 tensors must be 2-D, got {list(shape)}")
@@ -255,7 +275,17 @@ class Checkpoint:
         fmt = {"F8_E8M0": "e8m0", "F32": "fp32", "U8": "e8m0"}.get(sdtype)
         if fmt is None:
             raise CheckpointError(f"{where}: scale dtype {sdtype} is neither E8M0 nor F32")
-        return sst, sname, fmt, block
+        return sst, sname, fmt, block, block
+
+    def _row_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str, int, int]:
+        """An Engram table's scales: one per 32 columns of each row (they do not tile like weight blocks)."""
+        sst, sname, sdtype = self._companion_scale(name, where)
+        want = [shape[0], -(-shape[1] // TABLE_SCALE_COLUMNS)]
+        fmt = {"F8_E8M0": "e8m0", "F32": "fp32", "U8": "e8m0"}.get(sdtype)
+        if len(shape) != 2 or list(sst.shape(sname)) != want or fmt is None:
+            raise CheckpointError(f"{where}: an FP8 table needs an E8M0 or F32 scale of shape {want} "
+                                  f"(one per {TABLE_SCALE_COLUMNS} columns of a row)")
+        return sst, sname, fmt, TABLE_SCALE_COLUMNS, 1
 
     def _fp4_scale(self, name: str, shape: tuple[int, ...], where: str) -> tuple[SafetensorsFile, str, str]:
         sst, sname, sdtype = self._companion_scale(name, where)
@@ -314,7 +344,8 @@ def load_weights(cfg: ModelConfig, path: str | os.PathLike, names: set[str] | No
         if names is None:
             # A checkpoint of a deeper or wider model (more layers, experts, an MTP block)
             # would otherwise load as a truncated one without a word.
-            known = {s.name for s in every} | {scale_name(s.name) for s in every if s.kind in (DENSE, EXPERT)}
+            known = {s.name for s in every} | {scale_name(s.name) for s in every if s.kind in (DENSE, EXPERT, TABLE)}
+            known.update(skipped_v41_tensors(cfg, ckpt.names()))
             extra = [n for n in ckpt.names() if n not in known]
             if extra:
                 raise CheckpointError(f"{ckpt.path}: holds {len(extra)} tensors the config does not describe, e.g. "

@@ -19,7 +19,7 @@ from dsv4c.artifact import lowbit
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsWriter
 from dsv4c.errors import CheckpointError
-from dsv4c.frontend.tensor_inventory import BF16, DENSE, EXPERT, FP32, INDEX, TensorSpec, inventory, scale_name
+from dsv4c.frontend.tensor_inventory import BF16, DENSE, EXPERT, FP32, INDEX, TABLE, TensorSpec, inventory, scale_name
 from dsv4c.threads import BoundedPool
 
 # Rows generated, quantized and written at a time: float64 bytes of random values (a 128-row
@@ -36,10 +36,13 @@ def row_pieces(shape: tuple[int, ...], itemsize: int = 8) -> list[tuple[int, int
 
 
 def _storage(spec: TensorSpec, cfg: ModelConfig) -> str:
-    """How the checkpoint of ``cfg`` stores ``spec``: index, fp8, fp4, bf16 or fp32."""
+    """How the checkpoint of ``cfg`` stores ``spec``: index, fp8, fp8_rows (one scale per 32
+    columns of a row: Engram tables), fp4, bf16 or fp32."""
     fmt = cfg.weights
     if spec.kind == INDEX:
         return "index"
+    if spec.kind == TABLE:
+        return {"fp8": "fp8_rows", "fp32": "fp32"}.get(fmt.dense, "bf16")
     return {DENSE: fmt.dense, EXPERT: fmt.experts, BF16: "fp32" if fmt.dense == "fp32" else "bf16",
             FP32: "fp32"}[spec.kind]
 
@@ -54,6 +57,8 @@ def _stored_entries(spec: TensorSpec, cfg: ModelConfig) -> dict[str, tuple[str, 
                 scale_name(spec.name): ("F8_E8M0" if cfg.weights.scale == "e8m0" else "F32", grid)}
     if storage == "fp4":
         return {spec.name: ("I8", (shape[0], shape[1] // 2)), scale_name(spec.name): ("F8_E8M0", (shape[0], shape[1] // 32))}
+    if storage == "fp8_rows":
+        return {spec.name: ("F8_E4M3", shape), scale_name(spec.name): ("F8_E8M0", (shape[0], shape[1] // 32))}
     return {spec.name: ({"index": "I64", "bf16": "BF16"}.get(storage, "F32"), shape)}
 
 
@@ -69,6 +74,9 @@ def _encode(spec: TensorSpec, rows: np.ndarray, cfg: ModelConfig) -> dict[str, n
     if storage == "fp4":
         packed, scales = lowbit.quantize_fp4_groups(rows, 32)
         return {spec.name: packed, scale_name(spec.name): scales}
+    if storage == "fp8_rows":
+        codes, scales = lowbit.quantize_fp8_row_groups(rows, 32)
+        return {spec.name: codes, scale_name(spec.name): scales}
     if storage == "bf16":
         return {spec.name: lowbit.bf16_bits_from_f32(rows)}
     return {spec.name: rows}

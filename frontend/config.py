@@ -10,9 +10,10 @@ Configs arrive in three spellings and all load into :class:`ModelConfig`:
   ``rope_parameters`` with ``main`` / ``compress``).
 
 The per-layer schedule is kept as a plain list of :class:`LayerSpec`, never a formula.
-DSpark drafter fields are read by ``frontend.dspark_config``. Anything we do not implement
-(V4.1 ratios 1/2 and shared-KV roles, which ``frontend.schedule`` reads and checks first,
-unknown fields) is refused with a
+DSpark drafter fields are read by ``frontend.dspark_config``; DeepSeek-V4.1 configs
+(``model_type`` ``deepseek_v41`` / ``deepseek_v41_text``) by ``frontend.config_v41`` first.
+Anything we do not implement (in a V4 config: V4.1's ratios 1/2 and shared-KV roles, which
+``frontend.schedule`` reads and checks first; unknown fields) is refused with a
 :class:`~dsv4c.errors.ConfigError` that names the field: a silently ignored field would
 compile a wrong model.
 """
@@ -30,11 +31,12 @@ from dsv4c.artifact.model_config import (CSA, HASH_MOE, HCA, HF_LAYER_TYPES, HF_
                                          ModelConfig, Rope, WeightFormats, Yarn, v4_layer)
 from dsv4c.artifact.quant import FP8_BLOCK_SIZES
 from dsv4c.errors import ConfigError, UnsupportedModelError
+from dsv4c.frontend.config_v41 import V41_MODEL_TYPES, read_v41, v41_layers, v41_numerics
 from dsv4c.frontend.dspark_config import DSPARK_KEYS, parse_dspark, stage_ratios
 from dsv4c.frontend.schedule import SHARED_KV_FIELDS, shared_kv_schedule, validate_schedule
 
 # flash-0731 / pro-0813: the DSpark releases' structure (presets/README.md says what is confirmed).
-PRESETS = ("pro", "flash", "tiny", "flash-0731", "pro-0813")
+PRESETS = ("pro", "flash", "tiny", "flash-0731", "pro-0813", "v41-flash", "v41-tiny")
 COST_ONLY_PRESETS = ("v3.2",)  # costed by `dsv4c inspect --cost` (frontend.v32), never compiled
 
 
@@ -421,8 +423,12 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError("a model config must be a JSON object")
     model_type = raw.get("model_type", "deepseek_v4")
-    if model_type != "deepseek_v4":
-        raise UnsupportedModelError(f"config field model_type = {model_type!r}; dsv4c compiles 'deepseek_v4' only")
+    v41_extra = None
+    if model_type in V41_MODEL_TYPES:
+        raw, v41_extra = read_v41(raw)
+    elif model_type != "deepseek_v4":
+        raise UnsupportedModelError(f"config field model_type = {model_type!r}; dsv4c compiles 'deepseek_v4', "
+                                    f"{' and '.join(map(repr, V41_MODEL_TYPES))} only")
     _refuse_unsupported_variants(raw)
     f = {**_DEFAULTS, **_gather(raw)}
     missing = [k for k in _REQUIRED if k not in f]
@@ -493,19 +499,22 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
         raise ConfigError("config: num_experts_per_tok is larger than n_routed_experts")
 
     main_rope, compress_rope = _parse_rope(raw, f)
-    _refuse_shared_kv(raw, f, n)
-    attention, mtp_attention = _attention_schedule(raw, n, n_mtp)
     moe = _moe_schedule(raw, f, n)
-    layers = tuple(v4_layer(i, k, r, m) for i, ((k, r), m) in enumerate(zip(attention, moe)))
-    mtp_layers = tuple(v4_layer(n + i, k, r, ROUTED_MOE) for i, (k, r) in enumerate(mtp_attention))
-    validate_schedule(layers + mtp_layers)
+    if v41_extra is not None:
+        layers, mtp_layers = v41_layers(raw, moe), ()
+    else:
+        _refuse_shared_kv(raw, f, n)
+        attention, mtp_attention = _attention_schedule(raw, n, n_mtp)
+        layers = tuple(v4_layer(i, k, r, m) for i, ((k, r), m) in enumerate(zip(attention, moe)))
+        mtp_layers = tuple(v4_layer(n + i, k, r, ROUTED_MOE) for i, (k, r) in enumerate(mtp_attention))
+        validate_schedule(layers + mtp_layers)
     weights = _weight_formats(raw)
     if weights.experts == "fp4" and (ints["hidden_size"] % 32 or ints["moe_intermediate_size"] % 32):
         raise ConfigError("config: FP4 experts need hidden_size and moe_intermediate_size divisible by 32")
 
     eos = raw.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=ints["vocab_size"], hidden_size=ints["hidden_size"], num_heads=ints["num_heads"],
         head_dim=head_dim, rope_dim=rope_dim, q_lora_rank=ints["q_lora_rank"], o_groups=ints["o_groups"],
         o_lora_rank=ints["o_lora_rank"], n_routed_experts=ints["n_routed_experts"],
@@ -518,6 +527,7 @@ def config_from_dict(raw: dict[str, Any], name: str = "custom") -> ModelConfig:
         max_position_embeddings=_positive_int(raw, f, "max_position_embeddings"),
         bos_token_id=raw.get("bos_token_id", 0), eos_token_ids=eos_ids, weights=weights, name=name, dspark=dspark,
     )
+    return cfg if v41_extra is None else replace(cfg, **v41_numerics(v41_extra, raw, cfg.vocab_size))
 
 
 def load_config(path: str | Path) -> ModelConfig:

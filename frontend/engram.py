@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv4c.artifact.engram import EngramTables
+from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.file_names import TOKENIZER
 from dsv4c.errors import ConfigError, UsageError
 
@@ -175,3 +176,12 @@ def build_engram_tables(model_dir: str | Path, *, vocab_size: int, layer_ids, en
         raise ConfigError(f"{where} but the Engram hash addresses {need}; engram_num_embeddings must be the sum "
                           "of each layer's primes")
     return tables
+
+
+def engram_tables(cfg: ModelConfig, model_dir: str | Path) -> EngramTables:
+    """The Engram hash record of ``cfg`` (a model with Engram layers) and its tokenizer in ``model_dir``."""
+    e = cfg.engram
+    return build_engram_tables(model_dir, vocab_size=cfg.vocab_size, layer_ids=e.layer_ids,
+                               engram_vocab_size=e.vocab_size, max_ngram_size=e.max_ngram_size, n_heads=e.n_heads,
+                               pad_id=e.pad_id, compressed_vocab_size=e.compressed_vocab_size,
+                               num_embeddings=e.num_embeddings)

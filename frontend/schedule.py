@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4c.artifact.model_config import Candidates, LayerSpec
+from dsv4c.artifact.model_config import Candidates, LayerSpec, shared_kv_layers
 from dsv4c.errors import ConfigError
 
 SHARED_KV_FIELDS = ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
@@ -46,28 +46,18 @@ def shared_kv_schedule(raw: dict[str, Any], ratios: list[int], moe: list[str]) -
     n = len(moe)
     kv_sources = _layer_ids(raw, "kv_source_layer_ids", n)
     index_sources = _layer_ids(raw, "index_source_layer_ids", n)
-    engram = set(_layer_ids(raw, "engram_layer_ids", n))
+    engram = _layer_ids(raw, "engram_layer_ids", n)
     candidates = None
     if raw.get("candidate_source_layer_id") is not None:
         source = raw["candidate_source_layer_id"]
         if source not in index_sources:
             raise ConfigError(f"config field candidate_source_layer_id = {source!r} is not an index source layer")
         candidates = Candidates(source, _count(raw, "candidate_block_size"), _count(raw, "candidate_topk_blocks"))
-    layers = []
-    for i, (r, m) in enumerate(zip(ratios, moe)):
-        if r == 0:
-            layers.append(LayerSpec(i, 0, m, engram=i in engram))
-            continue
-        kv = _last_at_or_before(kv_sources, i)
-        if kv is None:
+    for i, r in enumerate(ratios):
+        if r > 0 and _last_at_or_before(kv_sources, i) is None:
             raise ConfigError(f"config field compress_ratios[{i}] = {r}: the layer is compressed but no "
                               "kv_source_layer_ids entry comes at or before it")
-        # The top-k of an index source serves the layers up to the next one, inside its KV group.
-        topk = _last_at_or_before(index_sources, i)
-        topk = topk if topk is not None and topk >= kv else None
-        level = candidates if candidates is not None and topk == i and i >= candidates.source else None
-        layers.append(LayerSpec(i, r, m, kv_source=kv, topk_source=topk, candidates=level, engram=i in engram))
-    return tuple(layers)
+    return shared_kv_layers(ratios, moe, kv_sources, index_sources, candidates, engram)
 
 
 def validate_schedule(layers: tuple[LayerSpec, ...]) -> None:

@@ -28,17 +28,22 @@ from dsv4c.artifact.quant import checkpoint_quants
 from dsv4c.artifact.sharding import EXPERT_FIRST, VOCAB_FIRST, ShardingPlan
 from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.frontend.trace_dspark import DsparkFunctions
+from dsv4c.frontend.trace_v41 import V41Functions
 from dsv4c.ir.core import Builder, Function, Program, Value
 from dsv4c.ir.ops import f32, i32
 
 NUMERICS = ("exact", "qat")
 
 
-class Model(DsparkFunctions):
+class Model(DsparkFunctions, V41Functions):
     """Emits the step and MTP (or DSpark drafter) programs of one configuration."""
 
     def __init__(self, cfg: ModelConfig, numerics: str = "exact", tensor_parallel: int = 1,
                  expert_parallel: bool = True):
+        if cfg.family == "v4.1" and (tensor_parallel != 1 or numerics != "exact"):
+            # Its fake-quant round trips are part of the model: there is no other numerics to choose.
+            raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1 is traced for one device with numerics 'exact' "
+                                        "(its KV fake-quant is always on)")
         self.plan = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
         self.tp = tensor_parallel
         if numerics not in NUMERICS:
@@ -47,7 +52,7 @@ class Model(DsparkFunctions):
         # A multi-rank artifact has no drafter yet (docs/tensor_parallel.md).
         self.traces_dspark = cfg.dspark is not None and tensor_parallel == 1
         other = next((l for l in cfg.layers + cfg.mtp_layers if not l.is_v4), None)
-        if other is not None:
+        if other is not None and cfg.family != "v4.1":
             raise UnsupportedModelError(f"layer {other.index}: shared compressed KV, reused top-k and Engram "
                                         "layers are not implemented by dsv4c's trace")
         if numerics == "qat":
@@ -174,7 +179,7 @@ class Model(DsparkFunctions):
         rope = {"rope": "compress" if layer.is_compressed else "main", "rope_dim": c.rope_dim}
         q_res = self._linear(b, x, f"{p}wq_a.weight", c.q_lora_rank, c.hidden_size, self.dense_quant, f"{tag}.q_a")
         q_res = self._norm(b, q_res, f"{p}q_norm.weight", c.q_lora_rank, f"{tag}.q_res")
-        heads, groups = self._local(c.num_heads), self._local(c.o_groups)
+        heads = self._local(c.num_heads)
         q = self._linear(b, q_res, f"{p}wq_b.weight", c.num_heads * c.head_dim, c.q_lora_rank, self.dense_quant,
                          f"{tag}.q")
         q = b.emit("reshape", [q], {"shape": ["T", heads, c.head_dim]}, f"{tag}.q_heads")
@@ -196,6 +201,12 @@ class Model(DsparkFunctions):
         # draft block's rows are scratch: the ring keeps the target-derived rows only.
         if not draft:
             b.emit("kv_write", [kv, pos, seq], {"layer": layer.index, "window": c.sliding_window}, f"{tag}.window")
+        return self.attention_output(b, o, p, rope, pos, tag)
+
+    def attention_output(self, b: Builder, o: Value, p: str, rope: dict, pos: Value, tag: str) -> Value:
+        """The inverse rope of the attention output, then the grouped output projection."""
+        c = self.cfg
+        groups = self._local(c.o_groups)
         o = b.emit("rope", [o, pos], {**rope, "inverse": True}, f"{tag}.attn_derope")
         group_in = c.num_heads * c.head_dim // c.o_groups
         o = b.emit("reshape", [o], {"shape": ["T", groups, group_in]}, f"{tag}.attn_groups")
@@ -217,6 +228,8 @@ class Model(DsparkFunctions):
         else:
             table = self._w(b, f"{p}gate.bias", e)
             route = {"mode": "topk", "k": k, "scale": c.routed_scaling_factor}
+        if c.gate_temp != 1.0:
+            route["temp"] = c.gate_temp
         weights, ids = b.emit("moe_route", [x, gate, table, tokens], route, [f"{tag}.route_w", f"{tag}.route_ids"])
         if self.tp > 1 and self.plan.expert_parallel:  # every rank routes every token; each runs its experts' pairs
             ids = b.emit("shard_ids", [ids, b.weight(EXPERT_FIRST, i32(1))], {"size": self._local(e)},
@@ -256,6 +269,8 @@ class Model(DsparkFunctions):
     # ------------------------------------------------------------------ functions
     def step(self) -> Function:
         c = self.cfg
+        if c.family == "v4.1":
+            return self.v41_step()
         fn = Function("step")
         b = Builder(fn)
         tokens, pos, seq = b.input("tokens", i32("T")), b.input("positions", i32("T")), b.input("seq_ids", i32("T"))

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from dsv4c.artifact.model_config import Engram
 from dsv4c.artifact.quant import FP32, dense_format, expert_format
 from dsv4c.errors import UsageError
 from dsv4c.ir.core import Function, Node, Value, concat_parts
@@ -34,6 +35,7 @@ FAMILIES = {
     "topk": "top-k",
     "compressor": "compressor",
     "mhc": "mHC incl. Sinkhorn",
+    "engram": "Engram lookup and gate",
     "routed_experts": "routed experts",
     "shared_experts": "shared experts",
     "dense_projections": "dense projections",
@@ -175,15 +177,14 @@ def _embed(node: Node, d: Decode):
     return "head", Cost(0, 4 * d.batch * (row + 1), _tensor_bytes(node.outputs, d))
 
 
-def _mhc_pre_cost(h: Value, fn: Value, attrs: dict, d: Decode) -> Cost:
+def _mhc_pre_cost(h: Value, fn: Value, attrs: dict, d: Decode, collapse: bool = True) -> Cost:
     t, n, dim = d.batch, h.type.shape[1], h.type.shape[2]
     mix = fn.type.shape[0]
     norm = 4 * n * dim  # unweighted rmsnorm of the flattened streams
     mixing = 2 * mix * n * dim
     gates = 4 * mix  # scale, bias, sigmoid / softmax terms per mixing coefficient
     sinkhorn = attrs.get("sinkhorn_iters", 0) * 2 * 2 * n * n  # a row and a column normalisation per iteration
-    collapse = 2 * n * dim
-    return Cost(t * (norm + mixing + gates + sinkhorn + collapse))
+    return Cost(t * (norm + mixing + gates + sinkhorn + (2 * n * dim if collapse else 0)))
 
 
 def _mhc_post_cost(h: Value, d: Decode) -> Cost:
@@ -195,6 +196,18 @@ def _mhc_post_cost(h: Value, d: Decode) -> Cost:
 def _mhc_pre(node: Node, d: Decode):
     h, fn = node.inputs[:2]
     return "mhc", _mhc_pre_cost(h, fn, node.attrs, d) + _io(node, d)
+
+
+@rule("mhc_mix")
+def _mhc_mix(node: Node, d: Decode):
+    h, fn = node.inputs[:2]
+    return "mhc", _mhc_pre_cost(h, fn, node.attrs, d, collapse=False) + _io(node, d)
+
+
+@rule("hc_collapse")
+def _hc_collapse(node: Node, d: Decode):
+    h = node.inputs[0]
+    return "mhc", Cost(2 * numel(h, d) if len(node.inputs) == 2 else 0) + _io(node, d)
 
 
 @rule("mhc_post")
@@ -265,7 +278,7 @@ def _reshape(node: Node, d: Decode):
     return "other", Cost()  # a view: no data moves
 
 
-@rule("fp8_roundtrip", "fp4_roundtrip")
+@rule("fp8_roundtrip", "fp4_roundtrip", "v41_roundtrip")
 def _roundtrip(node: Node, d: Decode):
     return "other", Cost(4 * numel(node.inputs[0], d)) + _io(node, d)  # amax, scale, round, rescale
 
@@ -296,6 +309,47 @@ def _compress(node: Node, d: Decode):
     return "compressor", enter + close.scaled(d.batch / r)
 
 
+@rule("shared_compress")
+def _shared_compress(node: Node, d: Decode):
+    """A V4.1 KV source: each token enters its ring (kv and, above ratio 1, gate); every ``ratio``
+    tokens a window closes: the gated pool (none at ratio 1), rmsnorm, rope and FP4 round trip of
+    the group's row and, from the same latent, the index key (``wk``, rmsnorm, rope, FP4), both
+    stored. The closing is shared out over the ratio tokens that pay for it."""
+    a = node.attrs
+    r, hd, di, rope = a["ratio"], a["head_dim"], a["index_dim"], a["rope_dim"]
+    kv_in = [node.inputs[0]] + ([node.inputs[4]] if r > 1 else [])
+    flops = (r * hd * 6 if r > 1 else 0) + 8 * hd + 3 * rope
+    read, written = (2 * 4 * r * hd if r > 1 else 0) + 4 * hd, d.main_row_bytes
+    if a["index_keys"]:
+        flops += 2 * di * hd + 8 * di + 3 * rope
+        read += 4 * (di * hd + di)
+        written += d.index_row_bytes
+    enter = Cost(0, _tensor_bytes(kv_in, d), _tensor_bytes(kv_in, d))
+    return "compressor", enter + Cost(flops, read, written).scaled(d.batch / r)
+
+
+@rule("candidate_mask")
+def _candidate_mask(node: Node, d: Decode):
+    """Block maxima over the scores, a selection of blocks, the mask written: about two operations
+    a score."""
+    entries = d.entries(node.attrs["ratio"])
+    return "topk", Cost(2 * d.batch * entries) + _io(node, d, entries=entries)
+
+
+@rule("engram")
+def _engram(node: Node, d: Decode):
+    """Each token's table rows (only those its n-grams hash to), projected by ``wkv`` into a key
+    per stream and a value, then the per-stream gate."""
+    h, ids, table, wkv = node.inputs[:4]
+    rows = d.batch * ids.type.shape[1] * ids.type.shape[2]  # read per token, in the step's layer slot
+    width = table.type.shape[1]
+    n, dim = h.type.shape[1], h.type.shape[2]
+    project = 2 * d.batch * ids.type.shape[2] * width * wkv.type.shape[0]
+    gate = d.batch * n * dim * 8
+    lookup = Cost(0, rows / ids.type.shape[1] * width * Engram.ELEMENT_BYTES + _dense_weight_bytes(node, wkv, d))
+    return "engram", Cost(project + gate) + lookup + _io(node, d, [h, ids])
+
+
 @rule("index_score")
 def _index_score(node: Node, d: Decode):
     """Every visible index row against every index head: a dot, a relu, a weighted sum."""
@@ -311,7 +365,10 @@ def _index_score(node: Node, d: Decode):
 @rule("index_topk")
 def _index_topk(node: Node, d: Decode):
     """A selection over the scores: one comparison each (radix / heap selection, k << entries)."""
-    entries = d.entries(node.inputs[0].producer.attrs["ratio"])
+    scores = node.inputs[0].producer
+    while scores.op == "add":  # V4.1: scores restricted to the candidate blocks
+        scores = scores.inputs[0].producer
+    entries = d.entries(scores.attrs["ratio"])
     return "topk", Cost(d.batch * entries) + _io(node, d, entries=entries)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dsv4c.errors import UsageError
-from dsv4c.ir import reference_ops
+from dsv4c.ir import reference_ops, reference_v41
 from dsv4c.ir.core import Function, Node, Program
 from dsv4c.ir.types import TensorType
 
@@ -41,7 +41,8 @@ class Interpreter:
             env[id(v)] = arr.astype(want, copy=False)
         for node in fn.nodes:
             args = [env[id(v)] if v.kind != "weight" else self._weight(v) for v in node.inputs]
-            result = reference_ops.run_node(node.op, args, node.attrs, self)
+            run = reference_v41.run_v41 if node.op in reference_v41.V41_OPS else reference_ops.run_node
+            result = run(node.op, args, node.attrs, self)
             if self.hook is not None:
                 self.hook(node, args, result)
             if len(node.outputs) == 1:

@@ -347,7 +347,7 @@ def _grouped_linear(ins, attrs):
     return [f32(x.shape[0], g, w.shape[0] // g)]
 
 
-@_op("moe_route", attrs=("mode", "k", "scale"), arity=(4,))
+@_op("moe_route", attrs=("mode", "k", "scale"), arity=(4,))  # optional "temp": logits divided by it (V4.1)
 def _moe_route(ins, attrs):
     y = _float(ins[0], "moe_route input", 2)
     gate = _float(ins[1], "moe_route gate", 2)
@@ -385,6 +385,92 @@ def _shared_expert(ins, attrs):
     _same(w2.shape, (w1.shape[1], w1.shape[0]), "shared expert w2 shape")
     _same(w1.shape[1], y.shape[1], "shared expert width")
     return [y]
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4.1
+# (frontend.trace_v41; docs/v41.md)
+
+
+@_op("mhc_mix", attrs=("hc_mult", "sinkhorn_iters", "hc_eps", "norm_eps"), arity=(4,))
+def _mhc_mix(ins, attrs):
+    """A site's mixes from its input streams: (pre, post, comb). V4.1 collapses the *next*
+    site's input with this ``pre`` (delayed pre), so the collapse is an op of its own."""
+    _, post, comb = _mhc_pre(ins, attrs)
+    return [f32(*post.shape), post, comb]  # pre is per token and stream, as post
+
+
+@_op("hc_collapse", arity=(1, 2))
+def _hc_collapse(ins, attrs):
+    """``sum_j pre[j] * h[j]``; without ``pre``, stream 0 (the first site of the model)."""
+    h = _float(ins[0], "hc_collapse streams", 3)
+    if len(ins) == 2:
+        _same(_float(ins[1], "hc_collapse pre", 2).shape, h.shape[:2], "hc_collapse pre shape")
+    return [f32(h.shape[0], h.shape[2])]
+
+
+@_op("v41_roundtrip", attrs=("format",), arity=(1,))
+def _v41_rt(ins, attrs):
+    """V4.1's always-on activation round trip (artifact.lowbit.v41_roundtrip)."""
+    from dsv4c.artifact.lowbit import V41_ROUNDTRIPS
+
+    if attrs["format"] not in V41_ROUNDTRIPS:
+        raise IRError(f"v41_roundtrip format {attrs['format']!r} is not one of {', '.join(V41_ROUNDTRIPS)}")
+    return [_float(ins[0], "v41_roundtrip input")]
+
+
+@_op("shared_compress", attrs=("layer", "ratio", "head_dim", "index_dim", "rope_dim", "eps", "index_keys",
+                                "fake_quant"),
+     effect=True, arity=(4, 5, 6, 7))
+def _shared_compress(ins, attrs):
+    """A V4.1 KV source's compressor: ``[kv, norm, positions, seq_ids]``, then the gate when the
+    ratio pools several tokens, then ``[wk, k_norm]`` when it makes its group's index keys.
+    Every window the step closes becomes a row of the group (softmax-gated pool, rmsnorm, rope
+    at its first position, FP4 round trip where ``fake_quant``) and, from the same latent, an
+    index key (wk, k_norm, rope, FP4 round trip)."""
+    kv = _float(ins[0], "shared_compress kv", 2)
+    _same(kv.shape[1], attrs["head_dim"], "shared_compress kv width")
+    _same(_float(ins[1], "shared_compress norm", 1).shape, (attrs["head_dim"],), "shared_compress norm shape")
+    _same(kv.shape[0], _token_meta(ins, 2, "shared_compress"), "shared_compress token dim")
+    gated = attrs["ratio"] > 1
+    want = 4 + gated + 2 * bool(attrs["index_keys"])
+    if len(ins) != want:
+        raise IRError(f"shared_compress of ratio {attrs['ratio']} with index_keys={attrs['index_keys']} takes "
+                      f"{want} inputs, got {len(ins)}")
+    if gated:
+        _same(_float(ins[4], "shared_compress gate", 2).shape, kv.shape, "shared_compress gate shape")
+    if attrs["index_keys"]:
+        _same(_float(ins[-2], "shared_compress wk", 2).shape, (attrs["index_dim"], attrs["head_dim"]),
+              "shared_compress wk shape")
+        _same(_float(ins[-1], "shared_compress k_norm", 1).shape, (attrs["index_dim"],), "shared_compress k_norm")
+    return [STATE]
+
+
+@_op("candidate_mask", attrs=("ratio", "block", "blocks"), arity=(3,))
+def _candidate_mask(ins, attrs):
+    """The first level of the two-level top-k: from a candidate source's index scores ``[T, E]``
+    (invisible rows -inf), 0 on the rows of each query's ``blocks`` best blocks of ``block``
+    rows (a block scores its best row; the block of the newest visible row always kept), -inf
+    elsewhere."""
+    s = _float(ins[0], "candidate_mask scores", 2)
+    _same(s.shape[0], _token_meta(ins, 1, "candidate_mask"), "candidate_mask token dim")
+    return [s]
+
+
+@_op("engram", attrs=("slot", "eps", "quant"), arity=(6,))
+def _engram(ins, attrs):
+    """An Engram layer's lookup and gate: the table rows ``ids[:, slot]`` ``[T, L_e, C]`` of each
+    token, projected by ``wkv`` to one key per stream and a value, gated into the streams."""
+    h = _float(ins[0], "engram streams", 3)
+    ids = _ints(ins[1], "engram row ids", 3)
+    table = _float(ins[2], "engram table", 2)
+    wkv = _float(ins[3], "engram wkv", 2)
+    t, n, d = h.shape
+    _same(ids.shape[0], t, "engram token dim")
+    if all(isinstance(v, int) for v in (n, d, ids.shape[2], table.shape[1])):
+        _same(wkv.shape, ((n + 1) * d, ids.shape[2] * table.shape[1]), "engram wkv shape")
+    for v in ins[4:]:
+        _same(_float(v, "engram q/k weight", 2).shape, (n, d), "engram q/k weight shape")
+    return [h]
 
 
 # ----------------------------------------------------------------------------- tensor parallel

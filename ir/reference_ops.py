@@ -89,6 +89,12 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def mhc_pre(h, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
     """Collapse N streams into the block input; return (y, post, comb). All fp32."""
+    pre, post, comb = mhc_mixes(h, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps)
+    return np.einsum("tn,tnd->td", pre, h).astype(F32), post, comb
+
+
+def mhc_mixes(h, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
+    """A site's (pre, post, comb) from its input streams."""
     t, n, d = h.shape
     mix = linear(rmsnorm(h.reshape(t, n * d), None, norm_eps), fn)
     eps = F32(hc_eps)
@@ -99,8 +105,7 @@ def mhc_pre(h, fn, base, scale, hc_mult, sinkhorn_iters, hc_eps, norm_eps):
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
         comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-    y = np.einsum("tn,tnd->td", pre, h).astype(F32)
-    return y, post.astype(F32), comb.astype(F32)
+    return pre.astype(F32), post.astype(F32), comb.astype(F32)
 
 
 def hc_mean(h):
@@ -126,8 +131,10 @@ def hc_head(h, fn, base, scale, hc_mult, hc_eps, norm_eps):
 # ----------------------------------------------------------------------------- MoE
 
 
-def moe_route(y, gate, table, tokens, mode: str, k: int, scale: float):
+def moe_route(y, gate, table, tokens, mode: str, k: int, scale: float, temp: float = 1.0):
     logits = linear(y, gate)
+    if temp != 1.0:
+        logits = (logits / F32(temp)).astype(F32)
     scores = np.sqrt(np.logaddexp(F32(0.0), logits)).astype(F32)  # sqrt(softplus)
     if mode == "hash":
         ids = table[tokens].astype(np.int32)
@@ -380,7 +387,7 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
     if op == "grouped_linear":
         return grouped_linear(*args, a["groups"])
     if op == "moe_route":
-        return moe_route(*args, a["mode"], a["k"], a["scale"])
+        return moe_route(*args, a["mode"], a["k"], a["scale"], a.get("temp", 1.0))
     if op == "experts":
         return experts(*args, a["limit"])
     if op == "shared_expert":

@@ -28,8 +28,10 @@ class Backend(ABC):
 
     @abstractmethod
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None) -> np.ndarray:
-        """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
+             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; the logits of ``logit_rows`` (token indices; default every token).
+        ``engram_rows``: the Engram table rows of every token ``[T, L_e, C]``, for a model with
+        Engram layers (the reference backend runs them; compiled ones do not yet)."""
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:

@@ -25,9 +25,10 @@ class ReferenceBackend(Backend):
         self._block = None  # the last dspark_draft call: (positions, seq_ids, head hidden rows)
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None) -> np.ndarray:
+             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
-        logits, _ = self.interpreter.run("step", tokens=tokens, positions=positions, seq_ids=seq_ids)
+        extra = {} if engram_rows is None else {"engram_rows": engram_rows}
+        logits, _ = self.interpreter.run("step", tokens=tokens, positions=positions, seq_ids=seq_ids, **extra)
         return logits if logit_rows is None else logits[logit_rows]
 
     def dspark_draft(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray) -> np.ndarray:

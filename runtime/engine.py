@@ -22,7 +22,7 @@ from dsv4c.artifact.manifest import Manifest
 from dsv4c.errors import UsageError
 from dsv4c.runtime.drafter import Drafter
 from dsv4c.runtime.kv_pool import KVPool
-from dsv4c.runtime.loading import check_settings, check_step_tokens, load_backend, pool_rows
+from dsv4c.runtime.loading import check_settings, check_step_tokens, load_backend, load_engram_hash, pool_rows
 from dsv4c.runtime.prefix_cache import PrefixCache
 from dsv4c.runtime.request import Request, RequestFailed, Result, TokenCallback
 from dsv4c.runtime.sampling import SamplingParams, token_logprob
@@ -90,6 +90,7 @@ class Engine:
         self._ids = itertools.count()
         self.scheduler = Scheduler(self.pool, self.requests, self.prefix_cache, max_step_tokens, prefill_chunk,
                                    max_requests, self.speculation.drafter if self.speculation is not None else None)
+        self.engram = load_engram_hash(self.path, self.config)
         self.tokenizer = None
         if (self.path / TOKENIZER).is_file():
             from tokenizers import Tokenizer
@@ -125,11 +126,14 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan:
             return False
-        tokens, positions, seqs, logit_rows, saved = [], [], [], [], {}
+        tokens, positions, seqs, logit_rows, saved, engram_rows = [], [], [], [], {}, []
         every_row = {r.rid: r.wants_every_row for r, _ in plan}
         for r, n in plan:
             start = len(tokens)
-            tokens += (r.sequence + r.draft.tokens)[r.fed:r.fed + n]
+            sequence = r.sequence + r.draft.tokens
+            tokens += sequence[r.fed:r.fed + n]
+            if self.engram is not None:  # hashed from the request's tokens: exact however it got here
+                engram_rows.append(self.engram.request_rows(sequence, r.fed, r.fed + n))
             positions += range(r.fed, r.fed + n)
             seqs += [r.rid] * n
             # Only the logits the engine uses come back: every row when recorded, verifying drafts
@@ -140,8 +144,9 @@ class Engine:
                 logit_rows.append(start + n - 1)
             if r.draft.tokens:
                 saved[r.rid] = self.speculation.save(r, n)
+        extra = {"engram_rows": np.concatenate(engram_rows).astype(np.int32)} if engram_rows else {}
         logits = self.backend.step(np.array(tokens, np.int32), np.array(positions, np.int32),
-                                   np.array(seqs, np.int32), np.array(logit_rows, np.int32))
+                                   np.array(seqs, np.int32), np.array(logit_rows, np.int32), **extra)
         offset, fed_before = 0, {r.rid: r.fed for r, _ in plan}
         for r, n in plan:
             got = n if every_row[r.rid] else int(r.fed + n == len(r.sequence))

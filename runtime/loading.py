@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dsv4c.artifact.file_names import PROGRAM
+from dsv4c.artifact.engram import EngramTables
+from dsv4c.artifact.file_names import ENGRAM_HASH, PROGRAM
 from dsv4c.artifact.manifest import Manifest
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, graph_context_limit
@@ -87,3 +88,13 @@ def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weigh
         return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
                                      DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout)
     return TvmBackend(artifact, manifest, pool, device, weights_mode)
+
+
+def load_engram_hash(artifact: Path, config: ModelConfig) -> EngramTables | None:
+    """The Engram hash constants of a model with Engram layers (None for others)."""
+    if config.engram is None:
+        return None
+    if not (artifact / ENGRAM_HASH).is_file():
+        raise ArtifactError(f"{artifact}: the model has Engram layers but the artifact has no {ENGRAM_HASH}; "
+                            "compile it from a model directory that holds its tokenizer")
+    return EngramTables.load(artifact / ENGRAM_HASH)

@@ -105,7 +105,8 @@ class SpeculativeDecoding:
             backend.check_pool_functions()
         # Positions of one verify step must own distinct window and ring rows (position_state).
         geometry: PoolGeometry = pool.geometry
-        longest = min([geometry.window] + [s.rows for s in geometry.states])
+        # A one-row ring (ratio 1) never holds a pending token: every token closes its window.
+        longest = min([geometry.window] + [s.rows for s in geometry.states if s.rows > 1])
         most, why = longest - 1, f"its smallest window or compressor ring holds {longest} positions"
         block = self.drafter.block_size
         if block is not None and block < longest:

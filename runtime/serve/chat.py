@@ -40,6 +40,7 @@ class DeepSeekEncoding:
 
 ENCODINGS = {"deepseek_v4": DeepSeekEncoding("V4", dsv4_encoding.encode_chat, V4_DSML),
              "deepseek_v41": DeepSeekEncoding("V4.1", dsv41_encoding.encode_chat, V41_DSML)}
+ENCODINGS["deepseek_v41_text"] = ENCODINGS["deepseek_v41"]  # how an artifact's manifest spells V4.1's text model
 
 
 @dataclass(frozen=True)
