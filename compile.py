@@ -149,10 +149,9 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
-    if cfg.family == "v4.1" and info.compiled:
-        raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1's ops (shared_compress, candidate_mask, engram, "
-                                    "mhc_mix, hc_collapse, v41_roundtrip) have no TVM kernels yet; compile it with "
-                                    "--target reference")
+    if cfg.family == "v4.1" and info.compiled and target != "llvm":
+        raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1's ops have TVM kernels for llvm only yet; compile it "
+                                    "with --target llvm or --target reference")
     cfg = resolve_drafter(cfg, Path(model) if Path(model).is_dir() and not no_weights else None, draft_model)
     sharding = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
     if tensor_parallel > 1 and not info.compiled:
