@@ -1,106 +1,42 @@
-"""DeepSeek-V4.1 compiled for the CPU (llvm) against transformers' reference
-(tests/data/v41_case0/README.md), as tests/test_v41_parity.py holds the reference target to it:
-the logits and greedy tokens whole, with chunked prefill and in a ragged batch; a prefix-cache
-hit bit-identical to a miss; and the V4.1 kernels against their numpy models: the fake-quant
-round trips bit for bit, the candidate-block mask exactly."""
+"""DeepSeek-V4.1 compiled for the CPU (llvm) against transformers' reference, as
+tests/test_v41_parity.py holds the reference target to it (tests/v41_case.py): the logits and
+greedy tokens whole, with chunked prefill and in a ragged batch; a prefix-cache hit
+bit-identical to a miss; and the V4.1 kernels against their numpy models: the fake-quant round
+trips bit for bit, the candidate-block mask exactly."""
 
 from __future__ import annotations
 
 import functools
-import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tvm
 
 from dsv4c.artifact import lowbit
-from dsv4c.cli import main as cli
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.ir.reference_v41 import candidate_mask
-from dsv4c.runtime.engine import Engine
-from dsv4c.runtime.prefix_cache import BLOCK_TOKENS
-from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
 
-DATA = Path(__file__).parent / "data"
-CASE = DATA / "v41_case0"
-TOKEN_IDS = json.loads((DATA / "v41_engram" / "case.json").read_text())["token_ids"]
-GREEDY = json.loads((CASE / "case.json").read_text())["greedy_tokens"]
-TOLERANCE = 1e-4
+from v41_case import check_generate, check_prefix_cache_hit, check_ragged, compile_case
 
 
 @pytest.fixture(scope="session")
 def v41_llvm(tmp_path_factory):
     """The parity case compiled for llvm, once."""
-    model = tmp_path_factory.mktemp("v41_llvm") / "case0"
-    model.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(DATA / "v41_engram" / name, model / name)
-    shutil.copyfile(CASE / "model.safetensors", model / "model.safetensors")
-    out = model.parent / "artifact"
-    assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(out)]) == 0
-    return out
+    return compile_case(tmp_path_factory.mktemp("v41_llvm"), "llvm")
 
 
 @pytest.mark.parametrize("chunk", [None, 5, 1])
 def test_logits_and_greedy_tokens_match_the_reference(v41_llvm, tmp_path, capsys, chunk):
-    logits = tmp_path / "logits.npy"
-    args = ["generate", str(v41_llvm), "--token-ids", ",".join(map(str, TOKEN_IDS)), "--max-new-tokens",
-            str(len(GREEDY)), "--greedy", "--logits-out", str(logits)]
-    capsys.readouterr()
-    assert cli(args + (["--prefill-chunk", str(chunk)] if chunk else [])) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in GREEDY]
-    got, n = np.load(logits), len(TOKEN_IDS)
-    assert np.abs(got[:n] - np.load(CASE / "logits_full.npy")).max() < TOLERANCE
-    assert np.abs(got[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 300, length).tolist()
+    check_generate(v41_llvm, tmp_path, capsys, chunk)
 
 
 def test_a_ragged_batch_matches_the_reference(v41_llvm):
-    """The case's prompt fed beside two others of other lengths, in chunks that never line up."""
-    engine = Engine(v41_llvm, max_requests=3, max_context=256, max_step_tokens=48, prefill_chunk=13)
-    params = SamplingParams(max_new_tokens=len(GREEDY))
-    others = [engine.submit(_prompt(5, 30), params), engine.submit(_prompt(6, 71), params)]
-    rid = engine.submit(TOKEN_IDS, params, record_logits=True)
-    engine.run()
-    result, n = engine.result(rid), len(TOKEN_IDS)
-    assert result.tokens == GREEDY and all(len(engine.result(o).tokens) == len(GREEDY) for o in others)
-    assert np.abs(result.logits[:n] - np.load(CASE / "logits_full.npy")).max() < TOLERANCE
-    assert np.abs(result.logits[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
-
-
-def _run(engine: Engine, prompt: list[int], params) -> tuple[list[int], list[np.ndarray]]:
-    """A request's tokens and the logits each of its sampling steps read (a prompt whose logits
-    are recorded is never served from the prefix cache, so the engine's sampling is tapped)."""
-    rows: list[np.ndarray] = []
-    advance = engine._advance
-
-    def recording(r, logits):
-        rows.append(np.array(logits, copy=True))
-        advance(r, logits)
-
-    engine._advance = recording
-    rid = engine.submit(prompt, params)
-    engine.run()
-    engine._advance = advance
-    return engine.result(rid).tokens, rows
+    check_ragged(v41_llvm)
 
 
 def test_a_prefix_cache_hit_is_bit_identical_to_a_miss(v41_llvm):
-    params = SamplingParams(max_new_tokens=4)
-    cold = Engine(v41_llvm, max_requests=2, max_context=1024, prefix_caching=False)
-    cached = Engine(v41_llvm, max_requests=2, max_context=1024)
-    base = _prompt(1, 2 * BLOCK_TOKENS + 9)
-    _run(cached, base, params)
-    prompt = base[:2 * BLOCK_TOKENS] + _prompt(2, 11)  # the Engram hash of the tail reads the hit's tokens
-    hit, miss = _run(cached, prompt, params), _run(cold, prompt, params)
-    assert cached.prefix_cache.hit_tokens == 2 * BLOCK_TOKENS
-    assert hit[0] == miss[0] and all(np.array_equal(a, b) for a, b in zip(hit[1], miss[1]))
+    check_prefix_cache_hit(v41_llvm)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,7 @@ from dsv4c.codegen.kernels.codecs import F32, NEG_INF
 from dsv4c.codegen.kernels.cpu import ON_STACK
 
 
-def _compressor_source(width: int, ratio: int):
+def compressor_source(width: int, ratio: int):
     """Reads (kv, score) of a compressor source row: ``src >= 0`` is a row of this step (its
     score is the gate plus ``ape[pos % ratio]``), ``src < 0`` is ring row ``-src - 1`` (stored
     with its ape already added)."""
@@ -50,7 +50,7 @@ def ring_update(width: int, ratio: int, overlap: bool):
     owns its row, so what a step writes depends only on the positions it feeds, never on how
     the tokens were chunked, and taking a token back (speculative decoding) restores its rows
     alone (``runtime.kv_pool.KVPool.position_rows``)."""
-    read = _compressor_source(width, ratio)
+    read = compressor_source(width, ratio)
     slots = 2 * ratio if overlap else ratio
 
     def skipped(REQ, q):  # request q's positions in the step beyond the ring's last ``slots``
@@ -94,7 +94,7 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
     rather than held: a GPU thread per (window, column) keeps nothing but scalars (holding the
     128 slots of an HCA window took 1 KiB of local memory per thread)."""
     slots = 2 * ratio if overlap else ratio
-    read = _compressor_source(width, ratio)
+    read = compressor_source(width, ratio)
 
     def column(s, c):  # the source column slot s reads for output column c
         return T.if_then_else(overlap and s >= ratio, c + head_dim, c)

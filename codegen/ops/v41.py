@@ -11,7 +11,7 @@ import numpy as np
 from tvm import relax, tirx
 
 from dsv4c.codegen.kernels.v41 import ROUNDTRIP_BLOCK
-from dsv4c.codegen.ops.attention import _envelope, _main_planes, _store, store_kernel
+from dsv4c.codegen.ops.attention import main_planes, pool_envelope, store_kernel, store_pool_rows
 from dsv4c.codegen.ops.base import F32, I32, OpLowering, input_shapes, kernel
 from dsv4c.codegen.ops.norm import rope_call, rope_table
 
@@ -87,22 +87,24 @@ class SharedCompress(OpLowering):
         kv = args[0]
         gate = args[4] if r > 1 else kv
         windows = em.r + tirx.floordiv(em.t, r)  # closes at most one more window than T / ratio
-        win = em.call(roles["windows"], [i["requests"], i["block_table"], *_envelope(em, layer, False)],
+        win = em.call(roles["windows"], [i["requests"], i["block_table"], *pool_envelope(em, layer, False)],
                       [([windows, r], I32), ([windows], I32), ([windows], I32)])
         src, entry_pos, entry_rows = em.outputs(win, 3)
         ring = [f"state.{layer}.main.kv", f"state.{layer}.main.score"]
         em.pool[ring[0]], em.pool[ring[1]] = em.call_inplace(
             roles["reset"], [em.pool[ring[0]], em.pool[ring[1]], i["requests"]], [0, 1])
-        latent = em.call(roles["pool"], [em.pool[ring[0]], em.pool[ring[1]], kv, gate, src, entry_rows],
-                         ([windows, d], F32))
+        # No ape in V4.1: zeros, so the score ring holds the gates.
+        ape = relax.const(np.zeros((r, d), np.float32))
+        latent = em.call(roles["pool"], [em.pool[ring[0]], em.pool[ring[1]], kv, gate, i["positions"], ape, src,
+                                         entry_rows], ([windows, d], F32))
         latent = em.call(roles["norm"], [latent, em.param(node.inputs[1].name)], ([windows, d], F32))
         rows = rope_call(em, roles["rope"], latent, entry_pos, rope_table(em, "compress"))
         if "quant" in roles:
             rows = roundtrip(em, roles["quant"], rows)
-        _store(em, roles["store"], _main_planes(em), entry_rows, rows)
+        store_pool_rows(em, roles["store"], main_planes(em), entry_rows, rows)
         if a["index_keys"]:
             di = a["index_dim"]
-            win = em.call(roles["windows"], [i["requests"], i["block_table"], *_envelope(em, layer, True)],
+            win = em.call(roles["windows"], [i["requests"], i["block_table"], *pool_envelope(em, layer, True)],
                           [([windows, r], I32), ([windows], I32), ([windows], I32)])
             key_rows = em.outputs(win, 3)[2]
             keys = em.call(roles["key"], [latent, em.param(node.inputs[-2].name)], ([windows, di], F32))
@@ -110,9 +112,7 @@ class SharedCompress(OpLowering):
             keys = rope_call(em, roles["key_rope"], keys, entry_pos, rope_table(em, "compress"))
             if "key_quant" in roles:
                 keys = roundtrip(em, roles["key_quant"], keys)
-            _store(em, roles["key_store"], ["index"], key_rows, keys)
-        # No ape in V4.1: the ring's scores are the gates (zeros added).
-        ape = relax.const(np.zeros((r, d), np.float32))
+            store_pool_rows(em, roles["key_store"], ["index"], key_rows, keys)
         em.pool[ring[0]], em.pool[ring[1]] = em.call_inplace(
             roles["ring"], [em.pool[ring[0]], em.pool[ring[1]], kv, gate, i["positions"], ape, i["requests"]], [0, 1])
         return [None]
