@@ -1,5 +1,6 @@
 """DeepSeek-V4.1's kernels (docs/v41.md): the fake-quant round trips, the collapse of the streams
-with a site's ``pre``, the shared compressor's gated pool and index-key projection, the
+with a site's ``pre``, the shared compressor's index-key projection (its pool is
+``compressor.compress_pool``'s), the
 candidate-block mask of the two-level top-k and the Engram gather and gate. Each follows its
 reference op (``ir.reference_v41``) in fp32, in the reference's order where a round trip follows."""
 
@@ -11,7 +12,6 @@ from tvm.script import tirx as T
 from dsv4c.artifact.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR
 from dsv4c.codegen.kernels.codecs import (F32, NEG_INF, abs_bits, amax_floor, decode_e2m1, decode_e4m3fn,
                                           encode_e2m1, encode_e4m3fn)
-from dsv4c.codegen.kernels.compressor import compressor_source
 from dsv4c.codegen.kernels.cpu import ON_STACK
 
 INF = float("inf")
@@ -83,54 +83,6 @@ def hc_collapse(hc: int, dim: int, weighted: bool):
                         OUT[t, d] = OUT[t, d] + PRE[t, j] * H[t, j, d]
                 else:
                     OUT[t, d] = H[t, 0, d]
-    return f
-
-
-def shared_pool(width: int, ratio: int):
-    """A KV source's closed windows: per channel the softmax of the window's ``ratio`` gates weighs
-    its rows (``reference_v41._gated_pool``: the weights first, then their sum), for windows
-    whose entry has a pool row; ratio 1 takes the token's row. Rows are read as
-    ``compressor.compress_pool`` reads them (V4.1 has no ape: the lowering passes zeros)."""
-    read = compressor_source(width, ratio)
-
-    @T.prim_func
-    def f(ring_kv: T.handle, ring_sc: T.handle, kv: T.handle, gate: T.handle, pos: T.handle, ape: T.handle,
-          src: T.handle, rows: T.handle, out: T.handle):
-        r = T.int32()
-        n = T.int32()
-        nw = T.int32()
-        RKV = T.match_buffer(ring_kv, (r, width), F32)
-        RSC = T.match_buffer(ring_sc, (r, width), F32)
-        KV = T.match_buffer(kv, (n, width), F32)
-        GATE = T.match_buffer(gate, (n, width), F32)
-        POS = T.match_buffer(pos, (n,), "int32")
-        APE = T.match_buffer(ape, (ratio, width), F32)
-        SRC = T.match_buffer(src, (nw, ratio), "int32")
-        ROWS = T.match_buffer(rows, (nw,), "int32")
-        OUT = T.match_buffer(out, (nw, width), F32)
-        for i in T.parallel(nw * width):
-            val = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            sc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            acc = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)  # max, denominator, sum
-            if ROWS[i // width] < 0:
-                OUT[i // width, i % width] = T.float32(0)
-            elif ratio == 1:
-                read(RKV, RSC, KV, GATE, POS, APE, SRC[i // width, 0], i % width, val, sc, 0)
-                OUT[i // width, i % width] = val[0]
-            else:
-                acc[0] = T.float32(NEG_INF)
-                for s in range(ratio):
-                    read(RKV, RSC, KV, GATE, POS, APE, SRC[i // width, s], i % width, val, sc, 0)
-                    acc[0] = T.max(acc[0], sc[0])
-                acc[1] = T.float32(0)
-                for s in range(ratio):
-                    read(RKV, RSC, KV, GATE, POS, APE, SRC[i // width, s], i % width, val, sc, 0)
-                    acc[1] = acc[1] + T.exp(sc[0] - acc[0])
-                acc[2] = T.float32(0)
-                for s in range(ratio):
-                    read(RKV, RSC, KV, GATE, POS, APE, SRC[i // width, s], i % width, val, sc, 0)
-                    acc[2] = acc[2] + val[0] * (T.exp(sc[0] - acc[0]) / acc[1])
-                OUT[i // width, i % width] = acc[2]
     return f
 
 

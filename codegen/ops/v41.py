@@ -58,7 +58,7 @@ class V41Roundtrip(OpLowering):
 
 
 class SharedCompress(OpLowering):
-    """The windows a step closes pooled (``shared_pool``) from the source's ring and the step's
+    """The windows a step closes pooled from the source's ring and the step's
     rows, normed, roped at the window's first position, round-tripped and stored as the group's
     compressed rows; their index keys projected from the same latents, normed, roped,
     round-tripped and stored in the group's index rows; then the ring takes the step's rows
@@ -68,7 +68,7 @@ class SharedCompress(OpLowering):
         a = node.attrs
         d, r, di = a["head_dim"], a["ratio"], a["index_dim"]
         out = {"reset": kernel("ring_reset", d, r), "windows": kernel("compress_windows", r, False),
-               "pool": kernel("shared_pool", d, r), "norm": kernel("rmsnorm", d, a["eps"], True),
+               "pool": kernel("compress_pool", d, d, r, False, True), "norm": kernel("rmsnorm", d, a["eps"], True),
                "rope": kernel("rope", 1, d, a["rope_dim"], False), "store": store_kernel(cfg, plan, "main", d),
                "ring": kernel("ring_update", d, r, False)}
         if a["fake_quant"] and d % ROUNDTRIP_BLOCK["fp4_e4m3_b16"] == 0:
