@@ -1,7 +1,8 @@
 """The V4.1 parity case (tests/data/v41_case0/README.md) every target is held to: its model
-directory compiled for a target, the whole / chunked generate and the ragged batch checked
-against the reference's logits and greedy tokens, and a tap on the logits the engine samples
-from (tests/test_v41_parity.py: the reference target; tests/test_v41_compiled.py: llvm)."""
+directory compiled for a target, and the tests every target's artifact passes (whole / chunked
+generate and a ragged batch against the reference's logits and greedy tokens, a prefix-cache hit
+bit-identical to a miss). A test file imports the tests and defines the ``artifact`` fixture
+(tests/test_v41_parity.py: the reference target; tests/test_v41_compiled.py: llvm)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dsv4c.cli import main as cli
 from dsv4c.runtime.engine import Engine
@@ -45,7 +47,8 @@ def _close(logits: np.ndarray) -> None:
     assert np.abs(logits[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
 
 
-def check_generate(artifact: Path, tmp_path: Path, capsys, chunk: int | None) -> None:
+@pytest.mark.parametrize("chunk", [None, 5, 1])
+def test_logits_and_greedy_tokens_match_the_reference(artifact: Path, tmp_path: Path, capsys, chunk: int | None):
     """``dsv4c generate --greedy`` of the case's prompt, whole or in prefill chunks of ``chunk``."""
     logits = tmp_path / "logits.npy"
     args = ["generate", str(artifact), "--token-ids", ",".join(map(str, TOKEN_IDS)), "--max-new-tokens",
@@ -56,7 +59,7 @@ def check_generate(artifact: Path, tmp_path: Path, capsys, chunk: int | None) ->
     _close(np.load(logits))
 
 
-def check_ragged(artifact: Path) -> None:
+def test_a_ragged_batch_matches_the_reference(artifact: Path):
     """The case's prompt fed beside two others of other lengths, in chunks that never line up."""
     engine = Engine(artifact, max_requests=3, max_context=256, max_step_tokens=48, prefill_chunk=13)
     params = SamplingParams(max_new_tokens=len(GREEDY))
@@ -88,7 +91,7 @@ def same_run(a, b) -> bool:
     return a[0] == b[0] and all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-def check_prefix_cache_hit(artifact: Path) -> None:
+def test_a_prefix_cache_hit_is_bit_identical_to_a_miss(artifact: Path):
     """A prompt whose first two blocks hit the prefix cache computes, bit for bit, what a miss does."""
     params = SamplingParams(max_new_tokens=6)
     cold = Engine(artifact, max_requests=2, max_context=1024, prefix_caching=False)
