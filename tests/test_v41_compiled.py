@@ -1,19 +1,26 @@
 """DeepSeek-V4.1 compiled for the CPU (llvm) against transformers' reference, as
 tests/test_v41_parity.py holds the reference target to it (tests/v41_case.py): the logits and
 greedy tokens whole, with chunked prefill and in a ragged batch; a prefix-cache hit
-bit-identical to a miss; and the V4.1 kernels against their numpy models: the fake-quant round
-trips bit for bit, the candidate-block mask exactly."""
+bit-identical to a miss; the V4.1 kernels against their numpy models: the fake-quant round
+trips bit for bit, the candidate-block mask exactly; and the GPU targets compiling v41-tiny
+without weights into machine code that neither spills nor keeps arrays in local memory (no GPU
+needed; tests/test_gpu_targets.py says which tools each target needs)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tvm
 
 from dsv4c.artifact import lowbit
+from dsv4c.codegen import gpu
 from dsv4c.codegen.kernel_factories import KERNELS
+from dsv4c.compile import compile_model
+from dsv4c.errors import DsvError
 from dsv4c.ir.reference_v41 import candidate_mask
 from dsv4c.targets import target_info
 
@@ -68,3 +75,27 @@ def test_the_candidate_mask_matches_the_reference(ratio, block, blocks):
     want = candidate_mask(np.where(scores < -1e38, -np.inf, scores).astype(np.float32), positions, None,
                           ratio=ratio, block=block, blocks=blocks)
     assert np.array_equal(got == 0, want == 0)
+
+
+def _kernel_resources():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernel_resources.py"
+    spec = importlib.util.spec_from_file_location("kernel_resources", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])
+def test_gpu_targets_compile_v41_tiny_into_machine_code(tmp_path, target):
+    resources = _kernel_resources()
+    try:
+        gpu.nvcc_environment() if target == "sm90" else gpu.rocm_environment()
+        if target == "sm90":
+            resources.cuobjdump()
+    except (gpu.ToolchainError, DsvError) as e:
+        pytest.skip(f"toolchain missing for {target}: {e}")
+    out = compile_model("v41-tiny", target, tmp_path / "art", no_weights=True, progress=False, log=lambda *_: None)
+    _, rows = resources.kernel_resources(out)
+    assert len(rows) >= 60
+    memory = "stack" if target == "sm90" else "scratch"
+    assert {row["kernel"]: row for row in rows if row[memory] or row["spills"] != 0} == {}
