@@ -73,6 +73,8 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
                 m[rr * rows + u] = acc[1] * acc[0]
         for j in T.unroll(hc):
             pre[j] = T.float32(1) / (T.float32(1) + T.exp(-(m[j] * SCALE[0] + BASE[j]))) + T.float32(hc_eps)
+            if not collapse:
+                Y[t, j] = pre[j]
         if not head:
             for j in T.unroll(hc):
                 POST_OUT[t, j] = T.float32(2) / (T.float32(1) + T.exp(-(m[hc + j] * SCALE[1] + BASE[hc + j])))
@@ -111,9 +113,6 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
                 for j in T.unroll(hc):
                     for l in columns(lanes):
                         Y[t, dd * lanes + l] = Y[t, dd * lanes + l] + pre[j] * SRC[t, j, dd * lanes + l]
-        else:
-            for j in T.unroll(hc):
-                Y[t, j] = pre[j]
 
     if with_post and not head:
         @T.prim_func
