@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 compiled for the CPU (llvm) against transformers' reference, as
 tests/test_v41_parity.py holds the reference target to it (tests/v41_case.py): the logits and
 greedy tokens whole, with chunked prefill and in a ragged batch; a prefix-cache hit
-bit-identical to a miss; the V4.1 kernels against their numpy models: the fake-quant round
+bit-identical to a miss, preempted requests and speculative decoding computing the plain tokens; the V4.1 kernels against their numpy models: the fake-quant round
 trips bit for bit, the candidate-block mask exactly; and the GPU targets compiling v41-tiny
 without weights into machine code that neither spills nor keeps arrays in local memory (no GPU
 needed; tests/test_gpu_targets.py says which tools each target needs)."""
@@ -28,6 +28,8 @@ from v41_case import compile_case
 from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here on llvm)
 from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
+from v41_case import test_preempted_requests_recompute_the_same_tokens  # noqa: F401
+from v41_case import test_speculative_decoding_computes_the_plain_tokens  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -4,24 +4,21 @@ ragged batch; every
 layer role (sliding, KV sources of ratio 2 and 1, reuse, re-index before and after the candidate
 source), both top-k levels, the group's compressed rows and index keys and the Engram layers
 against the reference's internals; a prefix-cache hit, a preempted request and speculative
-decoding (whose drafts the Engram hash reads too) computing what a plain run computes."""
+decoding (whose drafts the Engram hash reads too) computing what a plain run computes. The tests
+every target passes live in tests/v41_case.py (tests/test_v41_compiled.py runs them on llvm)."""
 
 import numpy as np
 import pytest
 
-from dsv4c.runtime.drafter import Draft, Drafter
 from dsv4c.runtime.engine import Engine
-from dsv4c.runtime.kv_pool import KVPool
-from dsv4c.runtime.prefix_cache import BLOCK_TOKENS
 from dsv4c.runtime.sampling import SamplingParams
 
 from v41_case import CASE, TOKEN_IDS, TOLERANCE, compile_case
 from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here)
 from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
-from v41_case import prompt as _prompt
-from v41_case import run_recording as _run
-from v41_case import same_run as _same
+from v41_case import test_preempted_requests_recompute_the_same_tokens  # noqa: F401
+from v41_case import test_speculative_decoding_computes_the_plain_tokens  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -79,38 +76,3 @@ def test_every_role_and_both_top_k_levels_match_the_reference_internals(artifact
     assert np.abs(got["h0"] - want["E0.engram_in"]).max() < TOLERANCE
     assert np.abs(got["l0.engram"] - want["E0.engram_out"]).max() < TOLERANCE
     assert np.abs(got["l5.engram"] - want["E1.engram_out"]).max() < TOLERANCE
-
-
-def test_preempted_requests_recompute_the_same_tokens(artifact):
-    params = SamplingParams(max_new_tokens=40)
-    cold = Engine(artifact, max_requests=3, max_context=1024, prefix_caching=False)
-    g = cold.pool.geometry
-    small = Engine(artifact, max_requests=3, max_context=1024, prefix_caching=False,
-                   kv_cache_memory=KVPool.nbytes_for(g, 3 * (2 * g.rows_per_envelope + g.window_rows_per_request)))
-    prompts = [_prompt(10 + i, 2 * BLOCK_TOKENS - 10 - 7 * i) for i in range(3)]  # grow into a third block
-    got = _run(small, prompts, params)
-    assert small.preemptions > 0
-    # The recomputed prefill batches its rows differently, and the interpreter's fp32 GEMMs sum in an
-    # order that depends on the batch: a value on a fake-quant rounding midpoint may land on the
-    # other side (docs/v41.md, "Fake-quant"). The tokens are the same, the logits close.
-    for (tokens, rows), (want_tokens, want_rows) in zip(got, _run(cold, prompts, params)):
-        assert tokens == want_tokens
-        assert max(np.abs(a - b).max() for a, b in zip(rows, want_rows)) < 1e-2
-
-
-class RepeatDrafter(Drafter):
-    """Drafts the request's last token again: some drafts are kept, most rejected."""
-
-    def propose(self, parts):
-        return {p.request.rid: Draft([p.request.sequence[-1]] * p.wanted) for p in parts if p.wanted}
-
-
-def test_speculative_decoding_computes_the_plain_tokens(artifact):
-    params = SamplingParams(max_new_tokens=24)
-    prompts = [_prompt(20, 40), TOKEN_IDS]
-    plain = _run(Engine(artifact, max_requests=2, max_context=256, prefix_caching=False), prompts, params)
-    # Ratio 2's compressor ring holds two positions: a verify step may feed one draft.
-    spec = Engine(artifact, max_requests=2, max_context=256, speculative=RepeatDrafter(), num_draft_tokens=1)
-    got = _run(spec, prompts, params)
-    assert [g[0] for g in got] == [p[0] for p in plain]
-    assert spec.spec_stats.drafted > spec.spec_stats.accepted
