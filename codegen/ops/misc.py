@@ -30,7 +30,7 @@ class Add(OpLowering):
     def emit(self, em, node, roles, args):
         shape = em.shape(args[0])
         width = self._width(node.inputs[0].type.shape)
-        flat = [prod(shape) // width, width] if width == 1 else [shape[0], prod(shape[1:])]
+        flat = [prod(shape), 1] if width == 1 else [shape[0], width]
         out = em.call(roles["main"], [em.view(args[0], flat), em.view(args[1], flat)], (flat, F32))
         return [em.view(out, shape)]
 
