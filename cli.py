@@ -88,16 +88,17 @@ def _cmd_inspect(args) -> int:
               "fp8_format": plan.fp8_format, "expert_format": plan.expert_format,
               "tensor_parallel": sharding.tensor_parallel}
     if cfg.family == "v4.1":
-        # The artifact's weight sizes come from the compiled targets' weight layouts, which V4.1's
-        # ops do not have yet; its pool is priced beside V4-Flash's under the same plan.
+        # The compiled targets still store the Engram tables among the weights (not in files of
+        # their own), so the weight sizes are not reported yet; the pool is priced beside
+        # V4-Flash's under the same plan.
         flash = resolve_model("flash")
         flash_geometry = PoolGeometry.build(flash, plan_for(flash, args.target, args.numerics, args.kv_cache_dtype))
         report["flash_bytes_per_token"] = flash_geometry.summary()["bytes_per_token"]
         if cfg.engram is not None:  # tables gathered a few rows a token, apart from the weights
             report["engram_bytes"] = cfg.engram.table_bytes
         if args.memory is not None:
-            raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes, which DeepSeek-V4.1 models do "
-                             "not have until their ops have TVM kernels")
+            raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes apart from its Engram tables, "
+                             "which DeepSeek-V4.1 artifacts do not store apart yet")
     else:
         weights = stored_weights(cfg, plan)
         report["weight_bytes_per_device"] = sharding.device_weight_bytes(weights)

@@ -30,7 +30,7 @@ from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import QuantPlan, WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
-from dsv4c.errors import UnsupportedModelError, UsageError
+from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, skipped_v41_tensors
 from dsv4c.frontend.checkpoint_writer import write_checkpoint
 from dsv4c.frontend.draft_model import resolve_drafter
@@ -149,10 +149,6 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
     info = target_info(target, cpu)
     progress = sys.stderr.isatty() if progress is None else progress
     cfg = resolve_model(model)
-    if cfg.family == "v4.1" and info.compiled:
-        raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1's ops (shared_compress, candidate_mask, engram, "
-                                    "mhc_mix, hc_collapse, v41_roundtrip) have no TVM kernels yet; compile it with "
-                                    "--target reference")
     cfg = resolve_drafter(cfg, Path(model) if Path(model).is_dir() and not no_weights else None, draft_model)
     sharding = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
     if tensor_parallel > 1 and not info.compiled:

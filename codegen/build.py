@@ -91,7 +91,9 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
     symbols = list(kernel_table(program, plan)[0])
     kernels = {"count": len(symbols), "build_seconds": round(time.perf_counter() - start, 2),
                **info.library_facts(target)}
-    vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS),
+    # A V4.1 step with Engram layers takes each token's table rows last (codegen.relax_step).
+    engram = ["engram_rows"] if any(v.name == "engram_rows" for v in program.functions["step"].inputs) else []
+    vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS) + engram,
           "mtp_inputs": list(STEP_INPUTS + MTP_INPUTS), "outputs": ["logits", "streams"], "params": step.params,
           "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,

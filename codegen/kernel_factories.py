@@ -13,7 +13,7 @@ import inspect
 from collections import namedtuple
 
 from dsv4c.codegen import step_kernels as step
-from dsv4c.codegen.kernels import attention, compressor, index, matmul, mhc, norm_rope, pool_rows, routing, topk
+from dsv4c.codegen.kernels import attention, compressor, index, matmul, mhc, norm_rope, pool_rows, routing, topk, v41
 
 KERNELS = {f.__name__: f for f in (
     matmul.linear, matmul.expert_linear, norm_rope.embed, norm_rope.rmsnorm, norm_rope.rope, norm_rope.rmsnorm_rope,
@@ -22,7 +22,8 @@ KERNELS = {f.__name__: f for f in (
     pool_rows.store_rows, compressor.ring_reset, compressor.ring_update, compressor.compress_pool, index.index_score,
     attention.sparse_attn, step.window_rows, step.compress_windows, step.entry_rows, step.attention_rows,
     step.block_attention_rows, step.moe_group, step.moe_combine, step.shard_ids, step.gather_rows, step.scatter_rows,
-    step.pad_rows, step.copy_rows, step.slice_columns)}
+    step.pad_rows, step.copy_rows, step.slice_columns, v41.v41_roundtrip, v41.hc_collapse,
+    v41.project_rows, v41.candidate_mask, v41.engram_gather, v41.engram_gate)}
 
 
 @functools.cache

@@ -192,6 +192,9 @@ class _Emitter:
             row_shape = list(streams.type.shape[1:])
             inputs["streams"] = relax.Var("streams", relax.TensorType([s] + row_shape, F32))
             inputs["stream_rows"] = relax.Var("stream_rows", relax.TensorType([t], I32))
+        rows_in = next((v for v in fn.inputs if v.name == "engram_rows"), None)
+        if rows_in is not None:  # V4.1's Engram table rows of every token, hashed on the host
+            inputs["engram_rows"] = relax.Var("engram_rows", relax.TensorType([t] + list(rows_in.type.shape[1:]), I32))
         self.inputs = inputs
         self.params_var = relax.Var("params", relax.TupleType(
             [relax.TensorType(list(shape), dtype) for shape, dtype in self.param_types]))
@@ -241,7 +244,8 @@ class _Emitter:
 
 
 # The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_copy``).
-GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "stream_rows")
+GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "stream_rows",
+                      "engram_rows")
 
 
 def pool_parameter(layout: list[PoolTensor]) -> tuple[relax.Var, dict[str, tirx.Var]]:

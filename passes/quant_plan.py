@@ -34,6 +34,13 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
         "fp32": WeightQuant("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
         "index": WeightQuant("int", None, None, "int32"),
     }
+    if cfg.family == "v4.1":
+        # V4.1's rows are already on its own FP8 / FP4 grids (its fake-quant round trips, part of
+        # the model's numerics): V4's pool codecs would quantize them a second time, differently.
+        if kv_cache_dtype == "fp8":
+            raise UsageError(f"{cfg.name}: DeepSeek-V4.1's pool keeps its own round-tripped rows in fp32; "
+                             "an fp8 KV cache is not implemented for it (use --kv-cache-dtype fp32 or auto)")
+        kv_cache_dtype = "fp32"
     if kv_cache_dtype == "auto":
         # The CPU pool follows the numerics: fp32 rows reproduce transformers exactly, the
         # official FP8 / FP4 rows reproduce the QAT reference exactly. GPUs keep low-bit rows.

@@ -126,7 +126,7 @@ class TvmBackend(Backend):
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logit_rows: np.ndarray | None, stream_rows: np.ndarray | None = None, chain: bool = False,
-             second: bool = False):
+             second: bool = False, engram_rows: np.ndarray | None = None):
         """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; the logits of ``logit_rows``
         (``second``: and its second output, read back too)."""
         n = len(tokens)
@@ -142,7 +142,7 @@ class TvmBackend(Backend):
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
         name = prefix + ("decode" if decode else "prefill")
-        logits, other = self.call(name, arrays, inputs[3], stream_rows, chain)
+        logits, other = self.call(name, arrays, inputs[3], stream_rows, chain, engram_rows)
         logits = rt.to_numpy(logits)[:len(rows)]
         self.read_back = logits.size
         if not second:
@@ -152,18 +152,21 @@ class TvmBackend(Backend):
         return logits, other
 
     def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
-             chain: bool = False):
+             chain: bool = False, engram_rows: np.ndarray | None = None):
         """One call of entry function ``name`` on the step inputs ``arrays`` (``STEP_INPUTS`` but the
         entry extents) and ``extents``; an MTP function also reads rows ``stream_rows`` of the last
         step's streams (``chain``: of the last draft's), DSpark's Markov function rows of the last
         DSpark draft's y. Its two outputs, left on the device; the streams a step or an MTP draft
         returns, and a DSpark draft's y, are kept for the next draft. Every rank of a multi-rank
-        artifact makes the same calls (``runtime.tensor_parallel``)."""
+        artifact makes the same calls (``runtime.tensor_parallel``). A V4.1 step with Engram layers
+        also takes each token's table rows ``engram_rows`` ``[T, L_e, C]``."""
         markov = name.startswith("dspark_markov_")
         extra = ()
         if stream_rows is not None:
             streams = self.dspark_rows if markov else self.draft_streams if chain else self.step_streams
             extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
+        if engram_rows is not None:
+            extra += (self._upload(np.ascontiguousarray(engram_rows, np.int32)),)
         first, second = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
                                              self.params, self.pool_tensors)
         if name.startswith("dspark_draft_"):
@@ -177,9 +180,9 @@ class TvmBackend(Backend):
         return first, second
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None) -> np.ndarray:
+             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
-        return self._run("", tokens, positions, seq_ids, logit_rows)
+        return self._run("", tokens, positions, seq_ids, logit_rows, engram_rows=engram_rows)
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:

@@ -383,3 +383,11 @@ def test_cpp_pool_makes_the_python_pools_decisions(cpp, tmp_path):
             for op, g, e in zip(ops, got, expected):
                 assert g == e, f"{geometry_file.name}, seed {seed}, total_rows {total_rows}: after {op!r}"
             assert any(s["error"] and s["error"][0] == "PoolExhausted" for s in expected)
+
+
+def test_host_refuses_a_v41_step_with_engram_rows_in_one_line(cpp, tmp_path):
+    from v41_case import compile_case
+
+    build, _ = cpp
+    done = _host(build, compile_case(tmp_path, "llvm"), "--token-ids", "1,2,3", "--max-new-tokens", "2")
+    assert done.returncode != 0 and "Engram rows" in done.stderr and done.stderr.strip().count("\n") == 0

@@ -1,8 +1,9 @@
 """DeepSeek-V4.1 configs and checkpoints: both config spellings, the layer roles from the schedule
 ids (with the reference config's defaults and the schedules it leaves undefined refused), the
 checkpoint under official and transformers names (FP8 32 x 32, FP4 experts, FP8 Engram rows),
-the presets, `inspect` beside V4-Flash, make-tiny with a tokenizer, and compiled targets that
-refuse in one line until V4.1's ops have TVM kernels.
+the presets, `inspect` beside V4-Flash, make-tiny with a tokenizer that the reference and llvm
+targets compile, and an fp8 KV cache refused in one line (V4.1's pool keeps its own round-tripped
+rows).
 
 The small config is the one transformers' reference saved for tests/data/v41_engram."""
 
@@ -187,12 +188,14 @@ def test_transformers_names_load_as_the_official_ones(fp8_model, tmp_path):
     assert np.array_equal(got["layers.4.attn.indexer.wk.weight"], weights["layers.4.attn.indexer.wk.weight"])
 
 
-def test_make_tiny_writes_a_tokenizer_and_compiled_targets_refuse_in_one_line(tmp_path, capsys):
+def test_make_tiny_writes_a_tokenizer_that_the_targets_compile_and_an_fp8_pool_is_refused(tmp_path, capsys):
     assert cli(["make-tiny", "--config", "v41-tiny", "--out", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "tokenizer.json").is_file()
     capsys.readouterr()
-    assert cli(["compile", "--model", str(tmp_path / "m"), "--target", "llvm", "-o", str(tmp_path / "a")]) != 0
+    assert cli(["compile", "--model", str(tmp_path / "m"), "--target", "llvm", "--kv-cache-dtype", "fp8",
+                "-o", str(tmp_path / "a")]) != 0
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "DeepSeek-V4.1" in err and "--target reference" in err
-    assert cli(["compile", "--model", str(tmp_path / "m"), "--target", "reference", "-o", str(tmp_path / "r")]) == 0
-    assert (tmp_path / "r" / "engram_hash.safetensors").is_file()
+    assert "\n" not in err and "DeepSeek-V4.1" in err and "fp8" in err
+    for target in ("reference", "llvm"):
+        assert cli(["compile", "--model", str(tmp_path / "m"), "--target", target, "-o", str(tmp_path / target)]) == 0
+        assert (tmp_path / target / "engram_hash.safetensors").is_file()

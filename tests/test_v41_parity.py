@@ -4,65 +4,26 @@ ragged batch; every
 layer role (sliding, KV sources of ratio 2 and 1, reuse, re-index before and after the candidate
 source), both top-k levels, the group's compressed rows and index keys and the Engram layers
 against the reference's internals; a prefix-cache hit, a preempted request and speculative
-decoding (whose drafts the Engram hash reads too) computing what a plain run computes."""
-
-import json
-import shutil
-from pathlib import Path
+decoding (whose drafts the Engram hash reads too) computing what a plain run computes. The tests
+every target passes live in tests/v41_case.py (tests/test_v41_compiled.py runs them on llvm)."""
 
 import numpy as np
 import pytest
 
-from dsv4c.cli import main as cli
-from dsv4c.runtime.drafter import Draft, Drafter
 from dsv4c.runtime.engine import Engine
-from dsv4c.runtime.kv_pool import KVPool
-from dsv4c.runtime.prefix_cache import BLOCK_TOKENS
 from dsv4c.runtime.sampling import SamplingParams
 
-DATA = Path(__file__).parent / "data"
-CASE = DATA / "v41_case0"
-TOKEN_IDS = json.loads((DATA / "v41_engram" / "case.json").read_text())["token_ids"]
-GREEDY = json.loads((CASE / "case.json").read_text())["greedy_tokens"]
-TOLERANCE = 1e-4
+from v41_case import CASE, TOKEN_IDS, TOLERANCE, compile_case
+from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here)
+from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
+from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
+from v41_case import test_preempted_requests_recompute_the_same_tokens  # noqa: F401
+from v41_case import test_speculative_decoding_computes_the_plain_tokens  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    model = tmp_path_factory.mktemp("v41") / "case0"
-    model.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(DATA / "v41_engram" / name, model / name)
-    shutil.copyfile(CASE / "model.safetensors", model / "model.safetensors")
-    out = model.parent / "artifact"
-    assert cli(["compile", "--model", str(model), "--target", "reference", "-o", str(out)]) == 0
-    return out
-
-
-@pytest.mark.parametrize("chunk", [None, 5, 1])
-def test_logits_and_greedy_tokens_match_the_reference(artifact, tmp_path, capsys, chunk):
-    logits = tmp_path / "logits.npy"
-    args = ["generate", str(artifact), "--token-ids", ",".join(map(str, TOKEN_IDS)), "--max-new-tokens",
-            str(len(GREEDY)), "--greedy", "--logits-out", str(logits)]
-    capsys.readouterr()
-    assert cli(args + (["--prefill-chunk", str(chunk)] if chunk else [])) == 0
-    assert capsys.readouterr().out.split() == [str(t) for t in GREEDY]
-    got, n = np.load(logits), len(TOKEN_IDS)
-    assert np.abs(got[:n] - np.load(CASE / "logits_full.npy")).max() < TOLERANCE
-    assert np.abs(got[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
-
-
-def test_a_ragged_batch_matches_the_reference(artifact):
-    """The case's prompt fed beside two others of other lengths, in chunks that never line up."""
-    engine = Engine(artifact, max_requests=3, max_context=256, max_step_tokens=48, prefill_chunk=13)
-    params = SamplingParams(max_new_tokens=len(GREEDY))
-    others = [engine.submit(_prompt(5, 30), params), engine.submit(_prompt(6, 71), params)]
-    rid = engine.submit(TOKEN_IDS, params, record_logits=True)
-    engine.run()
-    result, n = engine.result(rid), len(TOKEN_IDS)
-    assert result.tokens == GREEDY and all(len(engine.result(o).tokens) == len(GREEDY) for o in others)
-    assert np.abs(result.logits[:n] - np.load(CASE / "logits_full.npy")).max() < TOLERANCE
-    assert np.abs(result.logits[n:n + len(GREEDY)] - np.load(CASE / "logits_greedy.npy")).max() < TOLERANCE
+    return compile_case(tmp_path_factory.mktemp("v41"), "reference")
 
 
 def test_the_artifact_chats_in_v41s_encoding(artifact):
@@ -115,72 +76,3 @@ def test_every_role_and_both_top_k_levels_match_the_reference_internals(artifact
     assert np.abs(got["h0"] - want["E0.engram_in"]).max() < TOLERANCE
     assert np.abs(got["l0.engram"] - want["E0.engram_out"]).max() < TOLERANCE
     assert np.abs(got["l5.engram"] - want["E1.engram_out"]).max() < TOLERANCE
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 300, length).tolist()
-
-
-def _run(engine: Engine, prompts, params) -> list[tuple[list[int], list[np.ndarray]]]:
-    rows: dict[int, list[np.ndarray]] = {}
-    advance = engine._advance
-
-    def recording(r, logits):
-        rows.setdefault(r.rid, []).append(np.array(logits, copy=True))
-        advance(r, logits)
-
-    engine._advance = recording
-    rids = [engine.submit(p, params) for p in prompts]
-    engine.run()
-    return [(engine.result(rid).tokens, rows[rid]) for rid in rids]
-
-
-def _same(a, b) -> bool:
-    return a[0] == b[0] and all(np.array_equal(x, y) for x, y in zip(a[1], b[1]))
-
-
-def test_a_prefix_cache_hit_is_bit_identical_to_a_miss(artifact):
-    params = SamplingParams(max_new_tokens=6)
-    cold = Engine(artifact, max_requests=2, max_context=1024, prefix_caching=False)
-    cached = Engine(artifact, max_requests=2, max_context=1024)
-    base = _prompt(1, 2 * BLOCK_TOKENS + 9)
-    _run(cached, [base], params)
-    prompt = base[:2 * BLOCK_TOKENS] + _prompt(2, 11)  # the Engram hash of the tail reads the hit's tokens
-    got = _run(cached, [prompt], params)
-    assert cached.prefix_cache.hit_tokens == 2 * BLOCK_TOKENS
-    assert _same(got[0], _run(cold, [prompt], params)[0])
-
-
-def test_preempted_requests_recompute_the_same_tokens(artifact):
-    params = SamplingParams(max_new_tokens=40)
-    cold = Engine(artifact, max_requests=3, max_context=1024, prefix_caching=False)
-    g = cold.pool.geometry
-    small = Engine(artifact, max_requests=3, max_context=1024, prefix_caching=False,
-                   kv_cache_memory=KVPool.nbytes_for(g, 3 * (2 * g.rows_per_envelope + g.window_rows_per_request)))
-    prompts = [_prompt(10 + i, 2 * BLOCK_TOKENS - 10 - 7 * i) for i in range(3)]  # grow into a third block
-    got = _run(small, prompts, params)
-    assert small.preemptions > 0
-    # The recomputed prefill batches its rows differently, and the interpreter's fp32 GEMMs sum in an
-    # order that depends on the batch: a value on a fake-quant rounding midpoint may land on the
-    # other side (docs/v41.md, "Fake-quant"). The tokens are the same, the logits close.
-    for (tokens, rows), (want_tokens, want_rows) in zip(got, _run(cold, prompts, params)):
-        assert tokens == want_tokens
-        assert max(np.abs(a - b).max() for a, b in zip(rows, want_rows)) < 1e-2
-
-
-class RepeatDrafter(Drafter):
-    """Drafts the request's last token again: some drafts are kept, most rejected."""
-
-    def propose(self, parts):
-        return {p.request.rid: Draft([p.request.sequence[-1]] * p.wanted) for p in parts if p.wanted}
-
-
-def test_speculative_decoding_computes_the_plain_tokens(artifact):
-    params = SamplingParams(max_new_tokens=24)
-    prompts = [_prompt(20, 40), TOKEN_IDS]
-    plain = _run(Engine(artifact, max_requests=2, max_context=256, prefix_caching=False), prompts, params)
-    # Ratio 2's compressor ring holds two positions: a verify step may feed one draft.
-    spec = Engine(artifact, max_requests=2, max_context=256, speculative=RepeatDrafter(), num_draft_tokens=1)
-    got = _run(spec, prompts, params)
-    assert [g[0] for g in got] == [p[0] for p in plain]
-    assert spec.spec_stats.drafted > spec.spec_stats.accepted

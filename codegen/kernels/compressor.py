@@ -84,7 +84,7 @@ def ring_update(width: int, ratio: int, overlap: bool):
     return f
 
 
-def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
+def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool, weights_first: bool = False):
     """Gated pooling of closed windows: out[w, c] = sum_s softmax_s(score)[c] * kv[c] over the
     window's slots src[w, s] (step row if >= 0, ring row -src-1 otherwise), for the windows
     whose entry has a pool row (``rows[w] >= 0``; the others are zero and cost nothing). With
@@ -92,7 +92,11 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
 
     In parallel over (window, column), the slots read twice (their max, then the weighted sums)
     rather than held: a GPU thread per (window, column) keeps nothing but scalars (holding the
-    128 slots of an HCA window took 1 KiB of local memory per thread)."""
+    128 slots of an HCA window took 1 KiB of local memory per thread).
+
+    ``weights_first`` sums each slot's value times its normalised weight, in a third pass (V4.1's
+    reference order, ``reference_v41._gated_pool``: a round trip follows, where one ulp can
+    cross a rounding midpoint); otherwise the weighted sum is divided by the denominator once."""
     slots = 2 * ratio if overlap else ratio
     read = _compressor_source(width, ratio)
 
@@ -130,6 +134,13 @@ def compress_pool(width: int, head_dim: int, ratio: int, overlap: bool):
                 for s in range(slots):
                     read(RKV, RSC, KV, GATE, POS, APE, SRC[i // head_dim, s], column(s, i % head_dim), val, sc, 0)
                     acc[1] = acc[1] + T.exp(sc[0] - acc[0])
-                    acc[2] = acc[2] + T.exp(sc[0] - acc[0]) * val[0]
-                OUT[i // head_dim, i % head_dim] = acc[2] / acc[1]
+                    if not weights_first:
+                        acc[2] = acc[2] + T.exp(sc[0] - acc[0]) * val[0]
+                if weights_first:
+                    for s in range(slots):
+                        read(RKV, RSC, KV, GATE, POS, APE, SRC[i // head_dim, s], column(s, i % head_dim), val, sc, 0)
+                        acc[2] = acc[2] + val[0] * (T.exp(sc[0] - acc[0]) / acc[1])
+                    OUT[i // head_dim, i % head_dim] = acc[2]
+                else:
+                    OUT[i // head_dim, i % head_dim] = acc[2] / acc[1]
     return f

@@ -10,14 +10,15 @@ from dsv4c.codegen.kernels.codecs import F32, NEG_INF
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_vector
 
 
-def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool, *,
-        max_lanes: int = 0):
+def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post: bool, head: bool,
+        collapse: bool = True, *, max_lanes: int = 0):
     """One launch per mHC seam. ``with_post`` first forms the streams h' = post * out + comb^T h
     of the finished sub-layer; then (mhc_pre) the next sub-layer's pre / post / Sinkhorn comb
     are computed from rmsnorm(h') @ fn^T and h' is collapsed with pre; ``head`` computes the
     hc_head's pre only. Per token, everything stays in fp32. On the CPU the sums over h' run in
     vector lanes (each lane in input order, the lanes added last); GPU builds (``max_lanes``)
-    sum in one lane."""
+    sum in one lane. Without ``collapse`` (V4.1's ``mhc_mix``, whose ``pre`` collapses the next
+    site's input) the first output is pre itself, [n, hc]."""
     flat = hc * dim
     mix = hc if head else (2 + hc) * hc
     n_scale = 1 if head else 3
@@ -72,6 +73,8 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
                 m[rr * rows + u] = acc[1] * acc[0]
         for j in T.unroll(hc):
             pre[j] = T.float32(1) / (T.float32(1) + T.exp(-(m[j] * SCALE[0] + BASE[j]))) + T.float32(hc_eps)
+            if not collapse:
+                Y[t, j] = pre[j]
         if not head:
             for j in T.unroll(hc):
                 POST_OUT[t, j] = T.float32(2) / (T.float32(1) + T.exp(-(m[hc + j] * SCALE[1] + BASE[hc + j])))
@@ -103,12 +106,13 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
             for r in T.unroll(hc):
                 for k in T.unroll(hc):
                     COMB_OUT[t, r, k] = c[r, k]
-        for dd in range(dim // lanes):
-            for l in columns(lanes):
-                Y[t, dd * lanes + l] = T.float32(0)
-            for j in T.unroll(hc):
+        if collapse:
+            for dd in range(dim // lanes):
                 for l in columns(lanes):
-                    Y[t, dd * lanes + l] = Y[t, dd * lanes + l] + pre[j] * SRC[t, j, dd * lanes + l]
+                    Y[t, dd * lanes + l] = T.float32(0)
+                for j in T.unroll(hc):
+                    for l in columns(lanes):
+                        Y[t, dd * lanes + l] = Y[t, dd * lanes + l] + pre[j] * SRC[t, j, dd * lanes + l]
 
     if with_post and not head:
         @T.prim_func
@@ -157,7 +161,7 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
             FN = T.match_buffer(fn, (mix, flat), F32)
             BASE = T.match_buffer(base, (mix,), F32)
             SCALE = T.match_buffer(scale, (n_scale,), F32)
-            Y = T.match_buffer(y, (n, dim), F32)
+            Y = T.match_buffer(y, (n, dim if collapse else hc), F32)
             POST_OUT = T.match_buffer(post_out, (n, hc), F32)
             COMB_OUT = T.match_buffer(comb_out, (n, hc, hc), F32)
             for t in T.parallel(n):

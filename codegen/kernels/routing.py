@@ -12,8 +12,9 @@ from dsv4c.codegen.kernels.codecs import F32, vector_exp
 from dsv4c.codegen.kernels.cpu import ON_STACK
 
 
-def route_scores(n_experts: int):
-    """sqrt(softplus(logits)), the router's scores (softplus written overflow-free)."""
+def route_scores(n_experts: int, temp: float = 1.0):
+    """sqrt(softplus(logits / temp)), the router's scores (softplus written overflow-free; V4.1
+    divides the logits by its ``gate_temp``, 1 elsewhere: no division)."""
     @T.prim_func
     def f(lg: T.handle, out: T.handle):
         n = T.int32()
@@ -21,8 +22,13 @@ def route_scores(n_experts: int):
         OUT = T.match_buffer(out, (n, n_experts), F32)
         for t in T.parallel(n):
             for e in range(n_experts):
-                OUT[t, e] = T.sqrt(T.max(LG[t, e], T.float32(0)) + T.log(T.float32(1) + T.exp(-T.fabs(LG[t, e]))))
+                OUT[t, e] = T.sqrt(T.max(_tempered(LG[t, e], temp), T.float32(0)) +
+                                   T.log(T.float32(1) + T.exp(-T.fabs(_tempered(LG[t, e], temp)))))
     return f
+
+
+def _tempered(logit, temp: float):
+    return logit if temp == 1.0 else logit / tirx.const(temp, F32)
 
 
 def add_bias(n_experts: int):

@@ -39,17 +39,17 @@ def _i64(value: int):
     return relax.prim_value(tirx.IntImm("int64", int(value)))
 
 
-def _main_planes(em) -> list[str]:
+def main_planes(em) -> list[str]:
     return [p.name for p in em.pool_layout if p.rows == "main"]
 
 
-def _store(em, store, planes: list[str], rows, values) -> None:
+def store_pool_rows(em, store, planes: list[str], rows, values) -> None:
     new = em.call_inplace(store, [em.pool[p] for p in planes] + [rows, values], list(range(len(planes))))
     for p, v in zip(planes, new):
         em.pool[p] = v
 
 
-def _envelope(em, layer: int, index: bool) -> tuple:
+def pool_envelope(em, layer: int, index: bool) -> tuple:
     """(rows per envelope, offset of this layer's rows) of the main or the index pool."""
     g = em.geometry
     rows = g.rows_of(layer)
@@ -67,7 +67,7 @@ class KvWrite(OpLowering):
         i = em.inputs
         rows = em.call(roles["rows"], [i["positions"], i["token_request"], i["requests"],
                                        _i64(node.attrs["layer"]), relax.prim_value(em.pool_rows)], ([em.t], I32))
-        _store(em, roles["store"], _main_planes(em), rows, args[0])
+        store_pool_rows(em, roles["store"], main_planes(em), rows, args[0])
         return [None]
 
 
@@ -90,7 +90,7 @@ class Compress(OpLowering):
         kv, gate = args[0], args[1]
         slots = 2 * ratio if a["overlap"] else ratio
         windows = em.r + tirx.floordiv(em.t, ratio)  # closes at most one more window than T / ratio
-        envelope = _envelope(em, a["layer"], stream == "index")
+        envelope = pool_envelope(em, a["layer"], stream == "index")
         win = em.call(roles["windows"], [i["requests"], i["block_table"], *envelope],
                       [([windows, slots], I32), ([windows], I32), ([windows], I32)])
         src, entry_pos, entry_rows = em.outputs(win, 3)
@@ -102,7 +102,7 @@ class Compress(OpLowering):
                                          entry_rows], ([windows, d], F32))
         normed = em.call(roles["norm"], [pooled, em.param(node.inputs[3].name)], ([windows, d], F32))
         roped = rope_call(em, roles["rope"], normed, entry_pos, rope_table(em, "compress"))
-        _store(em, roles["store"], ["index"] if stream == "index" else _main_planes(em), entry_rows, roped)
+        store_pool_rows(em, roles["store"], ["index"] if stream == "index" else main_planes(em), entry_rows, roped)
         # The ring changes after pooling read it (bindings run in program order).
         new = em.call_inplace(roles["ring"], [em.pool[ring[0]], em.pool[ring[1]], kv, gate, i["positions"], ape,
                                               i["requests"]], [0, 1])
@@ -119,7 +119,7 @@ class IndexScore(OpLowering):
     def emit(self, em, node, roles, args):
         i, extent = em.inputs, em.entries[node.attrs["ratio"]]
         rows = em.call(roles["rows"], [i["positions"], i["token_request"], i["block_table"],
-                                       *_envelope(em, node.attrs["layer"], True)], ([em.t, extent], I32))
+                                       *pool_envelope(em, node.attrs["layer"], True)], ([em.t, extent], I32))
         return [em.call(roles["main"], [args[0], args[1], em.pool["index"], rows], ([em.t, extent], F32))]
 
 
@@ -161,13 +161,13 @@ class SparseAttn(OpLowering):
         elif a["kind"] == "sliding":
             rows = em.call(roles["rows"], common + layer, ([em.t, window], I32))
         elif a["kind"] == "hca":
-            rows = em.call(roles["rows"], common + [i["block_table"]] + layer + [*_envelope(em, a["layer"], False)],
+            rows = em.call(roles["rows"], common + [i["block_table"]] + layer + [*pool_envelope(em, a["layer"], False)],
                            ([em.t, window + em.entries[a["ratio"]]], I32))
         else:
             topk = args[6]
             rows = em.call(roles["rows"], common + [i["block_table"], topk] + layer +
-                           [*_envelope(em, a["layer"], False)], ([em.t, window + em.shape(topk)[1]], I32))
-        planes = [em.pool[p] for p in _main_planes(em)]
+                           [*pool_envelope(em, a["layer"], False)], ([em.t, window + em.shape(topk)[1]], I32))
+        planes = [em.pool[p] for p in main_planes(em)]
         attend = roles["main" if em.gemv else "prefill"]  # prefill: wider blocks of heads
         out = em.call(attend, [args[0]] + planes + [args[1], em.param(node.inputs[2].name), rows],
                       (em.shape(args[0]), F32))

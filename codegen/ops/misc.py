@@ -17,12 +17,20 @@ class Embed(OpLowering):
 
 
 class Add(OpLowering):
+    """Rows of the input's trailing width; a width known only at run time (V4.1's index scores
+    plus the candidate mask, [T, entries]) adds value by value."""
+
+    @staticmethod
+    def _width(shape) -> int:
+        return prod(shape[1:]) if all(isinstance(d, int) for d in shape[1:]) else 1
+
     def kernels(self, node, cfg, plan):
-        return {"main": kernel("add", prod(input_shapes(node)[0][1:]))}
+        return {"main": kernel("add", self._width(input_shapes(node)[0]))}
 
     def emit(self, em, node, roles, args):
         shape = em.shape(args[0])
-        flat = [shape[0], prod(shape[1:])]
+        width = self._width(node.inputs[0].type.shape)
+        flat = [prod(shape), 1] if width == 1 else [shape[0], width]
         out = em.call(roles["main"], [em.view(args[0], flat), em.view(args[1], flat)], (flat, F32))
         return [em.view(out, shape)]
 

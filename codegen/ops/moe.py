@@ -17,7 +17,7 @@ class MoeRoute(OpLowering):
         a, ins = node.attrs, input_shapes(node)
         e, d = ins[1]
         out = {**matmul_kernels("gate_", e, d, self.weight_format(node, plan).name),
-               "scores": kernel("route_scores", e),
+               "scores": kernel("route_scores", e, *([a["temp"]] if a.get("temp", 1.0) != 1.0 else [])),
                "weights": kernel("route_weights", e, a["k"], a["scale"])}
         if a["mode"] == "hash":
             out["select"] = kernel("hash_ids", ins[2][0], a["k"])

@@ -9,6 +9,7 @@ from dsv4c.codegen.ops.mhc import HcExpand, HcMean, Mhc, MhcPost
 from dsv4c.codegen.ops.misc import Add, Concat, Embed, Reshape
 from dsv4c.codegen.ops.moe import Experts, MoeRoute, SharedExpert
 from dsv4c.codegen.ops.norm import RmsNorm, RmsNormRope, Rope
+from dsv4c.codegen.ops.v41 import CandidateMask, Engram, HcCollapse, MhcMix, SharedCompress, V41Roundtrip
 from dsv4c.codegen.ops.tensor_parallel import AllGather, AllReduce, ShardIds
 from dsv4c.errors import UsageError
 
@@ -52,6 +53,12 @@ LOWERINGS: dict[str, OpLowering] = {
     "shard_ids": ShardIds(),
     "all_reduce": AllReduce(),
     "all_gather": AllGather(),
+    "mhc_mix": MhcMix(),
+    "hc_collapse": HcCollapse(),
+    "v41_roundtrip": V41Roundtrip(),
+    "shared_compress": SharedCompress(),
+    "candidate_mask": CandidateMask(),
+    "engram": Engram(),
     **{op: Unsupported() for op in ("fp8_roundtrip", "fp4_roundtrip", "hadamard")},
 }
 

@@ -181,6 +181,13 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
       device_(device_for(artifact, manifest)),
       vm_(load_vm(artifact, manifest.object("vm"), device_)) {
   json::Fields vm = manifest.object("vm");
+  for (const json::Value& input : vm.array("inputs")) {
+    // DeepSeek-V4.1's Engram rows are hashed from each request's tokens (Python: artifact/engram.py).
+    if (json::as_string(input).value_or("") == "engram_rows") {
+      throw UsageError(artifact + ": this DeepSeek-V4.1 step takes Engram rows, which the C++ host does not hash "
+                       "yet; run it with dsv4c generate or dsv4c serve");
+    }
+  }
   decode_ = vm_->GetFunction("decode").value();
   prefill_ = vm_->GetFunction("prefill").value();
   decode_max_tokens_ = vm.integer("decode_max_tokens");
