@@ -33,7 +33,9 @@ class TensorParallelBackend(TvmBackend):
         self.function_index = {name: i for i, name in enumerate(self.functions)}
 
     def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
-             chain: bool = False):
+             chain: bool = False, engram_rows: np.ndarray | None = None):
+        if engram_rows is not None:  # V4.1's Engram: tensor parallelism refuses V4.1 at compile time
+            raise TensorParallelError("a multi-rank step takes no Engram rows (V4.1 runs on one device)")
         if self.ranks.stopped:
             raise TensorParallelError("the tensor-parallel ranks have stopped; start the engine again")
         self.ranks.in_call = True
