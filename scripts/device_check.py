@@ -399,11 +399,12 @@ def main(argv=None) -> int:
                 print("no sm_90 CUDA GPU on this machine: built and checked the artifacts only")
                 return 0
             print(f"GPU: {device.device_name}")
-        drafting = [label for label in args.models if _drafter(work, args.target, label)]
+        drafters = {label: _drafter(work, args.target, label) for label in args.models}
+        drafting = [label for label in args.models if drafters[label]]
         checks = [("gemm kernels", gemm_kernels, (args.target,)), ("gemv kernels", gemv_kernels, (args.target,))]
         checks += [(f"{label}: parity", parity, (work, args.target, label, 8)) for label in args.models]
         checks += [(f"{label}: drafter parity", drafter_parity, (work, args.target, label)) for label in drafting
-                   if _drafter(work, args.target, label) == "dspark"]
+                   if drafters[label] == "dspark"]
         checks += [(f"{label}: speculation", speculation, (work, args.target, label, 8)) for label in drafting]
         checks += [(f"{label}: timings", timings, (work, args.target, label, args.prompt_tokens, args.decode_steps))
                    for label in args.models]
