@@ -22,7 +22,13 @@ def mhc(hc: int, dim: int, iters: int, hc_eps: float, norm_eps: float, with_post
     flat = hc * dim
     mix = hc if head else (2 + hc) * hc
     n_scale = 1 if head else 3
-    rows = math.gcd(mix, 8)  # mixing rows summed together (8 chains hide the FMA latency)
+    # Mixing rows summed together in one pass over h' (independent chains hide the FMA latency):
+    # 8 on the CPU; 12 on GPUs, where a thread per token sums in registers. There, passes of 8
+    # kept the first two passes' sums (and addresses) live across the third's loop, and nvcc
+    # spilled some in the kernel without the collapse at D 5120 and 7168; one pass of all 24
+    # rows needs 24 row addresses, which gfx942 / gfx950 keep in scalar registers and spilled
+    # in V4-Pro's seam. Each sum's order is the same whatever the grouping.
+    rows = math.gcd(mix, 12 if max_lanes else 8)
     lanes = 1 if max_lanes else math.gcd(dim, cpu_vector()[0])
     columns = T.serial if max_lanes else T.vectorized
 
