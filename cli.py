@@ -251,6 +251,9 @@ def _weights_arg(p: argparse.ArgumentParser) -> None:
                    help="read the weights into memory (on the CPU, huge pages: faster decode) or map the files "
                         "(fast start, pages load as first used); auto reads on the CPU when they take at most half "
                         "the available memory (default auto)")
+    p.add_argument("--engram-memory", default="map", metavar="map|read",
+                   help="a V4.1 model's Engram tables: map their files (a step reads the rows its n-grams hash to; "
+                        "a table need not fit in memory) or read them into memory first (default map)")
 
 
 def _pool_args(p: argparse.ArgumentParser) -> None:
@@ -297,7 +300,7 @@ def _cmd_generate(args) -> int:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp (or dspark)")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
-                    **_speculative_kwargs(args), weights=args.weights,
+                    **_speculative_kwargs(args), weights=args.weights, engram_memory=args.engram_memory,
                     profile=args.profile, kv_cache_memory=args.kv_cache_memory,
                     prefix_caching=args.prefix_caching, **_engine_ranks(args))
     if messages is not None:
@@ -374,6 +377,7 @@ def _cmd_serve(args) -> int:
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout, **_speculative_kwargs(args), weights=args.weights,
+                 engram_memory=args.engram_memory,
                  served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
                  prefix_caching=args.prefix_caching, **_engine_ranks(args),
                  limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),

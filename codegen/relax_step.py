@@ -266,8 +266,8 @@ def engram_table_inputs(cfg) -> dict[str, tuple[list, str]]:
     (the whole table on the CPU, a step's gather of it elsewhere)."""
     fmt, out = table_format(cfg), {}
     for layer in cfg.engram.layer_ids:
-        rows = tirx.Var(f"table_rows_{layer}", "int64")
-        for name, (dtype, shape) in zip(table_inputs(layer, fmt), table_tensors(fmt, rows, cfg.engram.head_dim).values()):
+        tensors = table_tensors(fmt, tirx.Var(f"table_rows_{layer}", "int64"), cfg.engram.head_dim)
+        for name, (dtype, shape) in zip(table_inputs(layer, fmt), tensors.values()):
             out[name] = (list(shape), {"U8": "uint8", "F32": F32}[dtype])
     return out
 
