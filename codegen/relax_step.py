@@ -222,7 +222,7 @@ class _Emitter:
             attrs["num_input"] = len(inputs)
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
             if self.gemv and self.cuda_graph:
-                inputs = self.inputs = {name: self._graph_copy(v, v.ty.dtype) if graph_copied(name) else v
+                inputs = self.inputs = {name: self._graph_copy(v, str(v.ty.dtype)) if graph_copied(name) else v
                                         for name, v in inputs.items()}
             self.pool = dict(zip((p.name for p in self.pool_layout),
                                  pool_row_views(bb, pool_var, self.pool_layout, sizes)))
