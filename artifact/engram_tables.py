@@ -87,6 +87,12 @@ class EngramTable:
     def shape(self) -> tuple[int, int]:
         return tuple(self.rows.shape)
 
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """What the step takes for this table (the inputs :func:`table_inputs` names): its rows,
+        and its scales where it has them."""
+        return [self.rows] + ([] if self.scales is None else [self.scales])
+
     def __getitem__(self, ids) -> np.ndarray:
         """The float32 rows ``ids`` (any shape) names, ``[*ids.shape, de]``: only those rows are read."""
         rows = self.rows[ids]

@@ -24,8 +24,8 @@ remove its temporary directory; the next compile to the same output removes it (
 holds a lock on its own). Loading checks the format version, the manifest's keys and types,
 that every file is there with its recorded size, and the sha256 of every file but the weight
 shards and Engram tables (:func:`read_manifest`: the library, the program, constants and
-tokenizer files, milliseconds; the loaders then check each shard's and table's header); the runtime then checks that
-this host can run the target. Hashing every byte is :func:`verify_artifact`, run on request
+tokenizer files, milliseconds; the loaders then check each shard's and table's header); the
+runtime then checks that this host can run the target. Hashing every byte is :func:`verify_artifact`, run on request
 (``dsv4c verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError` with a
 one-line message naming the file or the key.
 """
@@ -314,7 +314,8 @@ def write_manifest(directory: Path, manifest: Manifest) -> Manifest:
 def read_manifest(directory: str | os.PathLike, verify: bool = False) -> Manifest:
     """The manifest of an artifact, checked: format version, keys and types, every listed file
     present with its recorded size, and the sha256 of every file but the weight shards and Engram
-    tables (small: those are not read). ``verify`` hashes every byte instead (see :func:`verify_artifact`)."""
+    tables (small: those are not read). ``verify`` hashes every byte instead (see
+    :func:`verify_artifact`)."""
     d = Path(directory)
     path = d / MANIFEST
     if not d.is_dir():

@@ -72,7 +72,8 @@ def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[di
     specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
     if replays_cuda_graphs(program, plan):
         fp8_tables = program.config.engram is not None and table_format(program.config) == FP8_TABLE
-        specs.update((spec.symbol, spec) for dtype, spec in GRAPH_COPY_KERNELS.items() if dtype != "uint8" or fp8_tables)
+        specs.update((spec.symbol, spec) for dtype, spec in GRAPH_COPY_KERNELS.items()
+                     if dtype != "uint8" or fp8_tables)
     for dtype in sorted({t.dtype for t in PoolGeometry.build(program.config, plan).tensors()}):
         specs.update((spec.symbol, spec) for spec in pool_row_kernels(dtype).values())
     per_node = []

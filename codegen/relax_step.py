@@ -256,6 +256,7 @@ GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block
 
 
 def graph_copied(name: str) -> bool:
+    """Whether a captured decode step reads step input ``name`` from a copy of its own."""
     return name in GRAPH_INPUT_COPIES or name.startswith(("engram_table.", "engram_scale."))
 
 

@@ -88,7 +88,7 @@ class TvmBackend(Backend):
         self.engram_host_gather = self.engram_host_gather or not self.on_host
         # On the CPU the step reads the whole tables, shared with the kernels as they are.
         self.whole_tables = () if self.engram_host_gather else \
-            tuple(self._upload(a) for t in self.engram_tables for a in table_arrays(t))
+            tuple(self._upload(a) for t in self.engram_tables for a in t.arrays)
         # An artifact compiled before the pool functions existed has none (``check_pool_functions``).
         self.pool_functions = {role: self.vm[name] for role, name in (vm.pool_functions or {}).items()}
         self._artifact = artifact
@@ -201,7 +201,7 @@ class TvmBackend(Backend):
         remapped, arrays = np.empty_like(ids), []
         for e, table in enumerate(self.engram_tables):
             compact, remapped[:, e] = table.compact(ids[:, e])
-            arrays += table_arrays(compact)
+            arrays += compact.arrays
         return tuple(self._upload(a) for a in [remapped, *arrays])
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -265,11 +265,6 @@ def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndar
         per_tensor[order[id(array)]].append(rows.reshape(-1))
     flat = [np.concatenate(rows).astype(np.int32) for rows in per_tensor]
     return [rows if len(rows) else NO_ROW for rows in flat]
-
-
-def table_arrays(table: EngramTable) -> list[np.ndarray]:
-    """A table's step inputs: its rows, and its scales where it has them (``table_inputs``)."""
-    return [table.rows] + ([] if table.scales is None else [table.scales])
 
 
 def check_table_inputs(artifact: Path, inputs: tuple[str, ...], tables: list[EngramTable]) -> None:

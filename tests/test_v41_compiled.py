@@ -24,7 +24,7 @@ from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.compile import compile_model
 from dsv4c.errors import DsvError
 from dsv4c.ir.reference_v41 import candidate_mask
-from dsv4c.runtime.backend_tvm import TvmBackend, table_arrays
+from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
@@ -102,7 +102,7 @@ def test_the_engram_gather_decodes_table_rows_bit_for_bit(fmt):
     table = EngramTable(1, fmt, rows, scales) if fmt != "fp32" else \
         EngramTable(1, fmt, rng.standard_normal((70, 64)).astype(np.float32), None)
     ids = rng.integers(0, 70, (9, 2, 6)).astype(np.int32)  # [T, L_e, C]: slot 1 is this layer's
-    out = _call(_kernel("engram_gather", 64, 6, 2, 1, fmt), [ids] + table_arrays(table), (9, 6 * 64))
+    out = _call(_kernel("engram_gather", 64, 6, 2, 1, fmt), [ids] + table.arrays, (9, 6 * 64))
     assert np.array_equal(out, table[ids[:, 1]].reshape(9, -1))
 
 
