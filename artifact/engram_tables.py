@@ -101,13 +101,15 @@ class EngramTable:
         scale = np.repeat(lowbit.decode_e8m0(self.scales[ids]), SCALE_COLUMNS, axis=-1)[..., :rows.shape[-1]]
         return lowbit.decode_e4m3fn(rows) * scale
 
-    def compact(self, ids: np.ndarray) -> tuple[EngramTable, np.ndarray]:
-        """The rows ``ids`` names, each once (in row order), padded with zero rows to ``ids.size``
-        rows (a step's shapes then depend on its tokens alone), and ``ids`` remapped into them."""
+    def compact(self, ids: np.ndarray, rows: int | None = None) -> tuple[EngramTable, np.ndarray]:
+        """The rows ``ids`` names, each once (in row order), padded with zero rows to ``rows`` when
+        given (a step whose shapes must depend on its tokens alone), and ``ids`` remapped into them."""
         unique, inverse = np.unique(ids, return_inverse=True)
 
         def gathered(a: np.ndarray) -> np.ndarray:
-            out = np.zeros((max(ids.size, 1), a.shape[1]), a.dtype)
+            if rows is None:
+                return a[unique]
+            out = np.zeros((max(rows, len(unique)), a.shape[1]), a.dtype)
             out[:len(unique)] = a[unique]
             return out
 

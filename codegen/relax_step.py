@@ -213,7 +213,7 @@ class _Emitter:
             # positions so the memory plan stays static. The inputs after the step's own are the
             # weights and the pool, the same tensors every call (``num_input``).
             context = graph_context_limit(cfg)
-            # The host gathers a step's Engram rows into tables of T * C rows (runtime.backend_tvm).
+            # The host gathers such a step's Engram rows into tables of T * C rows (runtime.backend_tvm).
             table_rows = [str(v.ty.shape.values[0]) for name, v in inputs.items() if name.startswith("engram_table.")]
             attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = \
                 ["T", "R", "L", "B"] + [f"E{ratio}" for ratio in self.ratios] + table_rows

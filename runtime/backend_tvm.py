@@ -179,7 +179,9 @@ class TvmBackend(Backend):
             streams = self.dspark_rows if markov else self.draft_streams if chain else self.step_streams
             extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
         if engram_rows is not None:
-            extra += self._engram_inputs(np.ascontiguousarray(engram_rows, np.int32))
+            # A decode step that replays a CUDA graph takes tables of T * C rows (codegen.relax_step).
+            padded = name.endswith("decode") and self.context_buckets
+            extra += self._engram_inputs(np.ascontiguousarray(engram_rows, np.int32), padded)
         first, second = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
                                              self.params, self.pool_tensors)
         if name.startswith("dspark_draft_"):
@@ -192,15 +194,15 @@ class TvmBackend(Backend):
             self.draft_streams = second
         return first, second
 
-    def _engram_inputs(self, ids: np.ndarray) -> tuple:
+    def _engram_inputs(self, ids: np.ndarray, padded: bool) -> tuple:
         """The step inputs ``engram_rows`` and the tables (``vm.inputs``' order): the ids and the
-        whole tables, or with ``engram_host_gather`` per table the rows its ids name, once each,
-        and the ids remapped into them."""
+        whole tables, or with ``engram_host_gather`` per table the rows its ids name, once each
+        (``padded``: with zero rows up to one per id), and the ids remapped into them."""
         if not self.engram_host_gather:
             return (self._upload(ids), *self.whole_tables)
         remapped, arrays = np.empty_like(ids), []
         for e, table in enumerate(self.engram_tables):
-            compact, remapped[:, e] = table.compact(ids[:, e])
+            compact, remapped[:, e] = table.compact(ids[:, e], ids[:, e].size if padded else None)
             arrays += compact.arrays
         return tuple(self._upload(a) for a in [remapped, *arrays])
 
