@@ -178,6 +178,12 @@ def test_engram_memory_takes_map_or_read(fp8_artifacts, capsys):
     assert "\n" not in capsys.readouterr().err.strip()
 
 
+def test_a_model_without_engram_takes_the_flag_without_effect(tmp_path):
+    assert cli(["compile", "--model", "tiny", "--target", "reference", "-o", str(tmp_path / "tiny")]) == 0
+    assert "engram" not in _manifest(tmp_path / "tiny")
+    assert np.array_equal(_generate(tmp_path / "tiny", engram_memory="read")[1], _generate(tmp_path / "tiny")[1])
+
+
 def test_inspect_reports_the_tables_apart_from_the_weights(fp8_artifacts, capsys):
     manifest = _manifest(fp8_artifacts["llvm"])
     assert cli(["inspect", str(fp8_artifacts["llvm"]), "--json"]) == 0
