@@ -66,6 +66,7 @@ def _cmd_inspect(args) -> int:
     from dsv4c.passes.quant_plan import plan_for
     from dsv4c.artifact.pool import PoolGeometry
     from dsv4c.artifact.sharding import MIN_DEVICES_CONTEXT, ShardingPlan, min_devices
+    from dsv4c.artifact.file_names import MANIFEST
     from dsv4c.compile import stored_weights
 
     if not args.cost and (args.context is not None or args.batch is not None):
@@ -80,32 +81,34 @@ def _cmd_inspect(args) -> int:
         if args.model in COST_ONLY_PRESETS:  # no pool geometry to report: it never compiles
             print(json.dumps(cost.to_json(), indent=2) if args.json else "\n".join(format_cost(cost)))
             return 0
-    cfg = resolve_model(args.model)
+    engram_bytes = None
+    if (Path(args.model) / MANIFEST).is_file():  # an artifact: its model as compiled, its tables' files
+        from dsv4c.artifact.directory import open_artifact
+
+        opened = open_artifact(args.model)
+        cfg, manifest = opened.config, opened.manifest
+        args.target, args.numerics, args.kv_cache_dtype = manifest.target, manifest.numerics, manifest.kv_cache_dtype
+        if manifest.engram_table_files():
+            engram_bytes = sum(manifest.files[f].bytes for f in manifest.engram_table_files())
+    else:
+        cfg = resolve_model(args.model)
     plan = plan_for(cfg, args.target, args.numerics, args.kv_cache_dtype)
     sharding = ShardingPlan.build(cfg, args.tensor_parallel)
     geometry = PoolGeometry.build(cfg, plan)
     report = {"model": cfg.name, "target": args.target, "numerics": args.numerics, **geometry.summary(),
               "fp8_format": plan.fp8_format, "expert_format": plan.expert_format,
               "tensor_parallel": sharding.tensor_parallel}
-    if cfg.family == "v4.1":
-        # The compiled targets still store the Engram tables among the weights (not in files of
-        # their own), so the weight sizes are not reported yet; the pool is priced beside
-        # V4-Flash's under the same plan.
+    if cfg.family == "v4.1":  # the pool priced beside V4-Flash's under the same plan
         flash = resolve_model("flash")
         flash_geometry = PoolGeometry.build(flash, plan_for(flash, args.target, args.numerics, args.kv_cache_dtype))
         report["flash_bytes_per_token"] = flash_geometry.summary()["bytes_per_token"]
-        if cfg.engram is not None:  # tables gathered a few rows a token, apart from the weights
-            report["engram_bytes"] = cfg.engram.table_bytes
-        if args.memory is not None:
-            raise UsageError(f"{cfg.name}: --memory needs the artifact's weight sizes apart from its Engram tables, "
-                             "which DeepSeek-V4.1 artifacts do not store apart yet")
-    else:
-        weights = stored_weights(cfg, plan)
-        report["weight_bytes_per_device"] = sharding.device_weight_bytes(weights)
-    device_weight_bytes = report.get("weight_bytes_per_device")
+    if cfg.engram is not None:  # tables gathered a few rows a token, apart from the weights
+        report["engram_bytes"] = cfg.engram.table_bytes if engram_bytes is None else engram_bytes
+    weights = stored_weights(cfg, plan)  # the Engram tables are not among them
+    report["weight_bytes_per_device"] = sharding.device_weight_bytes(weights)
     if args.memory is not None:
         # Every device holds the whole pool (one KV head: see artifact/sharding.py) beside its weights.
-        pool_memory = max(0, args.memory - device_weight_bytes)
+        pool_memory = max(0, args.memory - report["weight_bytes_per_device"])
         report["memory_bytes"] = args.memory
         report["pool_memory_bytes"] = pool_memory
         report.update(geometry.budget(pool_memory))
@@ -138,9 +141,8 @@ def _cmd_inspect(args) -> int:
     rows.append(("window rows per request", f"{geometry.window_rows_per_request:,} "
                  f"({report['window_bytes_per_request'] / mib:,.2f} MiB)"))
     rows.append(("compressor state per request", f"{geometry.state_bytes_per_request / mib:,.2f} MiB"))
-    if device_weight_bytes is not None:
-        rows.append((f"weights per device at tensor parallel {sharding.tensor_parallel}",
-                     f"{device_weight_bytes / gib:,.2f} GiB"))
+    rows.append((f"weights per device at tensor parallel {sharding.tensor_parallel}",
+                 f"{report['weight_bytes_per_device'] / gib:,.2f} GiB"))
     if args.memory is not None:
         rows.append((f"pool memory left in {args.memory / gib:,.1f} GiB", f"{pool_memory / gib:,.2f} GiB" if pool_memory
                      else "none: the weights alone do not fit; raise --tensor-parallel"))
@@ -251,6 +253,9 @@ def _weights_arg(p: argparse.ArgumentParser) -> None:
                    help="read the weights into memory (on the CPU, huge pages: faster decode) or map the files "
                         "(fast start, pages load as first used); auto reads on the CPU when they take at most half "
                         "the available memory (default auto)")
+    p.add_argument("--engram-memory", default="map", metavar="map|read",
+                   help="a V4.1 model's Engram tables: map their files (a step reads the rows its n-grams hash to; "
+                        "a table need not fit in memory) or read them into memory first (default map)")
 
 
 def _pool_args(p: argparse.ArgumentParser) -> None:
@@ -297,7 +302,7 @@ def _cmd_generate(args) -> int:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp (or dspark)")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
                     max_context=max(4096, prompt_bound + max(args.max_new_tokens, 0) + 1), verify=args.verify,
-                    **_speculative_kwargs(args), weights=args.weights,
+                    **_speculative_kwargs(args), weights=args.weights, engram_memory=args.engram_memory,
                     profile=args.profile, kv_cache_memory=args.kv_cache_memory,
                     prefix_caching=args.prefix_caching, **_engine_ranks(args))
     if messages is not None:
@@ -374,6 +379,7 @@ def _cmd_serve(args) -> int:
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
                  shutdown_timeout=args.shutdown_timeout, **_speculative_kwargs(args), weights=args.weights,
+                 engram_memory=args.engram_memory,
                  served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
                  prefix_caching=args.prefix_caching, **_engine_ranks(args),
                  limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
@@ -510,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_verify)
 
     p = sub.add_parser("inspect", help="KV pool geometry, memory budget and quantization plan of a model")
-    p.add_argument("model", help="model directory, config.json, or preset (pro, flash, tiny)")
+    p.add_argument("model", help="model directory, config.json, preset (pro, flash, tiny), or an artifact "
+                                 "(its model, target and numerics as compiled)")
     p.add_argument("--target", default="llvm", choices=COMPILED_TARGETS)
     p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from dsv4c import __version__
 from dsv4c.artifact.file_names import CONSTANTS, COPIED_FROM_MODEL, ENGRAM_HASH, PROGRAM, TOKENIZER, rank_prefix
-from dsv4c.artifact.manifest import EntryPoint, Kernels, Manifest, RankWeights, Vm, Weights, staging, write_manifest
+from dsv4c.artifact.engram_tables import table_format, table_weight
+from dsv4c.artifact.manifest import (EngramFiles, EntryPoint, Kernels, Manifest, RankWeights, Vm, Weights, staging,
+                                     write_manifest)
 from dsv4c.artifact.json_record import parse_record
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool import PoolGeometry
@@ -124,14 +126,15 @@ def stored_weights(cfg: ModelConfig, plan: QuantPlan) -> list[tuple[str, tuple[i
             for part in concat_parts(layout.name) or [layout.name]]
 
 
-def _write_engram_hash(cfg: ModelConfig, model: str, out: Path, log) -> None:
-    """The Engram hash constants, derived from the model directory's tokenizer; a model without
-    one (a preset) compiles, but its artifact cannot run a step."""
+def _write_engram_hash(cfg: ModelConfig, model: str, out: Path, log) -> str | None:
+    """The Engram hash constants, derived from the model directory's tokenizer, and their file;
+    a model without one (a preset) compiles, but its artifact cannot run a step (None)."""
     if not (Path(model).is_dir() and (Path(model) / TOKENIZER).is_file()):
         log(f"dsv4c: note: {cfg.name} has no {TOKENIZER}: the artifact has no Engram hash constants and "
             "cannot run; compile a model directory with its tokenizer")
-        return
+        return None
     engram_tables(cfg, model).save(out / ENGRAM_HASH)
+    return ENGRAM_HASH
 
 
 def compile_model(model: str, target: str, out: str | Path, numerics: str = "exact", no_weights: bool = False,
@@ -158,7 +161,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                            passes)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
-    from dsv4c.codegen.convert import SHARD_BYTES, convert_weights
+    from dsv4c.codegen.convert import SHARD_BYTES, convert_engram_tables, convert_weights
     from dsv4c.codegen.lowering import weight_layouts
 
     with ExitStack() as stack:
@@ -174,8 +177,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
             for name in COPIED_FROM_MODEL:
                 if Path(model).is_dir() and (Path(model) / name).is_file():
                     shutil.copyfile(Path(model) / name, tmp / name)
-            if cfg.engram is not None:
-                _write_engram_hash(cfg, model, tmp, log)
+            engram_hash = _write_engram_hash(cfg, model, tmp, log) if cfg.engram is not None else None
             with ThreadPoolExecutor(1, thread_name_prefix="dsv4c-kernels") as builder:
                 building = None
                 if info.compiled:
@@ -193,6 +195,12 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                         reports.append(convert_weights(layouts, rank_sources(program, sharding, rank, sources), tmp,
                                                        shard_bytes or SHARD_BYTES, progress=progress,
                                                        prefix=rank_prefix(rank, tensor_parallel)))
+                engram = None
+                if cfg.engram is not None:  # the tables in files of their own, once for every rank
+                    tables = [] if sources is None else convert_engram_tables(
+                        {layer: sources[table_weight(layer)] for layer in cfg.engram.layer_ids}, table_format(cfg),
+                        tmp, progress=progress)
+                    engram = EngramFiles(hash=engram_hash, tables=tuple(tables))
                 kernels, vm = building.result() if building is not None else ({}, None)
             import tvm
 
@@ -207,6 +215,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 model=cfg.to_json_dict("hf"),
                 has_weights=bool(reports),
                 weights=weights_entry(reports),
+                engram=engram,
                 tensor_parallel=tensor_parallel,
                 expert_parallel=expert_parallel if tensor_parallel > 1 else None,
                 quant_plan=plan.to_json(),
@@ -224,5 +233,9 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
         written, seconds = sum(r.bytes_written for r in reports), sum(r.seconds for r in reports)
         summary += (f": weights {written / 1e9:.2f} GB in {sum(len(r.files) for r in reports)} file(s), "
                     f"{seconds:.1f} s ({written / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+        tables = manifest.engram_table_files()
+        if tables:
+            table_bytes = sum(manifest.files[f].bytes for f in tables)
+            summary += f", Engram tables {table_bytes / 1e9:.2f} GB in {len(tables)} file(s)"
     log(f"{summary}; peak RSS {_peak_rss_gib():.2f} GiB")
     return Path(out)

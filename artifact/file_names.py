@@ -16,6 +16,11 @@ COPIED_FROM_MODEL = (TOKENIZER, TOKENIZER_CONFIG)
 ENGRAM_HASH = "engram_hash.safetensors"  # a V4.1 model's Engram hash constants (artifact.engram.EngramTables)
 
 
+def engram_table_file(layer: int) -> str:
+    """The file of decoder layer ``layer``'s Engram table (``artifact.engram_tables``)."""
+    return f"engram-table-{layer}.safetensors"
+
+
 def rank_prefix(rank: int, ranks: int) -> str:
     """What rank ``rank``'s weight files and index start with in an artifact of ``ranks`` ranks."""
     return f"rank{rank}-" if ranks > 1 else ""

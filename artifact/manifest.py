@@ -15,15 +15,17 @@ manifest as one typed record, :class:`Manifest` (every key: docs/artifact.md).
       program.json           the IR program after the passes
       tokenizer.json         copied from the model directory when it has one
       tokenizer_config.json  copied likewise (its chat_template serves chat requests)
+      engram_hash.safetensors, engram-table-<L>.safetensors   a V4.1 model's Engram hash
+                             constants and each Engram layer's table (``engram``)
 
 (names: :mod:`dsv4c.artifact.file_names`). Written into a temporary sibling directory and
 renamed at the end, so an interrupted compile leaves no artifact. A killed compile cannot
 remove its temporary directory; the next compile to the same output removes it (a live compile
 holds a lock on its own). Loading checks the format version, the manifest's keys and types,
 that every file is there with its recorded size, and the sha256 of every file but the weight
-shards (:func:`read_manifest`: the library, the program, constants and tokenizer files,
-milliseconds; the weight loader then checks each shard's header); the runtime then checks that
-this host can run the target. Hashing every byte is :func:`verify_artifact`, run on request
+shards and Engram tables (:func:`read_manifest`: the library, the program, constants and
+tokenizer files, milliseconds; the loaders then check each shard's and table's header); the
+runtime then checks that this host can run the target. Hashing every byte is :func:`verify_artifact`, run on request
 (``dsv4c verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError` with a
 one-line message naming the file or the key.
 """
@@ -178,6 +180,24 @@ class Weights:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngramTableFile:
+    """One Engram layer's table file (``artifact.engram_tables``)."""
+    layer: int  # the decoder layer
+    file: str
+    rows: int
+    width: int  # columns of a row (the config's engram_head_dim)
+    format: str  # engram_tables.TABLE_FORMATS
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngramFiles:
+    """A V4.1 model's Engram files: the hash constants (None: compiled without a tokenizer, so
+    it cannot run) and the tables, in Engram-layer order (none: compiled with --no-weights)."""
+    hash: str | None
+    tables: tuple[EngramTableFile, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class EntryPoint:
     inputs: tuple[str, ...]  # "name:dtype[shape]"
     outputs: tuple[str, ...]
@@ -253,6 +273,7 @@ class Manifest:
     model: dict[str, Any]
     has_weights: bool
     weights: Weights | None  # None: compiled with --no-weights
+    engram: EngramFiles | None = None  # a model with Engram layers only
     tensor_parallel: int = 1  # ranks, one process each
     expert_parallel: bool | None = None  # multi-rank artifacts: whole experts per rank
     quant_plan: dict[str, Any]
@@ -274,6 +295,10 @@ class Manifest:
         """Every weight file of every rank (none without weights)."""
         return self.weights.files if self.weights is not None else ()
 
+    def engram_table_files(self) -> tuple[str, ...]:
+        """The Engram table files (none for a model without Engram layers or weights)."""
+        return tuple(t.file for t in self.engram.tables) if self.engram is not None else ()
+
 
 def write_manifest(directory: Path, manifest: Manifest) -> Manifest:
     """Write ``manifest`` last, its ``files`` the size and sha256 of every file already in
@@ -288,8 +313,9 @@ def write_manifest(directory: Path, manifest: Manifest) -> Manifest:
 
 def read_manifest(directory: str | os.PathLike, verify: bool = False) -> Manifest:
     """The manifest of an artifact, checked: format version, keys and types, every listed file
-    present with its recorded size, and the sha256 of every file but the weight shards (small:
-    the shards are not read). ``verify`` hashes every byte instead (see :func:`verify_artifact`)."""
+    present with its recorded size, and the sha256 of every file but the weight shards and Engram
+    tables (small: those are not read). ``verify`` hashes every byte instead (see
+    :func:`verify_artifact`)."""
     d = Path(directory)
     path = d / MANIFEST
     if not d.is_dir():
@@ -312,11 +338,12 @@ def read_manifest(directory: str | os.PathLike, verify: bool = False) -> Manifes
         if size != entry.bytes:
             raise ArtifactError(f"{d}: {name} has {size} bytes, the manifest records {entry.bytes} (truncated or "
                                 "modified); compile again or copy the artifact again")
-    # Everything but the weight shards is small (the library, the program, constants, tokenizer
-    # files): hashed at every load, in milliseconds, so a damaged library is named here rather
-    # than failing inside TVM. The shards keep the size and header checks unless ``verify``.
-    weights = () if verify else set(manifest.weight_files())
-    _check_hashes(d, {name: entry for name, entry in manifest.files.items() if name not in weights})
+    # Everything but the weight shards and Engram tables is small (the library, the program,
+    # constants, tokenizer files): hashed at every load, in milliseconds, so a damaged library is
+    # named here rather than failing inside TVM. The large files keep the size and header checks
+    # unless ``verify``.
+    large = () if verify else {*manifest.weight_files(), *manifest.engram_table_files()}
+    _check_hashes(d, {name: entry for name, entry in manifest.files.items() if name not in large})
     return manifest
 
 

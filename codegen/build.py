@@ -15,7 +15,8 @@ from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.codegen.lowering import kernel_table, replays_cuda_graphs
-from dsv4c.codegen.relax_step import GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module
+from dsv4c.codegen.relax_step import (GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module,
+                                     engram_table_inputs)
 from dsv4c.ir.core import Program
 from dsv4c.targets import TargetInfo
 
@@ -91,8 +92,9 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
     symbols = list(kernel_table(program, plan)[0])
     kernels = {"count": len(symbols), "build_seconds": round(time.perf_counter() - start, 2),
                **info.library_facts(target)}
-    # A V4.1 step with Engram layers takes each token's table rows last (codegen.relax_step).
-    engram = ["engram_rows"] if any(v.name == "engram_rows" for v in program.functions["step"].inputs) else []
+    # A V4.1 step with Engram layers takes each token's table rows, then the tables, last (codegen.relax_step).
+    engram = ["engram_rows", *engram_table_inputs(program.config)] \
+        if any(v.name == "engram_rows" for v in program.functions["step"].inputs) else []
     vm = {"library": LIBRARY, "functions": step.functions, "inputs": list(STEP_INPUTS) + engram,
           "mtp_inputs": list(STEP_INPUTS + MTP_INPUTS), "outputs": ["logits", "streams"], "params": step.params,
           "pool": [p.to_json() for p in step.pool], "entry_ratios": step.entry_ratios,

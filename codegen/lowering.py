@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv4c.artifact.engram_tables import FP8_TABLE, table_format
 from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import FP32, I32, I64, Fp8Blocks, QuantPlan, WeightFormat
 from dsv4c.codegen.ops.base import KernelSpec
@@ -34,8 +35,8 @@ def node_kernels(node: Node, cfg, plan) -> dict[str, KernelSpec]:
 # Shape-generic kernels every step calls (see step_kernels), by symbol.
 GENERIC_KERNELS = ("gather_rows", "pad_rows", "slice_columns")
 # The copies around a decode step that replays CUDA graphs (relax_step: its int32 inputs in, its
-# float32 outputs out), by dtype.
-GRAPH_COPY_KERNELS = {dtype: KernelSpec("copy_rows", (dtype,)) for dtype in ("int32", "float32")}
+# float32 outputs out, and FP8 Engram tables' uint8 codes in), by dtype.
+GRAPH_COPY_KERNELS = {dtype: KernelSpec("copy_rows", (dtype,)) for dtype in ("int32", "float32", "uint8")}
 
 
 def pool_row_kernels(dtype: str) -> dict[str, KernelSpec]:
@@ -51,6 +52,12 @@ def compiled_nodes(program: Program) -> list:
     return [node for fn in program.functions.values() for node in fn.nodes]
 
 
+def engram_table_names(program: Program) -> set[str]:
+    """The program's Engram tables: weights of the IR, but not of the artifact's weight files:
+    each lives in a file of its own that the runtime passes to the step (``artifact.engram_tables``)."""
+    return {node.inputs[2].name for node in compiled_nodes(program) if node.op == "engram"}
+
+
 def replays_cuda_graphs(program: Program, plan) -> bool:
     """Whether the step's decode functions replay captured CUDA graphs: on a target that has them,
     unless the step joins ranks (its collectives are callbacks into torch.distributed, which a
@@ -64,7 +71,9 @@ def kernel_table(program: Program, plan) -> tuple[dict[str, KernelSpec], list[di
     symbol of each role."""
     specs: dict[str, KernelSpec] = {name: KernelSpec(name, ()) for name in GENERIC_KERNELS}
     if replays_cuda_graphs(program, plan):
-        specs.update((spec.symbol, spec) for spec in GRAPH_COPY_KERNELS.values())
+        fp8_tables = program.config.engram is not None and table_format(program.config) == FP8_TABLE
+        specs.update((spec.symbol, spec) for dtype, spec in GRAPH_COPY_KERNELS.items()
+                     if dtype != "uint8" or fp8_tables)
     for dtype in sorted({t.dtype for t in PoolGeometry.build(program.config, plan).tensors()}):
         specs.update((spec.symbol, spec) for spec in pool_row_kernels(dtype).values())
     per_node = []
@@ -149,10 +158,11 @@ def weight_layouts(program: Program, plan: QuantPlan) -> dict[str, WeightLayout]
     (the GPU targets share the layout): the weights the compiled functions multiply in column
     tiles, in the format the plan gives them (FP8 blocks as e4m3 codes with per-column scales,
     FP4 experts packed with E8M0 scales per 32, BF16 matmul weights as BF16 bits), tid2eid as
-    int32, everything else float32."""
+    int32, everything else float32. The Engram tables are not among them (``engram_table_names``)."""
+    tables = engram_table_names(program)
     if plan.target == "reference":
         return {name: WeightLayout(name, tuple(v.type.shape), I64 if v.type.dtype.startswith("i") else FP32)
-                for fn in program.functions.values() for name, v in fn.weights.items()}
+                for fn in program.functions.values() for name, v in fn.weights.items() if name not in tables}
     from dsv4c.codegen.kernels.formats import column_tile
     from dsv4c.codegen.ops.registry import lowering_of
 
@@ -169,6 +179,8 @@ def weight_layouts(program: Program, plan: QuantPlan) -> dict[str, WeightLayout]
     out: dict[str, WeightLayout] = {}
     for fn in program.functions.values():
         for name, value in fn.weights.items():
+            if name in tables:
+                continue
             shape, is_int = tuple(value.type.shape), value.type.dtype.startswith("i")
             g = groups.get(name, 1)
             tile = column_tile(shape[-2] // g) if name in matmul and not is_int else 0

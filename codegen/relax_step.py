@@ -25,10 +25,11 @@ from math import prod
 import tvm
 from tvm import relax, tirx
 
+from dsv4c.artifact.engram_tables import table_format, table_inputs, table_tensors
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, PoolGeometry, PoolTensor, graph_context_limit
 from dsv4c.artifact.quant import WEIGHT_FORMATS
 from dsv4c.codegen.kernels.matmul import GEMM_ROWS
-from dsv4c.codegen.lowering import GRAPH_COPY_KERNELS, compiled_nodes, node_kernels
+from dsv4c.codegen.lowering import GRAPH_COPY_KERNELS, compiled_nodes, engram_table_names, node_kernels
 from dsv4c.codegen.ops.base import F32, I32, KernelSpec, weight_quant
 from dsv4c.codegen.ops.registry import lowering_of
 from dsv4c.errors import UnsupportedModelError
@@ -193,8 +194,10 @@ class _Emitter:
             inputs["streams"] = relax.Var("streams", relax.TensorType([s] + row_shape, F32))
             inputs["stream_rows"] = relax.Var("stream_rows", relax.TensorType([t], I32))
         rows_in = next((v for v in fn.inputs if v.name == "engram_rows"), None)
-        if rows_in is not None:  # V4.1's Engram table rows of every token, hashed on the host
+        if rows_in is not None:  # V4.1's Engram table rows of every token, hashed on the host, and the tables
             inputs["engram_rows"] = relax.Var("engram_rows", relax.TensorType([t] + list(rows_in.type.shape[1:]), I32))
+            inputs.update((name, relax.Var(name, relax.TensorType(shape, dtype)))
+                          for name, (shape, dtype) in engram_table_inputs(cfg).items())
         self.inputs = inputs
         self.params_var = relax.Var("params", relax.TupleType(
             [relax.TensorType(list(shape), dtype) for shape, dtype in self.param_types]))
@@ -210,13 +213,16 @@ class _Emitter:
             # positions so the memory plan stays static. The inputs after the step's own are the
             # weights and the pool, the same tensors every call (``num_input``).
             context = graph_context_limit(cfg)
+            # The host gathers such a step's Engram rows into tables of T * C rows (runtime.backend_tvm).
+            table_rows = [str(v.ty.shape.values[0]) for name, v in inputs.items() if name.startswith("engram_table.")]
             attrs["relax.rewrite_cuda_graph.capture_symbolic_vars"] = \
-                ["T", "R", "L", "B"] + [f"E{ratio}" for ratio in self.ratios]
-            bounds.update({"B": context // ENVELOPE_TOKENS, **{f"E{ratio}": context // ratio for ratio in self.ratios}})
+                ["T", "R", "L", "B"] + [f"E{ratio}" for ratio in self.ratios] + table_rows
+            bounds.update({"B": context // ENVELOPE_TOKENS, **{f"E{ratio}": context // ratio for ratio in self.ratios},
+                           **{rows: max_tokens * cfg.engram.columns for rows in table_rows}})
             attrs["num_input"] = len(inputs)
         with bb.function(name, list(inputs.values()) + [self.params_var, pool_var], attrs=attrs):
             if self.gemv and self.cuda_graph:
-                inputs = self.inputs = {name: self._graph_copy(v, I32) if name in GRAPH_INPUT_COPIES else v
+                inputs = self.inputs = {name: self._graph_copy(v, str(v.ty.dtype)) if graph_copied(name) else v
                                         for name, v in inputs.items()}
             self.pool = dict(zip((p.name for p in self.pool_layout),
                                  pool_row_views(bb, pool_var, self.pool_layout, sizes)))
@@ -243,9 +249,28 @@ class _Emitter:
             bb.emit_func_output(relax.Tuple(outputs))
 
 
-# The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_copy``).
+# The step inputs a captured decode step reads from copies of its own (``_Emitter._graph_copy``),
+# and every Engram table input (``engram_table_inputs``).
 GRAPH_INPUT_COPIES = ("tokens", "positions", "token_request", "requests", "block_table", "logit_rows", "stream_rows",
                       "engram_rows")
+
+
+def graph_copied(name: str) -> bool:
+    """Whether a captured decode step reads step input ``name`` from a copy of its own."""
+    return name in GRAPH_INPUT_COPIES or name.startswith(("engram_table.", "engram_scale."))
+
+
+def engram_table_inputs(cfg) -> dict[str, tuple[list, str]]:
+    """The step's Engram table inputs after ``engram_rows``, in order (``artifact.engram_tables``:
+    per Engram layer L, ``engram_table.L`` ``[R_L, de]`` uint8 codes or float32 and, FP8 only,
+    ``engram_scale.L`` ``[R_L, ceil(de / 32)]`` uint8): name -> (shape, dtype), R_L symbolic
+    (the whole table on the CPU, a step's gather of it elsewhere)."""
+    fmt, out = table_format(cfg), {}
+    for layer in cfg.engram.layer_ids:
+        tensors = table_tensors(fmt, tirx.Var(f"table_rows_{layer}", "int64"), cfg.engram.head_dim)
+        for name, (dtype, shape) in zip(table_inputs(layer, fmt), tensors.values()):
+            out[name] = (list(shape), {"U8": "uint8", "F32": F32}[dtype])
+    return out
 
 
 def pool_parameter(layout: list[PoolTensor]) -> tuple[relax.Var, dict[str, tirx.Var]]:
@@ -314,11 +339,12 @@ def step_params(program: Program, per_node: list[dict]) -> list[tuple[str, tuple
     from dsv4c.codegen.kernels.formats import tir_format
 
     out: dict[str, tuple[tuple, str]] = {}
+    tables = engram_table_names(program)  # step inputs, not params
     for node, roles in zip(compiled_nodes(program), per_node):
         lowering = lowering_of(node.op)
         matmul = lowering.matmul_weights(node)
         for v in node.inputs:
-            if v.kind != "weight" or v.name in out:
+            if v.kind != "weight" or v.name in out or v.name in tables:
                 continue
             shape = tuple(v.type.shape)
             if any(v is m for m in matmul):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from dsv4c.artifact.engram_tables import table_weight
 from dsv4c.artifact.model_config import CSA, HASH_MOE, LayerSpec, ModelConfig
 
 # How a checkpoint stores a tensor (docs/v4.md, "Checkpoint").
@@ -91,7 +92,7 @@ def _v41_attention_extras(cfg: ModelConfig, layer: LayerSpec, a: str) -> Iterato
 
 def _engram(cfg: ModelConfig, ordinal: int, p: str) -> Iterator[TensorSpec]:
     e, d, n = cfg.engram, cfg.hidden_size, cfg.hc_mult
-    yield TensorSpec(f"{p}engram.embed.weight", (e.num_embeddings[ordinal], e.head_dim), TABLE)
+    yield TensorSpec(table_weight(e.layer_ids[ordinal]), (e.num_embeddings[ordinal], e.head_dim), TABLE)
     yield TensorSpec(f"{p}engram.wkv.weight", ((n + 1) * d, e.columns * e.head_dim), DENSE)
     yield TensorSpec(f"{p}engram.q_weight", (n, d), FP32)
     yield TensorSpec(f"{p}engram.k_weight", (n, d), FP32)

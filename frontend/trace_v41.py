@@ -17,6 +17,7 @@ hashed on the host from each request's tokens (``artifact.engram``).
 from __future__ import annotations
 
 from dsv4c.artifact.model_config import LayerSpec
+from dsv4c.artifact.engram_tables import table_weight
 from dsv4c.ir.core import Builder, Function, Value
 from dsv4c.ir.ops import i32
 
@@ -60,7 +61,7 @@ class V41Functions:
         c, tag, p = self.cfg, f"l{layer.index}", f"layers.{layer.index}."
         if layer.engram:
             e, d = c.engram, c.hidden_size
-            ws = [self._w(b, f"{p}engram.embed.weight", e.num_embeddings[e.layer_ids.index(layer.index)], e.head_dim),
+            ws = [self._w(b, table_weight(layer.index), e.num_embeddings[e.layer_ids.index(layer.index)], e.head_dim),
                   self._w(b, f"{p}engram.wkv.weight", (c.hc_mult + 1) * d, e.columns * e.head_dim),
                   self._w(b, f"{p}engram.q_weight", c.hc_mult, d), self._w(b, f"{p}engram.k_weight", c.hc_mult, d)]
             attrs = {"slot": e.layer_ids.index(layer.index), "eps": c.rms_norm_eps, "quant": self.dense_quant}

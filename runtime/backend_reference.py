@@ -6,20 +6,24 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv4c.artifact.engram_tables import table_weight
 from dsv4c.artifact.manifest import Manifest
 from dsv4c.ir.interpreter import Interpreter
 from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, PagedStore
-from dsv4c.runtime.weights import open_weights
+from dsv4c.runtime.weights import open_engram_tables, open_weights
 
 
 class ReferenceBackend(Backend):
     """On the host, without an MTP layer (MTP speculation needs a compiled artifact); a DSpark
     drafter runs here too (the numpy reference of its functions)."""
 
-    def __init__(self, artifact: Path, manifest: Manifest, program, pool: KVPool):
-        # Reference artifacts store float32 and int64 weights, which the interpreter reads as they are.
-        weights = open_weights(artifact, manifest)
+    def __init__(self, artifact: Path, manifest: Manifest, program, pool: KVPool, engram_memory: str = "map"):
+        # Reference artifacts store float32 and int64 weights, which the interpreter reads as they
+        # are; an Engram table decodes the rows a step looks up (``artifact.engram_tables``).
+        weights = dict(open_weights(artifact, manifest))
+        weights.update((table_weight(t.layer), t) for t in
+                       open_engram_tables(artifact, manifest, read=engram_memory == "read"))
         self.interpreter = Interpreter(program, weights, PagedStore(pool))
         self.has_dspark = "dspark_draft" in program.functions
         self._block = None  # the last dspark_draft call: (positions, seq_ids, head hidden rows)

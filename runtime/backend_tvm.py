@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv4c import targets
+from dsv4c.artifact.engram_tables import EngramTable, table_inputs
 from dsv4c.artifact.file_names import MANIFEST
 from dsv4c.artifact.manifest import Kernels, Manifest
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, context_bucket
@@ -26,7 +27,7 @@ from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
 from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
-from dsv4c.runtime.weights import open_weights, reads_weights
+from dsv4c.runtime.weights import open_engram_tables, open_weights, reads_weights
 
 
 NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
@@ -38,10 +39,16 @@ class TvmBackend(Backend):
     # KVPool's arrays: always off the host, where those arrays are not the pool. Tests set it on
     # the class to run the device path on a CPU artifact.
     device_rows = False
+    # Whether a step's Engram rows are gathered on the host (per table the distinct rows the
+    # step's ids name, uploaded with its inputs, and the ids remapped into them) rather than read
+    # by the step from the whole tables: always off the host, where the tables stay in host
+    # memory. Tests set it on the class to run that path on a CPU artifact.
+    engram_host_gather = False
 
     def __init__(self, artifact: Path, manifest: Manifest, pool: KVPool, device, weights_mode: str = "auto",
-                 rank: int = 0):
-        """``rank``: which rank's weights of a multi-rank artifact to bind (``runtime.tensor_parallel``)."""
+                 rank: int = 0, engram_memory: str = "map"):
+        """``rank``: which rank's weights of a multi-rank artifact to bind (``runtime.tensor_parallel``);
+        ``engram_memory``: "map" or "read" the Engram tables (``runtime.weights.open_engram_tables``)."""
         self.device = device
         self.on_host = rt.on_host(device)
         vm = manifest.vm
@@ -76,6 +83,12 @@ class TvmBackend(Backend):
         self.params = rt.tvm_ffi.convert([self._upload(weights[name]) for name in vm.params])
         self.pool_tensors = rt.tvm_ffi.convert([self._pool_tensor(self.pool.tensors[p.name]) for p in vm.pool])
         self.device_rows = self.device_rows or not self.on_host
+        self.engram_tables = open_engram_tables(artifact, manifest, read=engram_memory == "read")
+        check_table_inputs(artifact, vm.inputs, self.engram_tables)
+        self.engram_host_gather = self.engram_host_gather or not self.on_host
+        # On the CPU the step reads the whole tables, shared with the kernels as they are.
+        self.whole_tables = () if self.engram_host_gather else \
+            tuple(self._upload(a) for t in self.engram_tables for a in t.arrays)
         # An artifact compiled before the pool functions existed has none (``check_pool_functions``).
         self.pool_functions = {role: self.vm[name] for role, name in (vm.pool_functions or {}).items()}
         self._artifact = artifact
@@ -166,7 +179,9 @@ class TvmBackend(Backend):
             streams = self.dspark_rows if markov else self.draft_streams if chain else self.step_streams
             extra = (streams, self._upload(np.asarray(stream_rows, np.int32)))
         if engram_rows is not None:
-            extra += (self._upload(np.ascontiguousarray(engram_rows, np.int32)),)
+            # A decode step that replays a CUDA graph takes tables of T * C rows (codegen.relax_step).
+            padded = name.endswith("decode") and self.context_buckets
+            extra += self._engram_inputs(np.ascontiguousarray(engram_rows, np.int32), padded)
         first, second = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
                                              self.params, self.pool_tensors)
         if name.startswith("dspark_draft_"):
@@ -178,6 +193,18 @@ class TvmBackend(Backend):
         else:
             self.draft_streams = second
         return first, second
+
+    def _engram_inputs(self, ids: np.ndarray, padded: bool) -> tuple:
+        """The step inputs ``engram_rows`` and the tables (``vm.inputs``' order): the ids and the
+        whole tables, or with ``engram_host_gather`` per table the rows its ids name, once each
+        (``padded``: with zero rows up to one per id), and the ids remapped into them."""
+        if not self.engram_host_gather:
+            return (self._upload(ids), *self.whole_tables)
+        remapped, arrays = np.empty_like(ids), []
+        for e, table in enumerate(self.engram_tables):
+            compact, remapped[:, e] = table.compact(ids[:, e], ids[:, e].size if padded else None)
+            arrays += compact.arrays
+        return tuple(self._upload(a) for a in [remapped, *arrays])
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
@@ -240,6 +267,17 @@ def pool_function_rows(pool: KVPool, names: list[str], state: list[tuple[np.ndar
         per_tensor[order[id(array)]].append(rows.reshape(-1))
     flat = [np.concatenate(rows).astype(np.int32) for rows in per_tensor]
     return [rows if len(rows) else NO_ROW for rows in flat]
+
+
+def check_table_inputs(artifact: Path, inputs: tuple[str, ...], tables: list[EngramTable]) -> None:
+    """Refuse a library whose step does not take the manifest's Engram tables after ``engram_rows``
+    (one compiled before the tables had files of their own takes none)."""
+    if "engram_rows" not in inputs:
+        return
+    want = [name for t in tables for name in table_inputs(t.layer, t.format)]
+    if list(inputs[inputs.index("engram_rows") + 1:]) != want:
+        raise ArtifactError(f"{artifact}: the step's inputs after engram_rows are not the Engram tables "
+                            f"{want} the manifest lists (an older layout); recompile")
 
 
 def check_cpu(artifact: Path, kernels: Kernels) -> None:

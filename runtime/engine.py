@@ -28,7 +28,7 @@ from dsv4c.runtime.request import Request, RequestFailed, Result, TokenCallback
 from dsv4c.runtime.sampling import SamplingParams, token_logprob
 from dsv4c.runtime.scheduler import Scheduler
 from dsv4c.runtime.speculative import SpecStats, SpeculativeDecoding
-from dsv4c.runtime.weights import check_weights_mode
+from dsv4c.runtime.weights import check_engram_memory, check_weights_mode
 
 
 class Engine:
@@ -37,7 +37,8 @@ class Engine:
                  speculative: str | Drafter | None = None, num_draft_tokens: int | None = None, weights: str = "auto",
                  kv_cache_memory: int | None = None, prefix_caching: bool = True,
                  profile: bool = False, tensor_parallel: int | None = None,
-                 distributed_timeout: float | None = None, draft_confidence: float = 0.0):
+                 distributed_timeout: float | None = None, draft_confidence: float = 0.0,
+                 engram_memory: str = "map"):
         """``verify`` hashes every artifact file against the manifest first (reads every byte);
         without it loading checks the manifest, file sizes and weight headers only.
         ``weights``: "map" the weight files, "read" them into memory, or "auto" (read on the CPU
@@ -61,8 +62,11 @@ class Engine:
         An artifact compiled with ``--tensor-parallel N`` runs as N processes, one per rank, that
         this engine starts (or joins, under torchrun) and stops (:meth:`close`, or at exit);
         ``tensor_parallel``, when given, must be that N; ``distributed_timeout`` (seconds, default
-        60) bounds a collective's wait for a rank."""
+        60) bounds a collective's wait for a rank.
+        ``engram_memory``: "map" a V4.1 model's Engram table files (the default: a step reads the
+        few rows its n-grams hash to) or "read" them into memory; no effect on other models."""
         check_weights_mode(weights)
+        check_engram_memory(engram_memory)
         if draft_confidence and speculative != "dspark":
             raise UsageError("draft_confidence goes with speculative='dspark' (its confidence head rates the drafts)")
         self.path = Path(artifact)
@@ -75,7 +79,9 @@ class Engine:
         self.max_context = max_context
         self.pool = KVPool(geometry, pool_rows(manifest, geometry, max_context, max_requests, kv_cache_memory))
         check_step_tokens(self.path, manifest, max_step_tokens, prefill_chunk)
-        self.backend = load_backend(self.path, manifest, self.config, self.pool, weights, distributed_timeout)
+        self.engram = load_engram_hash(self.path, manifest, self.config)
+        self.backend = load_backend(self.path, manifest, self.config, self.pool, weights, distributed_timeout,
+                                    engram_memory)
         self.profiler = None
         if profile:
             from dsv4c.runtime.profile import StepProfiler
@@ -90,7 +96,6 @@ class Engine:
         self._ids = itertools.count()
         self.scheduler = Scheduler(self.pool, self.requests, self.prefix_cache, max_step_tokens, prefill_chunk,
                                    max_requests, self.speculation.drafter if self.speculation is not None else None)
-        self.engram = load_engram_hash(self.path, self.config)
         self.tokenizer = None
         if (self.path / TOKENIZER).is_file():
             from tokenizers import Tokenizer

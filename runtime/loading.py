@@ -66,14 +66,15 @@ def pool_rows(manifest: Manifest, g: PoolGeometry, max_context: int, max_request
 
 
 def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weights_mode: str = "auto",
-                 distributed_timeout: float | None = None) -> Backend:
+                 distributed_timeout: float | None = None, engram_memory: str = "map") -> Backend:
+    """``engram_memory``: "map" or "read" the Engram tables (``runtime.weights.open_engram_tables``)."""
     info = target_info(manifest.target)
     if not info.compiled:
         from dsv4c.ir.serialize import program_from_json
         from dsv4c.runtime.backend_reference import ReferenceBackend
 
         program = program_from_json(json.loads((artifact / PROGRAM).read_text()), config)
-        return ReferenceBackend(artifact, manifest, program, pool)
+        return ReferenceBackend(artifact, manifest, program, pool, engram_memory)
     from dsv4c.runtime.backend_tvm import TvmBackend
     from dsv4c.runtime.tvm_runtime import device as tvm_device
 
@@ -87,14 +88,18 @@ def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weigh
 
         return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
                                      DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout)
-    return TvmBackend(artifact, manifest, pool, device, weights_mode)
+    return TvmBackend(artifact, manifest, pool, device, weights_mode, engram_memory=engram_memory)
 
 
-def load_engram_hash(artifact: Path, config: ModelConfig) -> EngramTables | None:
+def load_engram_hash(artifact: Path, manifest: Manifest, config: ModelConfig) -> EngramTables | None:
     """The Engram hash constants of a model with Engram layers (None for others)."""
     if config.engram is None:
         return None
-    if not (artifact / ENGRAM_HASH).is_file():
+    if manifest.engram is None:
+        raise ArtifactError(f"{artifact}: the model has Engram layers but the manifest has no 'engram' section "
+                            "(compiled by an older dsv4c, which kept the tables among the weights); recompile")
+    hash_file = manifest.engram.hash
+    if hash_file is None:
         raise ArtifactError(f"{artifact}: the model has Engram layers but the artifact has no {ENGRAM_HASH}; "
                             "compile it from a model directory that holds its tokenizer")
-    return EngramTables.load(artifact / ENGRAM_HASH)
+    return EngramTables.load(artifact / hash_file)

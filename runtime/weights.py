@@ -23,6 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
+from dsv4c.artifact.engram_tables import ROWS, SCALES, EngramTable, table_problem
 from dsv4c.artifact.file_names import MANIFEST
 from dsv4c.artifact.manifest import Manifest
 from dsv4c.artifact.safetensors_io import STORAGE_DTYPES, SafetensorsFile
@@ -37,11 +38,19 @@ from dsv4c.threads import default_workers
 WEIGHTS_MODES = ("auto", "read", "map")
 READ_SHARE = 0.5
 READ_CHUNK_BYTES = 64 << 20  # a read job: the threads share a large tensor (see _read_file)
+# How a backend holds the Engram tables: "map" their files (the default: a step reads the few
+# rows its n-grams hash to, and a table need not fit in memory) or "read" them into memory.
+ENGRAM_MEMORY_MODES = ("map", "read")
 
 
 def check_weights_mode(mode: str) -> None:
     if mode not in WEIGHTS_MODES:
         raise UsageError(f"weights mode {mode!r} is not one of {', '.join(WEIGHTS_MODES)}")
+
+
+def check_engram_memory(mode: str) -> None:
+    if mode not in ENGRAM_MEMORY_MODES:
+        raise UsageError(f"Engram memory mode {mode!r} is not one of {', '.join(ENGRAM_MEMORY_MODES)}")
 
 
 def reads_weights(artifact: str | Path, manifest: Manifest, mode: str, on_host: bool) -> bool:
@@ -64,6 +73,13 @@ def available_memory() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return 0
+
+
+def _bar(total: int, desc: str):
+    """A progress bar of bytes read, shown after the first second (reading a large model takes a while)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, delay=1.0)
 
 
 def _read_file(st: SafetensorsFile, bar) -> dict[str, np.ndarray]:
@@ -125,12 +141,7 @@ def open_weights(artifact: str | Path, manifest: Manifest, read: bool = False,
     if sorted(by_file) != sorted(files):
         raise ArtifactError(f"{index_path}: does not name the weight files the manifest lists; recompile")
     out: dict[str, np.ndarray] = {}
-    bar = None
-    if read:  # reading a large model takes a while: a bar after the first second
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum((d / f).stat().st_size for f in files), desc="reading weights", unit="B",
-                   unit_scale=True, unit_divisor=1024, leave=False, delay=1.0)
+    bar = _bar(sum((d / f).stat().st_size for f in files), "reading weights") if read else None
     try:
         for file in files:
             with SafetensorsFile(d / file) as st:
@@ -145,3 +156,27 @@ def open_weights(artifact: str | Path, manifest: Manifest, read: bool = False,
         if bar is not None:
             bar.close()
     return MappingProxyType(out)
+
+
+def open_engram_tables(artifact: str | Path, manifest: Manifest, read: bool = False) -> list[EngramTable]:
+    """The Engram tables of the artifact (``engram.tables``, Engram-layer order; none without an
+    ``engram`` section), each file's header checked against the manifest's record
+    (``ArtifactError`` naming the file): memory-mapped, or with ``read`` read into 64-byte
+    aligned memory (with a progress bar, as the weights are)."""
+    d = Path(artifact)
+    records = manifest.engram.tables if manifest.engram is not None else ()
+    bar = _bar(sum((d / t.file).stat().st_size for t in records), "reading Engram tables") if read else None
+    out = []
+    try:
+        for t in records:
+            with SafetensorsFile(d / t.file) as st:
+                problem = table_problem({n: (st.dtype(n), st.shape(n)) for n in st.names()}, t.format, t.rows,
+                                        t.width)
+                if problem:
+                    raise ArtifactError(f"{d / t.file}: {problem}; recompile")
+                arrays = _read_file(st, bar) if read else st.mapped()
+            out.append(EngramTable(t.layer, t.format, arrays[ROWS], arrays.get(SCALES)))
+    finally:
+        if bar is not None:
+            bar.close()
+    return out

@@ -2,7 +2,8 @@
 tests/test_v41_parity.py holds the reference target to it (tests/v41_case.py): the logits and
 greedy tokens whole, with chunked prefill and in a ragged batch; a prefix-cache hit
 bit-identical to a miss, preempted requests and speculative decoding computing the plain tokens; the V4.1 kernels against their numpy models: the fake-quant round
-trips bit for bit, the candidate-block mask exactly; and the GPU targets compiling v41-tiny
+trips and the Engram gather bit for bit, the candidate-block mask exactly; the Engram tables
+mapped, read or gathered on the host alike; and the GPU targets compiling v41-tiny
 without weights into machine code that neither spills nor keeps arrays in local memory (no GPU
 needed; tests/test_gpu_targets.py says which tools each target needs)."""
 
@@ -17,14 +18,18 @@ import pytest
 import tvm
 
 from dsv4c.artifact import lowbit
+from dsv4c.artifact.engram_tables import EngramTable
 from dsv4c.codegen import gpu
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.compile import compile_model
 from dsv4c.errors import DsvError
 from dsv4c.ir.reference_v41 import candidate_mask
+from dsv4c.runtime.backend_tvm import TvmBackend
+from dsv4c.runtime.engine import Engine
+from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
 
-from v41_case import compile_case
+from v41_case import TOKEN_IDS, compile_case
 from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here on llvm)
 from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
@@ -85,6 +90,37 @@ def _kernel_resources():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_e8m0", "fp32"])
+def test_the_engram_gather_decodes_table_rows_bit_for_bit(fmt):
+    """From a whole table or a step's gather of it (artifact.engram_tables), FP8 or float."""
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 256, (70, 64)).astype(np.uint8)
+    rows[(rows & 0x7F) == 0x7F] = 0  # no NaN codes
+    scales = rng.integers(100, 150, (70, 2)).astype(np.uint8)
+    table = EngramTable(1, fmt, rows, scales) if fmt != "fp32" else \
+        EngramTable(1, fmt, rng.standard_normal((70, 64)).astype(np.float32), None)
+    ids = rng.integers(0, 70, (9, 2, 6)).astype(np.int32)  # [T, L_e, C]: slot 1 is this layer's
+    out = _call(_kernel("engram_gather", 64, 6, 2, 1, fmt), [ids] + table.arrays, (9, 6 * 64))
+    assert np.array_equal(out, table[ids[:, 1]].reshape(9, -1))
+
+
+def test_the_engram_tables_mapped_read_or_gathered_on_the_host_give_bit_identical_logits(artifact):
+    """The case's float tables (tests/test_engram_tables.py holds FP8 tables to the same)."""
+    def run(**engine):
+        e = Engine(artifact, max_requests=1, max_context=256, **engine)
+        rid = e.submit(TOKEN_IDS, SamplingParams(max_new_tokens=4), record_logits=True)
+        e.run()
+        return e.result(rid).logits
+
+    mapped, read = run(), run(engram_memory="read")
+    TvmBackend.engram_host_gather = True  # the path GPU targets take, on the CPU
+    try:
+        gathered = run()
+    finally:
+        TvmBackend.engram_host_gather = False
+    assert np.array_equal(mapped, read) and np.array_equal(mapped, gathered)
 
 
 @pytest.mark.parametrize("target", ["sm90", "gfx942", "gfx950"])

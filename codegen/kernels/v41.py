@@ -9,9 +9,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from dsv4c.artifact.engram_tables import FP32_TABLE, SCALE_COLUMNS
 from dsv4c.artifact.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_FLOOR
 from dsv4c.codegen.kernels.codecs import (F32, NEG_INF, abs_bits, amax_floor, decode_e2m1, decode_e4m3fn,
-                                          encode_e2m1, encode_e4m3fn)
+                                          decode_e8m0, encode_e2m1, encode_e4m3fn)
 from dsv4c.codegen.kernels.cpu import ON_STACK
 
 INF = float("inf")
@@ -142,18 +143,40 @@ def candidate_mask(ratio: int, block: int, blocks: int):
     return f
 
 
-def engram_gather(table_rows: int, head_dim: int, columns: int, slots: int, slot: int):
-    """Each token's Engram table rows, side by side in hash-column order: [T, columns * head_dim]."""
+def engram_gather(head_dim: int, columns: int, slots: int, slot: int, fmt: str):
+    """Each token's Engram table rows, side by side in hash-column order: [T, columns * head_dim],
+    from its layer's table of any number of rows (the whole table, or a step's gather of it),
+    FP8 rows decoded as ``e4m3(code) * 2^(scale - 127)`` (``artifact.engram_tables``). Row offsets
+    are int64: a released table holds more than 2**31 values."""
+    if fmt == FP32_TABLE:
+        @T.prim_func
+        def f(ids: T.handle, table: T.handle, out: T.handle):
+            n = T.int32()
+            r = T.int64()
+            IDS = T.match_buffer(ids, (n, slots, columns), "int32")
+            TAB = T.match_buffer(table, (r, head_dim), F32)
+            OUT = T.match_buffer(out, (n, columns * head_dim), F32)
+            for i in T.parallel(n * columns):
+                for d in range(head_dim):
+                    OUT[i // columns, i % columns * head_dim + d] = \
+                        TAB[T.Cast("int64", IDS[i // columns, slot, i % columns]), d]
+        return f
+    groups = -(-head_dim // SCALE_COLUMNS)
+
     @T.prim_func
-    def f(ids: T.handle, table: T.handle, out: T.handle):
+    def g(ids: T.handle, table: T.handle, scales: T.handle, out: T.handle):
         n = T.int32()
+        r = T.int64()
         IDS = T.match_buffer(ids, (n, slots, columns), "int32")
-        TAB = T.match_buffer(table, (table_rows, head_dim), F32)
+        TAB = T.match_buffer(table, (r, head_dim), "uint8")
+        SC = T.match_buffer(scales, (r, groups), "uint8")
         OUT = T.match_buffer(out, (n, columns * head_dim), F32)
         for i in T.parallel(n * columns):
             for d in range(head_dim):
-                OUT[i // columns, i % columns * head_dim + d] = TAB[IDS[i // columns, slot, i % columns], d]
-    return f
+                OUT[i // columns, i % columns * head_dim + d] = \
+                    decode_e4m3fn(TAB[T.Cast("int64", IDS[i // columns, slot, i % columns]), d]) * \
+                    decode_e8m0(SC[T.Cast("int64", IDS[i // columns, slot, i % columns]), d // SCALE_COLUMNS])
+    return g
 
 
 def engram_gate(hc: int, dim: int, eps: float):

@@ -10,6 +10,7 @@ from math import prod
 import numpy as np
 from tvm import relax, tirx
 
+from dsv4c.artifact.engram_tables import table_format, table_inputs
 from dsv4c.codegen.kernels.v41 import ROUNDTRIP_BLOCK
 from dsv4c.codegen.ops.attention import main_planes, pool_envelope, store_kernel, store_pool_rows
 from dsv4c.codegen.ops.base import F32, I32, OpLowering, input_shapes, kernel
@@ -128,19 +129,22 @@ class CandidateMask(OpLowering):
 
 
 class Engram(OpLowering):
-    """The token's table rows gathered from the step input ``engram_rows``, projected by ``wkv``
-    (fp32) and gated into the streams."""
+    """The token's table rows gathered by the step input ``engram_rows`` from its layer's table
+    (the step inputs ``artifact.engram_tables.table_inputs`` name, not a weight), projected by
+    ``wkv`` (fp32) and gated into the streams."""
 
     def kernels(self, node, cfg, plan):
         h, ids, table, wkv = input_shapes(node)[:4]
-        return {"gather": kernel("engram_gather", table[0], table[1], ids[2], ids[1], node.attrs["slot"]),
+        return {"gather": kernel("engram_gather", table[1], ids[2], ids[1], node.attrs["slot"], table_format(cfg)),
                 "project": kernel("project_rows", wkv[0], wkv[1]),
                 "gate": kernel("engram_gate", h[1], h[2], node.attrs["eps"])}
 
     def emit(self, em, node, roles, args):
         h = em.shape(args[0])
-        table, wkv, qw, kw = (em.param(v.name) for v in node.inputs[2:6])
+        wkv, qw, kw = (em.param(v.name) for v in node.inputs[3:6])
+        table = [em.inputs[name] for name in table_inputs(em.cfg.engram.layer_ids[node.attrs["slot"]],
+                                                          table_format(em.cfg))]
         wkv_shape = node.inputs[3].type.shape
-        rows = em.call(roles["gather"], [em.inputs["engram_rows"], table], ([h[0], wkv_shape[1]], F32))
+        rows = em.call(roles["gather"], [em.inputs["engram_rows"], *table], ([h[0], wkv_shape[1]], F32))
         kv = em.call(roles["project"], [rows, wkv], ([h[0], wkv_shape[0]], F32))
         return [em.call(roles["gate"], [args[0], kv, qw, kw], (h, F32))]

@@ -538,13 +538,13 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           weights: str = "auto", served_model_name: str | None = None,
           limits: RequestLimits = RequestLimits(), kv_cache_memory: int | None = None,
           prefix_caching: bool = True, tensor_parallel: int | None = None,
-          distributed_timeout: float | None = None, draft_confidence: float = 0.0) -> int:
+          distributed_timeout: float | None = None, draft_confidence: float = 0.0, engram_memory: str = "map") -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
     fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
     ``speculative="mtp"`` (``"dspark"``): every request decodes speculatively with the model's MTP
-    layer (DSpark drafter; ``Engine``). ``served_model_name``: the name requests must give as ``model`` (default: the
-    artifact's model name)."""
+    layer (DSpark drafter; ``Engine``); ``engram_memory`` as ``Engine``'s. ``served_model_name``: the
+    name requests must give as ``model`` (default: the artifact's model name)."""
     if max_requests < 1 or max_context < 1 or max_waiting < 0 or shutdown_timeout < 0:
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
                          "--shutdown-timeout >= 0")
@@ -553,7 +553,8 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
     engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
                     num_draft_tokens=num_draft_tokens, weights=weights, kv_cache_memory=kv_cache_memory,
                     prefix_caching=prefix_caching, tensor_parallel=tensor_parallel,
-                    distributed_timeout=distributed_timeout, draft_confidence=draft_confidence)
+                    distributed_timeout=distributed_timeout, draft_confidence=draft_confidence,
+                    engram_memory=engram_memory)
 
     def engine_failed():
         http.should_exit = True
