@@ -1,15 +1,13 @@
-"""The FastAPI application (OpenAI's completions and chat completions, health, metrics) and the
-uvicorn server that runs it."""
+"""The FastAPI application (OpenAI's completions and chat completions, tokenizer endpoints,
+health, metrics) and ``serve``, which runs it (the HTTP layer below it: :mod:`.transport`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import secrets
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -19,7 +17,7 @@ from typing import AsyncIterator, Callable, TypeVar
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,68 +30,14 @@ from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions
                                           bad_request, chat_request, completion_request, detokenize_request,
                                           parse_json_object, tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
+from dsv4c.runtime.serve.transport import (CountResponses, EventStream, HTTPServer, RequestLimits, client_gone,
+                                           listen, read_body, sse)
 
 Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
 T = TypeVar("T")
 # Bodies larger than this are parsed on a worker thread: parsing 1 MB of JSON (and checking its
 # token ids) takes tens of milliseconds, which would stall every stream on the event loop.
 PARSE_ON_LOOP_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request body may cost before it is parsed: ``max_bytes`` (8 MiB holds a 1M-token text
-    prompt, about 4 MB), and ``body_timeout`` seconds to arrive in full (stalled clients let go)."""
-
-    max_bytes: int = 8 * 1024 * 1024
-    body_timeout: float = 30.0
-
-
-async def read_body(request: Request, limits: RequestLimits) -> bytes:
-    """The whole body, or a 413 as soon as it is known to be too large, or a 408 once it has taken
-    ``body_timeout`` seconds; both close the connection (its unread bytes would be the next request)."""
-    close = {"Connection": "close"}
-    too_large = APIError(413, f"the request body is larger than {limits.max_bytes} bytes, this server's "
-                              "--max-request-bytes", "invalid_request_error", "request_too_large", headers=close)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_bytes:
-        raise too_large
-    body = bytearray()
-    try:
-        async with asyncio.timeout(limits.body_timeout):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limits.max_bytes:
-                    raise too_large
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
-                       "invalid_request_error", "request_timeout", headers=close) from None
-    return bytes(body)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that call ``on_close`` however the response ends: sent in full, client
-    gone (Starlette then cancels the body), or the server cancelling it at shutdown."""
-
-    def __init__(self, events: AsyncIterator[str], on_close):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def _choice_seed(seed: int, index: int) -> int:
@@ -252,7 +196,7 @@ class Server:
         if opts.stream:
             return EventStream(self._events(endpoint, head, choices, prompt_tokens, opts), on_close=close_all)
         answer = asyncio.ensure_future(self._complete(endpoint, head, choices, prompt_tokens, opts))
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
             # A client that left gets no answer; the finally cancels its generations.
@@ -327,7 +271,7 @@ class Server:
                       opts: GenerationOptions) -> AsyncIterator[str]:
         def chunk(choice_list: list, usage_counts=None) -> str:
             extra = {"usage": usage_counts} if opts.include_usage else {}
-            return _sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
+            return sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
 
         for c in choices:
             opening = c.endpoint.opening_chunk_choice(c.index)
@@ -351,7 +295,7 @@ class Server:
                 if piece is None:
                     running -= 1
                 elif isinstance(piece, APIError):  # the status line has gone out: the error travels as an event
-                    yield _sse(piece.body())
+                    yield sse(piece.body())
                     break
                 else:
                     generated += len(piece.token_ids)
@@ -365,26 +309,6 @@ class Server:
         if opts.include_usage:
             yield chunk([], usage(prompt_tokens, generated))
         yield "data: [DONE]\n\n"
-
-
-class CountResponses:
-    """ASGI middleware around the whole application (error handlers included): every HTTP answer
-    counted by endpoint and status in ``dsv4c_http_requests_total``."""
-
-    def __init__(self, app, metrics: ServerMetrics, endpoints: set[str]):
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
-
-        async def counting_send(message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 def create_app(server: Server, api_key: str | None = None) -> CountResponses:
@@ -502,32 +426,6 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     return CountResponses(app, server.metrics, endpoints)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
-    except OSError as e:
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-class HTTPServer(uvicorn.Server):
-    """uvicorn's server, whose graceful shutdown ends in answers: once ``drain_timeout`` seconds have
-    passed, the engine ends what still runs, so that waiting clients get a JSON 503 and streams an
-    error event and ``[DONE]``, rather than uvicorn cancelling their tasks (a plain-text 500, streams
-    cut short, tracebacks). uvicorn's own timeout stays as a backstop."""
-
-    def __init__(self, config: uvicorn.Config, server: Server, drain_timeout: float):
-        super().__init__(config)
-        self.app_server, self.drain_timeout = server, drain_timeout
-
-    async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.app_server.loop.abort)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-
 # After the engine ended the requests left at shutdown, their answers get this long to go out.
 ANSWER_GRACE_SECONDS = 10.0
 
@@ -560,13 +458,13 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
 
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name, limits,
                     on_engine_failure=engine_failed)
-    sock = _listen(host, port)
+    sock = listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
     # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed
     # the engine's steps by ~20% on 8 streams; with them the overhead is within a few percent.
     config = uvicorn.Config(create_app(server, api_key), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_SECONDS)
-    http = HTTPServer(config, server, shutdown_timeout)
+    http = HTTPServer(config, server.loop.abort, shutdown_timeout)
 
     # uvicorn handles SIGINT / SIGTERM while it runs, then restores these handlers and raises the
     # signal again; as no-ops they let the shutdown end with exit status 0 (and they catch a signal
