@@ -187,6 +187,22 @@ def test_tokenize_and_detokenize(server):
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "w6"}).status_code == 401
 
 
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {"prompt": [2**63], "echo": True, "max_tokens": 1}, f"prompt[0] is {2**63}"),
+    ("/v1/completions", {"prompt": [6, -1], "echo": True, "max_tokens": 1}, "prompt[1] is -1"),
+    ("/v1/completions", {"prompt": [6, 7, 4294967296], "max_tokens": 1, "stream": True}, "prompt[2] is 4294967296"),
+    ("/v1/completions", {"prompt": [[6], [7, 8, 512]], "echo": True, "max_tokens": 1}, "prompt[1][2] is 512"),
+    ("/tokenize", {"prompt": [10**30, -5]}, f"prompt[0] is {10**30}"),
+    ("/detokenize", {"tokens": [6, 7, -1]}, "tokens[2] is -1"),
+])
+def test_token_ids_outside_the_vocabulary_are_400s_naming_their_place(server, path, body, where):
+    """Every id is checked before anything decodes or embeds it (echo once decoded first: a 500)."""
+    response = _post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] == f"token ids must be in [0, 512): {where}" and error["param"] == where.split("[")[0]
+
+
 # ------------------------------------------------------------------ limits
 
 

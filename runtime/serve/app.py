@@ -27,8 +27,8 @@ from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
 from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
 from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, ScoredToken,
-                                          bad_request, chat_request, completion_request, detokenize_request,
-                                          parse_json_object, tokenize_request, usage)
+                                          bad_request, chat_request, check_token_ids, completion_request,
+                                          detokenize_request, parse_json_object, tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
 from dsv4c.runtime.serve.transport import (CountResponses, EventStream, HTTPServer, RequestLimits, client_gone,
                                            listen, read_body, sse)
@@ -121,6 +121,10 @@ class Server:
         self.needs_tokenizer("it cannot chat: use /v1/completions with token ids", "messages")
         # The template (or V4's encoding) writes the special tokens (BOS, role markers) itself.
         return self.engine.tokenizer.encode(self.chat.prompt_text(messages, options), add_special_tokens=False).ids
+
+    def checked_ids(self, ids: list[int], name: str) -> list[int]:
+        """Token ids from a request, each in this model's vocabulary (or a 400 naming the first that is not)."""
+        return check_token_ids(ids, self.engine.config.vocab_size, name, name.partition("[")[0])
 
     def token_text(self, token: int) -> str:
         """A token as text in log-probabilities; ``token_id:N`` (vLLM's spelling) without a tokenizer."""
@@ -365,6 +369,11 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     async def completions(request: Request):
         def prepare(body: dict):
             prompts, opts = completion_request(body)
+            # A batch comes back as sent (the same list); one prompt comes back wrapped in a list.
+            names = [f"prompt[{i}]" for i in range(len(prompts))] if prompts is body["prompt"] else ["prompt"]
+            for name, p in zip(names, prompts):
+                if isinstance(p, list):
+                    server.checked_ids(p, name)
             echo = None
             if opts.echo:  # the prompt as sent, or its ids' text
                 echo = [p if isinstance(p, str) else server.engine.decode(p) if server.engine.tokenizer else ""
@@ -395,7 +404,7 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
             if isinstance(asked.prompt, str):
                 server.needs_tokenizer("it takes no text", "prompt")
                 return server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
-            return asked.prompt
+            return server.checked_ids(asked.prompt, "prompt")
 
         ids = await server.parse(request, prepare)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_context}
@@ -404,9 +413,7 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     async def detokenize(request: Request):
         ids = await server.parse(request, detokenize_request)
         server.needs_tokenizer("it has no text for token ids", "tokens")
-        vocab = server.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        server.checked_ids(ids, "tokens")
         return {"prompt": server.engine.decode(ids)}
 
     @tokens.get("/tokenizer_info")

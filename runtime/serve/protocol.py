@@ -100,6 +100,15 @@ def _is_token_ids(v) -> bool:
     return isinstance(v, list) and all(_is_int(t) for t in v)
 
 
+def check_token_ids(ids: list[int], vocab_size: int, name: str, param: str) -> list[int]:
+    """``ids`` when every one is in the vocabulary; else a 400 naming the first that is not by its
+    position (``name[i]``), before anything decodes or embeds it."""
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        at = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise bad_request(f"token ids must be in [0, {vocab_size}): {name}[{at}] is {_show(ids[at])}", param)
+    return ids
+
+
 def _show(v) -> str:
     try:
         text = json.dumps(v)
