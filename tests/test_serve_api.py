@@ -403,3 +403,32 @@ def test_refused_choices_give_their_places_back(server):
         assert refused.status_code == 400 and "max_context" in refused.json()["error"]["message"]
     full = _post(server, "/v1/completions", {"prompt": PROMPT, "n": 16, "max_tokens": 1})
     assert full.status_code == 200 and len(full.json()["choices"]) == 16
+
+
+def test_a_request_that_can_never_be_admitted_is_a_400_even_when_the_server_is_full(server, client):
+    """4 running + 12 waiting: a request of 17 choices, or longer than the context, will never get in,
+    so a 503 with Retry-After would have its client retry forever."""
+    impossible = [({"prompt": PROMPT, "n": 17}, "too_many_choices", "17 requests, more than this server ever holds "
+                   "(4 running + 12 waiting)"),
+                  ({"prompt": [PROMPT] * 17}, "too_many_choices", "17 prompt(s) x n = 1"),
+                  ({"prompt": PROMPT, "max_tokens": CONTEXT - len(PROMPT) + 1}, "invalid_value", "max_context"),
+                  ({"prompt": [6] * (CONTEXT + 1), "max_tokens": None}, "invalid_value", "max_context")]
+    with httpx.Client(limits=httpx.Limits(max_connections=32), headers=AUTH, timeout=60) as http:
+        long = {"prompt": PROMPT, "max_tokens": CONTEXT - len(PROMPT), "ignore_eos": True, "stream": True}
+        opened = [http.stream("POST", f"{server.url}/v1/completions", json=long) for _ in range(16)]
+        try:
+            assert all(s.__enter__().status_code == 200 for s in opened)
+            server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 4 and m["dsv4c_requests_waiting"] == 12)
+            full = http.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+            assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+            for body, code, fragment in impossible:
+                refused = http.post(f"{server.url}/v1/completions", json={"max_tokens": 1, **body})
+                assert refused.status_code == 400 and "Retry-After" not in refused.headers, refused.text
+                assert refused.json()["error"]["code"] == code and fragment in refused.json()["error"]["message"]
+            with pytest.raises(openai.BadRequestError, match="max_context"):
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w6"}],
+                                               max_tokens=CONTEXT)
+        finally:
+            for s in opened:
+                s.__exit__(None, None, None)
+    server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 0 and m["dsv4c_requests_waiting"] == 0)

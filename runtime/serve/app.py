@@ -148,13 +148,21 @@ class Server:
     async def _open(self, endpoint: Endpoint, prompts: list[list[int]], opts: GenerationOptions,
                     echo_texts: list[str] | None, chat: ChatOptions | None) -> list[Choice]:
         """One generation per prompt and choice, all accepted by the engine, or none and the error.
-        A chat choice has its own output parser and its own constraint (both keep state)."""
+        A chat choice has its own output parser and its own constraint (both keep state). A request
+        that could never be admitted is a 400 before it takes a place: a 503 would have its client
+        retry forever."""
         if opts.stop and self.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json, so it has no text to match 'stop' strings in",
                               "stop", "no_tokenizer")
+        wanted, most = len(prompts) * opts.n, self.loop.capacity
+        if wanted > most:
+            raise bad_request(f"{len(prompts)} prompt(s) x n = {opts.n} make {wanted} requests, more than this server "
+                              f"ever holds ({self.engine.max_requests} running + {most - self.engine.max_requests} "
+                              "waiting)", "n", "too_many_choices")
         seed = opts.seed if opts.seed is not None else secrets.randbits(63)
         choices: list[Choice] = []
         try:
+            planned = []
             for i, prompt in enumerate(prompts):
                 for j in range(opts.n):
                     index = i * opts.n + j
@@ -165,9 +173,13 @@ class Server:
                         endpoint = self.chat.endpoint(chat)
                         decode = self.chat.decode_output if self.chat.v4 else decode
                     params = self._params(opts, prompt, _choice_seed(seed, index), constraint)
-                    gen = self.loop.open(prompt, params)
-                    text = TextAssembler(decode, opts.stop) if self.engine.tokenizer else None
-                    choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
+                    if j == 0:  # what the engine would refuse (a prompt's choices differ only in their seeds)
+                        self.engine.check(prompt, params)
+                    planned.append((i, index, prompt, params, endpoint, decode))
+            for i, index, prompt, params, endpoint, decode in planned:
+                gen = self.loop.open(prompt, params)
+                text = TextAssembler(decode, opts.stop) if self.engine.tokenizer else None
+                choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
             for c in choices:
                 await c.gen.submitted
         except BaseException as e:  # none of the request's generations goes on
