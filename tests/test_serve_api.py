@@ -33,6 +33,8 @@ def server(serve_artifacts):
                  "--max-context", str(CONTEXT), "--served-model-name", "tiny", "--max-request-bytes",
                  str(BODY_LIMIT), "--request-body-timeout", "1") as served:
         yield served
+    # Every answer this server gave was an answer: no 4xx (nor anything else) left a traceback.
+    assert "Traceback" not in served.stderr.read_text(), served.stderr.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -188,19 +190,20 @@ def test_tokenize_and_detokenize(server):
 
 
 @pytest.mark.parametrize("path, body, where", [
-    ("/v1/completions", {"prompt": [2**63], "echo": True, "max_tokens": 1}, f"prompt[0] is {2**63}"),
-    ("/v1/completions", {"prompt": [6, -1], "echo": True, "max_tokens": 1}, "prompt[1] is -1"),
-    ("/v1/completions", {"prompt": [6, 7, 4294967296], "max_tokens": 1, "stream": True}, "prompt[2] is 4294967296"),
-    ("/v1/completions", {"prompt": [[6], [7, 8, 512]], "echo": True, "max_tokens": 1}, "prompt[1][2] is 512"),
-    ("/tokenize", {"prompt": [10**30, -5]}, f"prompt[0] is {10**30}"),
-    ("/detokenize", {"tokens": [6, 7, -1]}, "tokens[2] is -1"),
+    ("/v1/completions", {"prompt": [2**63], "echo": True, "max_tokens": 1}, f"prompt[0] = {2**63}"),
+    ("/v1/completions", {"prompt": [6, -1], "echo": True, "max_tokens": 1}, "prompt[1] = -1"),
+    ("/v1/completions", {"prompt": [6, 7, 4294967296], "max_tokens": 1, "stream": True}, "prompt[2] = 4294967296"),
+    ("/v1/completions", {"prompt": [[6], [7, 8, 512]], "echo": True, "max_tokens": 1}, "prompt[1][2] = 512"),
+    ("/tokenize", {"prompt": [10**30, -5]}, f"prompt[0] = {10**30}"),
+    ("/detokenize", {"tokens": [6, 7, -1]}, "tokens[2] = -1"),
 ])
 def test_token_ids_outside_the_vocabulary_are_400s_naming_their_place(server, path, body, where):
     """Every id is checked before anything decodes or embeds it (echo once decoded first: a 500)."""
     response = _post(server, path, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["message"] == f"token ids must be in [0, 512): {where}" and error["param"] == where.split("[")[0]
+    assert error["message"] == f"{where} is outside the vocabulary: token ids must be in [0, 512)"
+    assert error["param"] == where.split("[")[0]
 
 
 # ------------------------------------------------------------------ limits
@@ -382,6 +385,39 @@ def test_a_request_that_fails_fails_alone(serve_artifacts):
         assert "injected fault of one request" in answers["bad"].json()["error"]["message"]
         assert answers["good"].json()["choices"][0]["token_ids"] == alone
         assert httpx.get(f"{served.url}/health").status_code == 200 and served.metrics()["dsv4c_engine_up"] == 1
+
+
+REFUSING_SUBMIT = """
+import sys
+from dsv4c.errors import UsageError
+from dsv4c.runtime.engine import Engine
+
+submit = Engine.submit
+
+def submit_refusing_token_13(self, prompt, params, *args, **kwargs):
+    if prompt[0] == 13:
+        raise UsageError("injected refusal")
+    return submit(self, prompt, params, *args, **kwargs)
+
+Engine.submit = submit_refusing_token_13
+from dsv4c.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_refused_request_leaves_no_traceback_in_the_log(serve_artifacts):
+    """A request of several choices that the engine refuses is a 400; its other choices' refusals,
+    which nobody awaits, are no "Future exception was never retrieved" at shutdown."""
+    with serving(serve_artifacts / "cpu", "--max-context", str(CONTEXT), launcher=("-c", REFUSING_SUBMIT)) as served:
+        for stream in (False, True):
+            refused = httpx.post(f"{served.url}/v1/completions", json={"prompt": [13, *PROMPT], "n": 4,
+                                                                      "max_tokens": 2, "stream": stream}, timeout=60)
+            assert refused.status_code == 400 and "injected refusal" in refused.json()["error"]["message"]
+        good = httpx.post(f"{served.url}/v1/completions", json={"prompt": PROMPT, "n": 4, "max_tokens": 2}, timeout=60)
+        assert good.status_code == 200
+    assert served.proc.returncode == 0
+    log = served.stderr.read_text()
+    assert "Traceback" not in log and "never retrieved" not in log, log
 
 
 def test_a_resent_prompt_hits_the_prefix_cache(server):

@@ -105,7 +105,8 @@ def check_token_ids(ids: list[int], vocab_size: int, name: str, param: str) -> l
     position (``name[i]``), before anything decodes or embeds it."""
     if ids and not (0 <= min(ids) and max(ids) < vocab_size):
         at = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
-        raise bad_request(f"token ids must be in [0, {vocab_size}): {name}[{at}] is {_show(ids[at])}", param)
+        raise bad_request(f"{name}[{at}] = {_show(ids[at])} is outside the vocabulary: token ids must be in "
+                          f"[0, {vocab_size})", param)
     return ids
 
 
