@@ -21,14 +21,18 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import dsv4c
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine, RequestFailed
 from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
 from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
-from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, ScoredToken,
-                                          bad_request, chat_request, check_token_ids, completion_request,
-                                          detokenize_request, parse_json_object, tokenize_request, usage)
+from dsv4c.runtime.serve.openapi import (CHAT_ANSWER, COMPLETION_ANSWER, DETOKENIZE_ANSWER, TOKENIZE_ANSWER, Bounds,
+                                         request_body, responses)
+from dsv4c.runtime.serve.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, APIError, ChatCompletions,
+                                          Completions, GenerationOptions, ScoredToken, bad_request, chat_request,
+                                          check_token_ids, completion_request, detokenize_request, parse_json_object,
+                                          tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
 from dsv4c.runtime.serve.transport import (CountResponses, EventStream, HTTPServer, RequestLimits, client_gone,
                                            listen, read_body, sse)
@@ -334,7 +338,9 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
         yield
         server.loop.stop()
 
-    app = FastAPI(title="dsv4c", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs (Swagger UI) describe every endpoint, open to all (as vLLM's).
+    app = FastAPI(title="dsv4c", version=dsv4c.__version__, lifespan=lifespan, redoc_url=None)
+    bounds = Bounds(server.engine.config.vocab_size, server.engine.max_context, server.loop.capacity)
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
@@ -377,7 +383,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     # Each handler's parse callback also tokenizes (and renders the chat), so that all of a large
     # request's CPU work happens off the event loop (Server.parse).
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=request_body(COMPLETION, ["prompt"], bounds),
+             responses=responses(COMPLETION_ANSWER, streams=True))
     async def completions(request: Request):
         def prepare(body: dict):
             prompts, opts = completion_request(body)
@@ -395,7 +402,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
         ids, opts, echo = await server.parse(request, prepare)
         return await server.generate(request, Completions, ids, opts, echo)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=request_body(CHAT, ["messages"], bounds, chat_options=True),
+             responses=responses(CHAT_ANSWER, streams=True))
     async def chat_completions(request: Request):
         def prepare(body: dict):
             (messages, opts), options = chat_request(body), chat_options(body)
@@ -407,7 +415,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
     tokens = APIRouter(dependencies=[Depends(check_api_key)])
 
-    @tokens.post("/tokenize")
+    @tokens.post("/tokenize", openapi_extra=request_body(TOKENIZE, [], bounds, chat_options=True),
+                 responses=responses(TOKENIZE_ANSWER))
     async def tokenize(request: Request):
         def prepare(body: dict) -> list[int]:
             asked = tokenize_request(body)
@@ -421,7 +430,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
         ids = await server.parse(request, prepare)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_context}
 
-    @tokens.post("/detokenize")
+    @tokens.post("/detokenize", openapi_extra=request_body(DETOKENIZE, [], bounds),
+                 responses=responses(DETOKENIZE_ANSWER))
     async def detokenize(request: Request):
         ids = await server.parse(request, detokenize_request)
         server.needs_tokenizer("it has no text for token ids", "tokens")

@@ -96,6 +96,28 @@ def _response_format(value) -> dict | None:
                       "response_format")
 
 
+_FUNCTION = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+# What chat_options accepts, for /openapi.json.
+CHAT_OPTIONS_SCHEMA = {
+    "tools": {"type": "array", "items": {**_FUNCTION, "properties": {**_FUNCTION["properties"], "function": {
+        "type": "object", "required": ["name"],
+        "properties": {"name": {"type": "string", "pattern": f"^{_TOOL_NAME.pattern}$"},
+                       "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, _FUNCTION]},
+    "response_format": {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"}, "json_schema": {
+                "type": "object", "required": ["schema"],
+                "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}}}}]},
+    "chat_template_kwargs": {"type": "object"},
+    "reasoning_effort": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    "add_generation_prompt": {"type": "boolean"},
+}
+
+
 def chat_options(body: dict) -> ChatOptions:
     """The conversation-protocol options of a chat request body, checked (400 on a mistake)."""
     tools = _tools(body["tools"]) if body.get("tools") is not None else []
