@@ -206,6 +206,14 @@ def test_token_ids_outside_the_vocabulary_are_400s_naming_their_place(server, pa
     assert error["param"] == where.split("[")[0]
 
 
+def test_the_openapi_document_says_which_endpoints_need_the_key(server):
+    document = httpx.get(f"{server.url}/openapi.json").json()  # open to all, as /health
+    assert document["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        assert document["paths"][path]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in document["paths"]["/health"]["get"]
+
+
 # ------------------------------------------------------------------ limits
 
 

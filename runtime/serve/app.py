@@ -28,7 +28,7 @@ from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
 from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
 from dsv4c.runtime.serve.openapi import (CHAT_ANSWER, COMPLETION_ANSWER, DETOKENIZE_ANSWER, TOKENIZE_ANSWER, Bounds,
-                                         request_body, responses)
+                                         request_body, require_api_key, responses)
 from dsv4c.runtime.serve.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, APIError, ChatCompletions,
                                           Completions, GenerationOptions, ScoredToken, bad_request, chat_request,
                                           check_token_ids, completion_request, detokenize_request, parse_json_object,
@@ -415,7 +415,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
     tokens = APIRouter(dependencies=[Depends(check_api_key)])
 
-    @tokens.post("/tokenize", openapi_extra=request_body(TOKENIZE, [], bounds, chat_options=True),
+    @tokens.post("/tokenize", openapi_extra=request_body(TOKENIZE, [], bounds, chat_options=True,
+                                                         one_of=("prompt", "messages")),
                  responses=responses(TOKENIZE_ANSWER))
     async def tokenize(request: Request):
         def prepare(body: dict) -> list[int]:
@@ -450,6 +451,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     app.include_router(v1)
     app.include_router(tokens)
+    if api_key is not None:
+        require_api_key(app.openapi(), [*v1.routes, *tokens.routes])  # FastAPI keeps the document it made
     endpoints = {route.path for router in (app.router, v1, tokens) for route in router.routes
                  if isinstance(route, APIRoute)}
     return CountResponses(app, server.metrics, endpoints)

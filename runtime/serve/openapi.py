@@ -32,8 +32,10 @@ def _bounded(schema: Any, bounds: Bounds) -> Any:
     return schema
 
 
-def request_body(fields: dict[str, Spec], required: list[str], bounds: Bounds, chat_options: bool = False) -> dict:
-    """An operation's ``requestBody`` (for FastAPI's ``openapi_extra``): every field it accepts."""
+def request_body(fields: dict[str, Spec], required: list[str], bounds: Bounds, chat_options: bool = False,
+                 one_of: tuple[str, ...] = ()) -> dict:
+    """An operation's ``requestBody`` (for FastAPI's ``openapi_extra``): every field it accepts;
+    ``one_of``: fields of which the body holds exactly one."""
     limits = {"max_tokens": {"maximum": bounds.max_context}, "max_completion_tokens": {"maximum": bounds.max_context},
               "n": {"maximum": min(MAX_CHOICES, bounds.places)}}
     properties: dict[str, Any] = {name: {"description": "accepted and ignored"} for name in sorted(LABELS)}
@@ -42,9 +44,11 @@ def request_body(fields: dict[str, Spec], required: list[str], bounds: Bounds, c
     if chat_options:
         properties |= CHAT_OPTIONS_SCHEMA
     properties |= {name: _bounded({**spec.schema, **limits.get(name, {})}, bounds) for name, spec in fields.items()}
-    nullable = {name: {"anyOf": [schema, {"type": "null"}]} if name not in required else schema
+    nullable = {name: {"anyOf": [schema, {"type": "null"}]} if name not in (*required, *one_of) else schema
                 for name, schema in properties.items()}
     schema = {"type": "object", "required": required, "properties": nullable, "additionalProperties": False}
+    if one_of:
+        schema["oneOf"] = [{"required": [name]} for name in one_of]
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -95,3 +99,11 @@ def responses(answer: dict, streams: bool = False) -> dict:
               for status, why in ERRORS.items()}
     return {200: {"description": "the answer" + (" (server-sent events with stream: true)" if streams else ""),
                   "content": content}, **errors}
+
+
+def require_api_key(document: dict, routes: list) -> None:
+    """Mark the operations of ``routes`` (FastAPI's) in ``document`` as behind the API key."""
+    document.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for route in routes:
+        for method in route.methods:
+            document["paths"][route.path][method.lower()]["security"] = [{"bearer": []}]
