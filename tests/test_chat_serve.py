@@ -51,7 +51,7 @@ def engine(artifact):
 
 @pytest.fixture(scope="module")
 def client(artifact):
-    with serving(artifact, "--max-context", "2048", "--served-model-name", "tiny") as served:
+    with serving(artifact, "--max-context", "2048", "--served-model-name", "tiny", no_tracebacks=True) as served:
         yield openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
 
 

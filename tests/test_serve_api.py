@@ -31,10 +31,8 @@ BODY_LIMIT = 100_000
 def server(serve_artifacts):
     with serving(serve_artifacts / "cpu", "--api-key", KEY, "--max-requests", "4", "--max-waiting", "12",
                  "--max-context", str(CONTEXT), "--served-model-name", "tiny", "--max-request-bytes",
-                 str(BODY_LIMIT), "--request-body-timeout", "1") as served:
+                 str(BODY_LIMIT), "--request-body-timeout", "1", no_tracebacks=True) as served:
         yield served
-    # Every answer this server gave was an answer: no 4xx (nor anything else) left a traceback.
-    assert "Traceback" not in served.stderr.read_text(), served.stderr.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -416,16 +414,15 @@ sys.exit(main(sys.argv[1:]))
 def test_a_refused_request_leaves_no_traceback_in_the_log(serve_artifacts):
     """A request of several choices that the engine refuses is a 400; its other choices' refusals,
     which nobody awaits, are no "Future exception was never retrieved" at shutdown."""
-    with serving(serve_artifacts / "cpu", "--max-context", str(CONTEXT), launcher=("-c", REFUSING_SUBMIT)) as served:
+    with serving(serve_artifacts / "cpu", "--max-context", str(CONTEXT), launcher=("-c", REFUSING_SUBMIT),
+                 no_tracebacks=True) as served:
         for stream in (False, True):
             refused = httpx.post(f"{served.url}/v1/completions", json={"prompt": [13, *PROMPT], "n": 4,
                                                                       "max_tokens": 2, "stream": stream}, timeout=60)
             assert refused.status_code == 400 and "injected refusal" in refused.json()["error"]["message"]
         good = httpx.post(f"{served.url}/v1/completions", json={"prompt": PROMPT, "n": 4, "max_tokens": 2}, timeout=60)
         assert good.status_code == 200
-    assert served.proc.returncode == 0
-    log = served.stderr.read_text()
-    assert "Traceback" not in log and "never retrieved" not in log, log
+    assert served.proc.returncode == 0 and "never retrieved" not in served.stderr.read_text()
 
 
 def test_a_resent_prompt_hits_the_prefix_cache(server):
