@@ -105,6 +105,17 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
                record_logits: bool = False) -> int:
+        self.check(prompt, params, record_logits)
+        rid = next(self._ids)
+        r = self.requests[rid] = Request(rid, [int(t) for t in prompt], params, on_token, record_logits)
+        r.done_sampling = params.max_new_tokens == 0
+        # With nothing to sample and no logits to return, there is nothing to run.
+        r.finished = r.done_sampling and not record_logits and params.prompt_logprobs is None
+        return rid
+
+    def check(self, prompt: list[int], params: SamplingParams, record_logits: bool = False) -> None:
+        """The ``UsageError`` ``submit`` would raise for this request, if any; reads no state that
+        steps change, so a server can ask from another thread before it queues the request."""
         vocab = self.config.vocab_size
         if not prompt:
             raise UsageError("the prompt is empty; give at least one token")
@@ -120,12 +131,6 @@ class Engine:
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise UsageError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"engine's max_context ({self.max_context})")
-        rid = next(self._ids)
-        r = self.requests[rid] = Request(rid, [int(t) for t in prompt], params, on_token, record_logits)
-        r.done_sampling = params.max_new_tokens == 0
-        # With nothing to sample and no logits to return, there is nothing to run.
-        r.finished = r.done_sampling and not record_logits and params.prompt_logprobs is None
-        return rid
 
     def step(self) -> bool:
         plan = self.scheduler.plan()

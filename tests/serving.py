@@ -57,9 +57,10 @@ class Served:
 
 
 @contextmanager
-def serving(artifact: Path, *args: str, launcher: tuple[str, ...] = ("-m", "dsv4c")):
+def serving(artifact: Path, *args: str, launcher: tuple[str, ...] = ("-m", "dsv4c"), no_tracebacks: bool = False):
     """``dsv4c serve ARTIFACT --port 0 ARGS`` in a subprocess, once it answers /health; ``launcher``:
-    what the Python interpreter runs, given the command line (``-c CODE`` to change the server)."""
+    what the Python interpreter runs, given the command line (``-c CODE`` to change the server);
+    ``no_tracebacks``: once it has stopped, its log holds none (every answer it gave was an answer)."""
     stderr = artifact.parent / f"serve-{artifact.name}-{time.monotonic_ns()}.err"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(dsv4c.__file__).parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
@@ -81,3 +82,5 @@ def serving(artifact: Path, *args: str, launcher: tuple[str, ...] = ("-m", "dsv4
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+    if no_tracebacks:  # reached when the tests inside passed
+        assert "Traceback" not in stderr.read_text(), stderr.read_text()

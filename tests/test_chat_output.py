@@ -106,3 +106,33 @@ def test_a_v41_answer_as_the_release_writes_it():
     _, whole = _parse([text], True, True, V41_DSML)
     assert (whole.reasoning, whole.content) == ("  reason  ", "summary")
     assert whole.tool_calls == [ToolCall("lookup", json.dumps({"query": "value", "limit": 2}))]
+
+
+@pytest.mark.parametrize("dsml", DIALECTS.values(), ids=DIALECTS)
+def test_a_block_cut_short_ends_in_the_call_it_was_writing(dsml):
+    """Cut by max_tokens anywhere: no markup in content, the calls that closed, and the one being
+    written as far as it is known (its name, then the start of its arguments); streamed, what
+    :meth:`open_call` tells grows as the start of the whole call's arguments."""
+    text = "ok" + dsml.tool_calls([("get_weather", {"city": "Paris", "days": 2, "tags": ["a</b>"]}),
+                                   ("get_time", {})])
+    first_header_end = text.index('"get_weather">') + len('"get_weather">')
+    second_header_end = text.index('"get_time">') + len('"get_time">')
+    city_start = text.index('string="true">') + len('string="true">')
+    city_end = text.index(dsml.parameter_close) + len(dsml.parameter_close)
+    streamed = ChatOutputParser(thinking=False, tools=True, dsml=dsml)
+    known = {}
+    for cut in range(len(text) + 1):
+        streamed.feed(text[cut - 1:cut] if cut else "")
+        if (writing := streamed.open_call()) is not None:
+            assert writing.arguments.startswith(known.get(writing.name, "")), (cut, writing)
+            known[writing.name] = writing.arguments
+        parser = ChatOutputParser(thinking=False, tools=True, dsml=dsml)
+        total = parser.feed(text[:cut]).add(parser.finish(truncated=True))
+        assert total.content == "ok"[:cut] and total.reasoning == "", cut
+        assert len(total.tool_calls) == (cut >= first_header_end) + (cut >= second_header_end), cut
+        for call, whole in zip(total.tool_calls, CALLS):
+            assert call.name == whole.name and whole.arguments.startswith(call.arguments), (cut, call)
+        if city_start <= cut < city_end:  # the string as far as it came, not what may start its end tag
+            value = "Paris"[:cut - city_start]
+            assert total.tool_calls[0].arguments == '{"city": "' + value, (cut, total.tool_calls[0])
+    assert known == {"get_weather": '{"city": "Paris", "days": 2, "tags": ["a</b>"]', "get_time": "{"}

@@ -16,7 +16,7 @@ from dsv4c.runtime.serve.app import _choice_seed
 from dsv4c.runtime.serve.dsv4_encoding import encode_chat
 
 from test_serve import serving
-from v4_tokenizer import THINK_END_ID, write_v4_tokenizer
+from v4_tokenizer import SPECIAL, THINK_END_ID, write_v4_tokenizer
 
 EOS = 1
 CORPUS = ['{"city": "Paris", "unit": "celsius", "days": 3}', "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
@@ -51,7 +51,7 @@ def engine(artifact):
 
 @pytest.fixture(scope="module")
 def client(artifact):
-    with serving(artifact, "--max-context", "2048", "--served-model-name", "tiny") as served:
+    with serving(artifact, "--max-context", "2048", "--served-model-name", "tiny", no_tracebacks=True) as served:
         yield openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
 
 
@@ -87,30 +87,42 @@ def test_chat_prompts_are_v4s_encoding(engine, client, tmp_path, capsys):
     assert capsys.readouterr().out.rstrip("\n") == engine.decode(chat_mode)
 
 
+def _chat(client, stream: bool, **request) -> tuple[str, list[list[str]], str, int]:
+    """(content, the calls as [name, arguments], finish reason, chunks with tool calls before the
+    last) of one choice, streamed or not; streamed calls are put together from their deltas."""
+    answer = client.chat.completions.create(model="tiny", messages=USER, stream=stream, **request)
+    if not stream:
+        message = answer.choices[0].message
+        assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls or [])
+        return (message.content or "", [[c.function.name, c.function.arguments] for c in message.tool_calls or []],
+                answer.choices[0].finish_reason, 0)
+    chunks = [c for c in answer if c.choices]
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for call in chunk.choices[0].delta.tool_calls or []:
+            if call.function.name is not None:
+                assert call.index not in calls and call.id.startswith("call_") and call.type == "function"
+                calls[call.index] = [call.function.name, ""]
+            calls[call.index][1] += call.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    early = sum(bool(c.choices[0].delta.tool_calls) for c in chunks[:-1])
+    return ("".join(c.choices[0].delta.content or "" for c in chunks), [calls[i] for i in sorted(calls)],
+            chunks[-1].choices[0].finish_reason, early)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_tool_call_is_schema_valid(client, tool_choice, stream):
     named = isinstance(tool_choice, dict)
     for seed in range(4):
-        answer = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=tool_choice,
-                                                max_tokens=300, temperature=1.0, seed=seed, stream=stream)
-        if stream:
-            chunks = list(answer)
-            calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
-            content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
-            finish = chunks[-1].choices[0].finish_reason
-            assert sorted(c.index for c in calls) == list(range(len(calls)))
-        else:
-            message = answer.choices[0].message
-            calls, content, finish = message.tool_calls or [], message.content or "", answer.choices[0].finish_reason
+        content, calls, finish, _ = _chat(client, stream, tools=TOOLS, tool_choice=tool_choice, max_tokens=300,
+                                          temperature=1.0, seed=seed)
         assert finish == "tool_calls" and content == "" and calls and (len(calls) == 1 or not named)
-        for call in calls:
-            assert call.id.startswith("call_") and call.type == "function"
-            arguments = json.loads(call.function.arguments)
-            if call.function.name == "get_weather":
-                jsonschema.validate(arguments, WEATHER_PARAMETERS)
+        for name, arguments in calls:
+            if name == "get_weather":
+                jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
             else:
-                assert call.function.name == "get_time" and not named and arguments == {}
+                assert name == "get_time" and not named and json.loads(arguments) == {}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -177,3 +189,46 @@ def test_protocol_mistakes_are_400s(client, extra, fragment):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_cut_short_is_the_call_so_far(client, stream):
+    """OpenAI's truncated call: finish reason "length", the call as far as it got in tool_calls, no
+    DSML in content; streamed, its name and arguments go out as they are written."""
+    request = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   temperature=1.0, seed=2)
+    content, whole, finish, early = _chat(client, stream, max_tokens=300, **request)
+    assert finish == "tool_calls" and content == "" and len(whole) == 1
+    jsonschema.validate(json.loads(whole[0][1]), WEATHER_PARAMETERS)
+    if stream:
+        assert early >= 3  # the name, then pieces of the arguments, before the last chunk
+    length = client.chat.completions.create(model="tiny", messages=USER, max_tokens=300,
+                                            **request).usage.completion_tokens
+    seen = set()
+    for max_tokens in range(1, length, max(1, length // 12)):
+        content, calls, finish, _ = _chat(client, stream, max_tokens=max_tokens, **request)
+        assert finish == "length" and content == "" and len(calls) <= 1
+        for name, arguments in calls:  # the same seed writes the same call: this one, as far as it got
+            assert name == "get_weather" and whole[0][1].startswith(arguments)
+            seen.add(arguments)
+    assert len(seen) >= 3  # cut at several places inside the call
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_content_carries_no_special_token_text(client, stream):
+    """A model that writes BOS or a role token mid-answer (this one, sampled near uniformly): their
+    text is no part of the answer, which is decoded with the protocol's markers kept."""
+    specials = [SPECIAL.index(t) for t in SPECIAL if t != SPECIAL[EOS]]
+    written = 0
+    for seed in range(3):
+        answer = client.chat.completions.create(model="tiny", messages=USER, max_tokens=200, temperature=50.0,
+                                                seed=seed, stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(answer)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            ids = [t for c in chunks for t in c.choices[0].token_ids]
+        else:
+            text, ids = answer.choices[0].message.content, answer.choices[0].token_ids
+        written += sum(ids.count(t) for t in specials)
+        assert not any(t in text for t in SPECIAL), text
+    assert written > 0  # the case came up

@@ -34,7 +34,7 @@ def artifacts(request):
 @pytest.fixture(scope="module")
 def server(artifacts):
     with serving(artifacts / "cpu", "--api-key", KEY, "--max-requests", "8", "--max-waiting", "8",
-                 "--max-context", str(CONTEXT), "--served-model-name", "tiny") as served:
+                 "--max-context", str(CONTEXT), "--served-model-name", "tiny", no_tracebacks=True) as served:
         yield served
 
 

@@ -31,7 +31,7 @@ BODY_LIMIT = 100_000
 def server(serve_artifacts):
     with serving(serve_artifacts / "cpu", "--api-key", KEY, "--max-requests", "4", "--max-waiting", "12",
                  "--max-context", str(CONTEXT), "--served-model-name", "tiny", "--max-request-bytes",
-                 str(BODY_LIMIT), "--request-body-timeout", "1") as served:
+                 str(BODY_LIMIT), "--request-body-timeout", "1", no_tracebacks=True) as served:
         yield served
 
 
@@ -185,6 +185,31 @@ def test_tokenize_and_detokenize(server):
         response = _post(server, path, body)
         assert response.status_code == 400 and fragment in response.json()["error"]["message"], response.text
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "w6"}).status_code == 401
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {"prompt": [2**63], "echo": True, "max_tokens": 1}, f"prompt[0] = {2**63}"),
+    ("/v1/completions", {"prompt": [6, -1], "echo": True, "max_tokens": 1}, "prompt[1] = -1"),
+    ("/v1/completions", {"prompt": [6, 7, 4294967296], "max_tokens": 1, "stream": True}, "prompt[2] = 4294967296"),
+    ("/v1/completions", {"prompt": [[6], [7, 8, 512]], "echo": True, "max_tokens": 1}, "prompt[1][2] = 512"),
+    ("/tokenize", {"prompt": [10**30, -5]}, f"prompt[0] = {10**30}"),
+    ("/detokenize", {"tokens": [6, 7, -1]}, "tokens[2] = -1"),
+])
+def test_token_ids_outside_the_vocabulary_are_400s_naming_their_place(server, path, body, where):
+    """Every id is checked before anything decodes or embeds it (echo once decoded first: a 500)."""
+    response = _post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] == f"{where} is outside the vocabulary: token ids must be in [0, 512)"
+    assert error["param"] == where.split("[")[0]
+
+
+def test_the_openapi_document_says_which_endpoints_need_the_key(server):
+    document = httpx.get(f"{server.url}/openapi.json").json()  # open to all, as /health
+    assert document["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        assert document["paths"][path]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in document["paths"]["/health"]["get"]
 
 
 # ------------------------------------------------------------------ limits
@@ -368,6 +393,38 @@ def test_a_request_that_fails_fails_alone(serve_artifacts):
         assert httpx.get(f"{served.url}/health").status_code == 200 and served.metrics()["dsv4c_engine_up"] == 1
 
 
+REFUSING_SUBMIT = """
+import sys
+from dsv4c.errors import UsageError
+from dsv4c.runtime.engine import Engine
+
+submit = Engine.submit
+
+def submit_refusing_token_13(self, prompt, params, *args, **kwargs):
+    if prompt[0] == 13:
+        raise UsageError("injected refusal")
+    return submit(self, prompt, params, *args, **kwargs)
+
+Engine.submit = submit_refusing_token_13
+from dsv4c.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_refused_request_leaves_no_traceback_in_the_log(serve_artifacts):
+    """A request of several choices that the engine refuses is a 400; its other choices' refusals,
+    which nobody awaits, are no "Future exception was never retrieved" at shutdown."""
+    with serving(serve_artifacts / "cpu", "--max-context", str(CONTEXT), launcher=("-c", REFUSING_SUBMIT),
+                 no_tracebacks=True) as served:
+        for stream in (False, True):
+            refused = httpx.post(f"{served.url}/v1/completions", json={"prompt": [13, *PROMPT], "n": 4,
+                                                                      "max_tokens": 2, "stream": stream}, timeout=60)
+            assert refused.status_code == 400 and "injected refusal" in refused.json()["error"]["message"]
+        good = httpx.post(f"{served.url}/v1/completions", json={"prompt": PROMPT, "n": 4, "max_tokens": 2}, timeout=60)
+        assert good.status_code == 200
+    assert served.proc.returncode == 0 and "never retrieved" not in served.stderr.read_text()
+
+
 def test_a_resent_prompt_hits_the_prefix_cache(server):
     before = server.metrics()
     prompt = [6 + (7 * i) % 500 for i in range(600)]
@@ -387,3 +444,32 @@ def test_refused_choices_give_their_places_back(server):
         assert refused.status_code == 400 and "max_context" in refused.json()["error"]["message"]
     full = _post(server, "/v1/completions", {"prompt": PROMPT, "n": 16, "max_tokens": 1})
     assert full.status_code == 200 and len(full.json()["choices"]) == 16
+
+
+def test_a_request_that_can_never_be_admitted_is_a_400_even_when_the_server_is_full(server, client):
+    """4 running + 12 waiting: a request of 17 choices, or longer than the context, will never get in,
+    so a 503 with Retry-After would have its client retry forever."""
+    impossible = [({"prompt": PROMPT, "n": 17}, "too_many_choices", "17 requests, more than this server ever holds "
+                   "(4 running + 12 waiting)"),
+                  ({"prompt": [PROMPT] * 17}, "too_many_choices", "17 prompt(s) x n = 1"),
+                  ({"prompt": PROMPT, "max_tokens": CONTEXT - len(PROMPT) + 1}, "invalid_value", "max_context"),
+                  ({"prompt": [6] * (CONTEXT + 1), "max_tokens": None}, "invalid_value", "max_context")]
+    with httpx.Client(limits=httpx.Limits(max_connections=32), headers=AUTH, timeout=60) as http:
+        long = {"prompt": PROMPT, "max_tokens": CONTEXT - len(PROMPT), "ignore_eos": True, "stream": True}
+        opened = [http.stream("POST", f"{server.url}/v1/completions", json=long) for _ in range(16)]
+        try:
+            assert all(s.__enter__().status_code == 200 for s in opened)
+            server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 4 and m["dsv4c_requests_waiting"] == 12)
+            full = http.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+            assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+            for body, code, fragment in impossible:
+                refused = http.post(f"{server.url}/v1/completions", json={"max_tokens": 1, **body})
+                assert refused.status_code == 400 and "Retry-After" not in refused.headers, refused.text
+                assert refused.json()["error"]["code"] == code and fragment in refused.json()["error"]["message"]
+            with pytest.raises(openai.BadRequestError, match="max_context"):
+                client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w6"}],
+                                               max_tokens=CONTEXT)
+        finally:
+            for s in opened:
+                s.__exit__(None, None, None)
+    server.wait_metrics(lambda m: m["dsv4c_requests_running"] == 0 and m["dsv4c_requests_waiting"] == 0)

@@ -8,7 +8,8 @@
   :mod:`.constrained` (llguidance token masks for forced tool calls and ``response_format``);
 * :mod:`.engine_loop` owns the :class:`~dsv4c.runtime.engine.Engine` in one thread that runs
   continuous batching, and keeps the Prometheus metrics;
-* :mod:`.app` is the FastAPI application and the uvicorn server around it.
+* :mod:`.app` is the FastAPI application; :mod:`.transport` the HTTP layer below it (body limits,
+  server-sent events, the uvicorn server).
 """
 
 from dsv4c.errors import UsageError

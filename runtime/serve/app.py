@@ -1,15 +1,13 @@
-"""The FastAPI application (OpenAI's completions and chat completions, health, metrics) and the
-uvicorn server that runs it."""
+"""The FastAPI application (OpenAI's completions and chat completions, tokenizer endpoints,
+health, metrics) and ``serve``, which runs it (the HTTP layer below it: :mod:`.transport`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import secrets
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -19,81 +17,31 @@ from typing import AsyncIterator, Callable, TypeVar
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import dsv4c
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine, RequestFailed
 from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
 from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
-from dsv4c.runtime.serve.protocol import (APIError, ChatCompletions, Completions, GenerationOptions, ScoredToken,
-                                          bad_request, chat_request, completion_request, detokenize_request,
-                                          parse_json_object, tokenize_request, usage)
+from dsv4c.runtime.serve.openapi import (CHAT_ANSWER, COMPLETION_ANSWER, DETOKENIZE_ANSWER, TOKENIZE_ANSWER, Bounds,
+                                         request_body, require_api_key, responses)
+from dsv4c.runtime.serve.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE, APIError, ChatCompletions,
+                                          Completions, GenerationOptions, ScoredToken, bad_request, chat_request,
+                                          check_token_ids, completion_request, detokenize_request, parse_json_object,
+                                          tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
+from dsv4c.runtime.serve.transport import (CountResponses, EventStream, HTTPServer, RequestLimits, client_gone,
+                                           listen, read_body, sse)
 
 Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
 T = TypeVar("T")
 # Bodies larger than this are parsed on a worker thread: parsing 1 MB of JSON (and checking its
 # token ids) takes tens of milliseconds, which would stall every stream on the event loop.
 PARSE_ON_LOOP_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request body may cost before it is parsed: ``max_bytes`` (8 MiB holds a 1M-token text
-    prompt, about 4 MB), and ``body_timeout`` seconds to arrive in full (stalled clients let go)."""
-
-    max_bytes: int = 8 * 1024 * 1024
-    body_timeout: float = 30.0
-
-
-async def read_body(request: Request, limits: RequestLimits) -> bytes:
-    """The whole body, or a 413 as soon as it is known to be too large, or a 408 once it has taken
-    ``body_timeout`` seconds; both close the connection (its unread bytes would be the next request)."""
-    close = {"Connection": "close"}
-    too_large = APIError(413, f"the request body is larger than {limits.max_bytes} bytes, this server's "
-                              "--max-request-bytes", "invalid_request_error", "request_too_large", headers=close)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_bytes:
-        raise too_large
-    body = bytearray()
-    try:
-        async with asyncio.timeout(limits.body_timeout):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limits.max_bytes:
-                    raise too_large
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
-                       "invalid_request_error", "request_timeout", headers=close) from None
-    return bytes(body)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events that call ``on_close`` however the response ends: sent in full, client
-    gone (Starlette then cancels the body), or the server cancelling it at shutdown."""
-
-    def __init__(self, events: AsyncIterator[str], on_close):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def _choice_seed(seed: int, index: int) -> int:
@@ -178,6 +126,10 @@ class Server:
         # The template (or V4's encoding) writes the special tokens (BOS, role markers) itself.
         return self.engine.tokenizer.encode(self.chat.prompt_text(messages, options), add_special_tokens=False).ids
 
+    def checked_ids(self, ids: list[int], name: str) -> list[int]:
+        """Token ids from a request, each in this model's vocabulary (or a 400 naming the first that is not)."""
+        return check_token_ids(ids, self.engine.config.vocab_size, name, name.partition("[")[0])
+
     def token_text(self, token: int) -> str:
         """A token as text in log-probabilities; ``token_id:N`` (vLLM's spelling) without a tokenizer."""
         if self.engine.tokenizer is None:
@@ -200,13 +152,21 @@ class Server:
     async def _open(self, endpoint: Endpoint, prompts: list[list[int]], opts: GenerationOptions,
                     echo_texts: list[str] | None, chat: ChatOptions | None) -> list[Choice]:
         """One generation per prompt and choice, all accepted by the engine, or none and the error.
-        A chat choice has its own output parser and its own constraint (both keep state)."""
+        A chat choice has its own output parser and its own constraint (both keep state). A request
+        that could never be admitted is a 400 before it takes a place: a 503 would have its client
+        retry forever."""
         if opts.stop and self.engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json, so it has no text to match 'stop' strings in",
                               "stop", "no_tokenizer")
+        wanted, most = len(prompts) * opts.n, self.loop.capacity
+        if wanted > most:
+            raise bad_request(f"{len(prompts)} prompt(s) x n = {opts.n} make {wanted} requests, more than this server "
+                              f"ever holds ({self.engine.max_requests} running + {most - self.engine.max_requests} "
+                              "waiting)", "n", "too_many_choices")
         seed = opts.seed if opts.seed is not None else secrets.randbits(63)
         choices: list[Choice] = []
         try:
+            planned = []
             for i, prompt in enumerate(prompts):
                 for j in range(opts.n):
                     index = i * opts.n + j
@@ -217,9 +177,13 @@ class Server:
                         endpoint = self.chat.endpoint(chat)
                         decode = self.chat.decode_output if self.chat.v4 else decode
                     params = self._params(opts, prompt, _choice_seed(seed, index), constraint)
-                    gen = self.loop.open(prompt, params)
-                    text = TextAssembler(decode, opts.stop) if self.engine.tokenizer else None
-                    choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
+                    if j == 0:  # what the engine would refuse (a prompt's choices differ only in their seeds)
+                        self.engine.check(prompt, params)
+                    planned.append((i, index, prompt, params, endpoint, decode))
+            for i, index, prompt, params, endpoint, decode in planned:
+                gen = self.loop.open(prompt, params)
+                text = TextAssembler(decode, opts.stop) if self.engine.tokenizer else None
+                choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
             for c in choices:
                 await c.gen.submitted
         except BaseException as e:  # none of the request's generations goes on
@@ -252,7 +216,7 @@ class Server:
         if opts.stream:
             return EventStream(self._events(endpoint, head, choices, prompt_tokens, opts), on_close=close_all)
         answer = asyncio.ensure_future(self._complete(endpoint, head, choices, prompt_tokens, opts))
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
             # A client that left gets no answer; the finally cancels its generations.
@@ -327,7 +291,7 @@ class Server:
                       opts: GenerationOptions) -> AsyncIterator[str]:
         def chunk(choice_list: list, usage_counts=None) -> str:
             extra = {"usage": usage_counts} if opts.include_usage else {}
-            return _sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
+            return sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
 
         for c in choices:
             opening = c.endpoint.opening_chunk_choice(c.index)
@@ -351,7 +315,7 @@ class Server:
                 if piece is None:
                     running -= 1
                 elif isinstance(piece, APIError):  # the status line has gone out: the error travels as an event
-                    yield _sse(piece.body())
+                    yield sse(piece.body())
                     break
                 else:
                     generated += len(piece.token_ids)
@@ -367,26 +331,6 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-class CountResponses:
-    """ASGI middleware around the whole application (error handlers included): every HTTP answer
-    counted by endpoint and status in ``dsv4c_http_requests_total``."""
-
-    def __init__(self, app, metrics: ServerMetrics, endpoints: set[str]):
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
-
-        async def counting_send(message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
 def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -394,7 +338,9 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
         yield
         server.loop.stop()
 
-    app = FastAPI(title="dsv4c", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs (Swagger UI) describe every endpoint, open to all (as vLLM's).
+    app = FastAPI(title="dsv4c", version=dsv4c.__version__, lifespan=lifespan, redoc_url=None)
+    bounds = Bounds(server.engine.config.vocab_size, server.engine.max_context, server.loop.capacity)
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
@@ -437,10 +383,16 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     # Each handler's parse callback also tokenizes (and renders the chat), so that all of a large
     # request's CPU work happens off the event loop (Server.parse).
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=request_body(COMPLETION, ["prompt"], bounds),
+             responses=responses(COMPLETION_ANSWER, streams=True))
     async def completions(request: Request):
         def prepare(body: dict):
             prompts, opts = completion_request(body)
+            # A batch comes back as sent (the same list); one prompt comes back wrapped in a list.
+            names = [f"prompt[{i}]" for i in range(len(prompts))] if prompts is body["prompt"] else ["prompt"]
+            for name, p in zip(names, prompts):
+                if isinstance(p, list):
+                    server.checked_ids(p, name)
             echo = None
             if opts.echo:  # the prompt as sent, or its ids' text
                 echo = [p if isinstance(p, str) else server.engine.decode(p) if server.engine.tokenizer else ""
@@ -450,7 +402,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
         ids, opts, echo = await server.parse(request, prepare)
         return await server.generate(request, Completions, ids, opts, echo)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=request_body(CHAT, ["messages"], bounds, chat_options=True),
+             responses=responses(CHAT_ANSWER, streams=True))
     async def chat_completions(request: Request):
         def prepare(body: dict):
             (messages, opts), options = chat_request(body), chat_options(body)
@@ -462,7 +415,9 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
     # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
     tokens = APIRouter(dependencies=[Depends(check_api_key)])
 
-    @tokens.post("/tokenize")
+    @tokens.post("/tokenize", openapi_extra=request_body(TOKENIZE, [], bounds, chat_options=True,
+                                                         one_of=("prompt", "messages")),
+                 responses=responses(TOKENIZE_ANSWER))
     async def tokenize(request: Request):
         def prepare(body: dict) -> list[int]:
             asked = tokenize_request(body)
@@ -471,18 +426,17 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
             if isinstance(asked.prompt, str):
                 server.needs_tokenizer("it takes no text", "prompt")
                 return server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
-            return asked.prompt
+            return server.checked_ids(asked.prompt, "prompt")
 
         ids = await server.parse(request, prepare)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.engine.max_context}
 
-    @tokens.post("/detokenize")
+    @tokens.post("/detokenize", openapi_extra=request_body(DETOKENIZE, [], bounds),
+                 responses=responses(DETOKENIZE_ANSWER))
     async def detokenize(request: Request):
         ids = await server.parse(request, detokenize_request)
         server.needs_tokenizer("it has no text for token ids", "tokens")
-        vocab = server.engine.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        server.checked_ids(ids, "tokens")
         return {"prompt": server.engine.decode(ids)}
 
     @tokens.get("/tokenizer_info")
@@ -497,35 +451,11 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     app.include_router(v1)
     app.include_router(tokens)
+    if api_key is not None:
+        require_api_key(app.openapi(), [*v1.routes, *tokens.routes])  # FastAPI keeps the document it made
     endpoints = {route.path for router in (app.router, v1, tokens) for route in router.routes
                  if isinstance(route, APIRoute)}
     return CountResponses(app, server.metrics, endpoints)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
-    except OSError as e:
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-class HTTPServer(uvicorn.Server):
-    """uvicorn's server, whose graceful shutdown ends in answers: once ``drain_timeout`` seconds have
-    passed, the engine ends what still runs, so that waiting clients get a JSON 503 and streams an
-    error event and ``[DONE]``, rather than uvicorn cancelling their tasks (a plain-text 500, streams
-    cut short, tracebacks). uvicorn's own timeout stays as a backstop."""
-
-    def __init__(self, config: uvicorn.Config, server: Server, drain_timeout: float):
-        super().__init__(config)
-        self.app_server, self.drain_timeout = server, drain_timeout
-
-    async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.app_server.loop.abort)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
 
 
 # After the engine ended the requests left at shutdown, their answers get this long to go out.
@@ -561,13 +491,13 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
 
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name, limits,
                     on_engine_failure=engine_failed)
-    sock = _listen(host, port)
+    sock = listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
     # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed
     # the engine's steps by ~20% on 8 streams; with them the overhead is within a few percent.
     config = uvicorn.Config(create_app(server, api_key), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_SECONDS)
-    http = HTTPServer(config, server, shutdown_timeout)
+    http = HTTPServer(config, server.loop.abort, shutdown_timeout)
 
     # uvicorn handles SIGINT / SIGTERM while it runs, then restores these handlers and raises the
     # signal again; as no-ops they let the shutdown end with exit status 0 (and they catch a signal

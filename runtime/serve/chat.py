@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 from dsv4c.artifact.file_names import TOKENIZER
 from dsv4c.runtime.serve import dsv4_encoding, dsv41_encoding
-from dsv4c.runtime.serve.chat_output import ChatDelta, ChatOutputParser
+from dsv4c.runtime.serve.chat_output import ChatOutputParser, ToolCall
 from dsv4c.runtime.serve.constrained import GrammarTokenizer, response_format_grammar, tool_call_grammar
-from dsv4c.runtime.serve.dsml import V4_DSML, V41_DSML, Dsml
+from dsv4c.runtime.serve.dsml import THINK_END, THINK_START, V4_DSML, V41_DSML, Dsml
 from dsv4c.runtime.serve.protocol import ChatCompletions, bad_request
 from dsv4c.runtime.serve.text import ChatTemplate
 
@@ -57,6 +57,11 @@ class ChatOptions:
     def thinking(self) -> bool:
         return self.template_kwargs.get("thinking") is True
 
+    @property
+    def forced(self) -> bool:
+        """Whether the answer must be a tool call."""
+        return self.tool_choice in ("required", "function")
+
 
 def _tools(value) -> list[dict]:
     if not isinstance(value, list):
@@ -89,6 +94,28 @@ def _response_format(value) -> dict | None:
                           "response_format")
     raise bad_request("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
                       "response_format")
+
+
+_FUNCTION = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+# What chat_options accepts, for /openapi.json.
+CHAT_OPTIONS_SCHEMA = {
+    "tools": {"type": "array", "items": {**_FUNCTION, "properties": {**_FUNCTION["properties"], "function": {
+        "type": "object", "required": ["name"],
+        "properties": {"name": {"type": "string", "pattern": f"^{_TOOL_NAME.pattern}$"},
+                       "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, _FUNCTION]},
+    "response_format": {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"}, "json_schema": {
+                "type": "object", "required": ["schema"],
+                "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}}}}]},
+    "chat_template_kwargs": {"type": "object"},
+    "reasoning_effort": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    "add_generation_prompt": {"type": "boolean"},
+}
 
 
 def chat_options(body: dict) -> ChatOptions:
@@ -130,11 +157,21 @@ class ChatProtocol:
 
     def __init__(self, artifact: Path, template: ChatTemplate | None, model_type: str, vocab_size: int,
                  eos: tuple[int, ...], tokenizer=None):
-        self.template, self.tokenizer, self.eos = template, tokenizer, eos
+        self.template, self.tokenizer = template, tokenizer
         # A template, when the model ships one, wins; V4 and V4.1 checkpoints ship none.
         self.encoding = ENCODINGS.get(model_type) if template is None else None
         path = Path(artifact) / TOKENIZER
         self.grammar = GrammarTokenizer(path, vocab_size, eos) if tokenizer is not None else None
+        self.unshown = set(eos) | (self._unmarked_specials() if self.v4 and tokenizer is not None else set())
+
+    def _unmarked_specials(self) -> set[int]:
+        """The special tokens that no marker of the output parser holds (BOS, role tokens): their
+        text is no part of an answer."""
+        dsml = self.encoding.dsml
+        markers = (THINK_START, THINK_END, dsml.calls_open, dsml.calls_close, dsml.invoke_open, dsml.invoke_close,
+                   dsml.parameter_open, dsml.parameter_close)
+        return {i for i, token in self.tokenizer.get_added_tokens_decoder().items()
+                if token.special and not any(token.content in m for m in markers)}
 
     @classmethod
     def of(cls, engine, template: ChatTemplate | None) -> "ChatProtocol":
@@ -153,9 +190,10 @@ class ChatProtocol:
         return ", chat (template)" if self.template else f", chat ({self.encoding.name} encoding)" if self.v4 else ""
 
     def decode_output(self, ids: list[int]) -> str:
-        """Generated text as the V4-family output parser reads it: special tokens kept (the markers must
-        survive whichever of them a tokenizer calls special), the stop tokens left out."""
-        return self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=False)
+        """Generated text as the V4-family output parser reads it: the special tokens of its markers
+        kept (they must survive whichever of them a tokenizer calls special), the others (the stop
+        tokens, BOS, role tokens) left out, so that no answer carries their text."""
+        return self.tokenizer.decode([t for t in ids if t not in self.unshown], skip_special_tokens=False)
 
     def prompt_text(self, messages: list[dict], options: ChatOptions) -> str:
         tools = options.tools if options.tool_choice != "none" else []
@@ -176,7 +214,7 @@ class ChatProtocol:
 
     def constraint(self, options: ChatOptions):
         """The request's logits processor, or None when nothing constrains its answer."""
-        forced = options.tool_choice in ("required", "function")
+        forced = options.forced
         if not forced and options.response_format is None:
             return None
         param = "tool_choice" if forced else "response_format"
@@ -198,25 +236,51 @@ class ChatProtocol:
     def endpoint(self, options: ChatOptions):
         if not self.v4:
             return ChatCompletions
-        return V4ChatCompletions(options.thinking, options.tool_choice != "none", self.encoding.dsml)
+        return V4ChatCompletions(options.thinking, options.tool_choice != "none", self.encoding.dsml,
+                                 stream_calls=options.forced)
 
 
 class V4ChatCompletions(ChatCompletions):
     """``/v1/chat/completions`` shapes with a V4-family model's output parsed (``dsml``: its
     spelling of tool calls): ``reasoning_content`` (thinking mode), ``content`` and
-    ``tool_calls``, whole and streamed; one per request (the stream's parser is its state)."""
+    ``tool_calls``, whole and streamed; one per request (the stream's parser is its state).
 
-    def __init__(self, thinking: bool, tools: bool, dsml: Dsml):
-        self.thinking, self.tools, self.dsml = thinking, tools, dsml
+    A call cut short by ``max_tokens`` is in ``tool_calls`` as far as it got (finish reason
+    ``length``). Streamed, a forced call (``stream_calls``: its grammar keeps it well-formed) goes
+    out as it is written: its name, then its arguments in pieces; other calls go out as each
+    closes, since DSML the model gets wrong turns out to be content only then."""
+
+    def __init__(self, thinking: bool, tools: bool, dsml: Dsml, stream_calls: bool = False):
+        self.thinking, self.tools, self.dsml, self.stream_calls = thinking, tools, dsml, stream_calls
         self.stream = ChatOutputParser(thinking, tools, dsml)
         self.calls_sent = 0
+        self.arguments_sent: str | None = None  # of the call being streamed (None: no call is)
 
-    def _calls(self, delta: ChatDelta) -> list[dict]:
+    def _start(self, call: ToolCall) -> dict:
+        self.calls_sent += 1
+        return {"index": self.calls_sent - 1, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def _more(self, arguments: str) -> dict:
+        """The next piece of the streamed call's arguments (those sent are the start of ``arguments``)."""
+        piece, self.arguments_sent = arguments[len(self.arguments_sent):], arguments
+        return {"index": self.calls_sent - 1, "function": {"arguments": piece}}
+
+    def _calls(self, calls: list[ToolCall], writing: ToolCall | None = None) -> list[dict]:
+        """The ``tool_calls`` entries for calls that closed (or were cut short), the first of them
+        perhaps the rest of the call being streamed, and what is new of the one being written."""
         out = []
-        for call in delta.tool_calls:
-            out.append({"index": self.calls_sent, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments}})
-            self.calls_sent += 1
+        for call in calls:
+            if self.arguments_sent is not None:
+                out.append(self._more(call.arguments))
+                self.arguments_sent = None
+            else:
+                out.append(self._start(call))
+        if writing is not None and self.arguments_sent is None:
+            out.append(self._start(writing))
+            self.arguments_sent = writing.arguments
+        elif writing is not None and len(writing.arguments) > len(self.arguments_sent):
+            out.append(self._more(writing.arguments))
         return out
 
     def _finish(self, finish: str | None) -> str | None:
@@ -225,11 +289,11 @@ class V4ChatCompletions(ChatCompletions):
     def choice(self, index: int, text: str, token_ids: list[int], finish: str | None,
                logprobs: dict | None = None) -> dict[str, Any]:
         parser = ChatOutputParser(self.thinking, self.tools, self.dsml)
-        delta = parser.feed(text).add(parser.finish())
+        delta = parser.feed(text).add(parser.finish(truncated=finish == "length"))
         message = {"role": "assistant", "content": delta.content if delta.content or not delta.tool_calls else None}
         if self.thinking:
             message["reasoning_content"] = delta.reasoning
-        calls = self._calls(delta)
+        calls = self._calls(delta.tool_calls)
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": self._finish(finish),
@@ -239,13 +303,15 @@ class V4ChatCompletions(ChatCompletions):
                      logprobs: dict | None = None) -> dict[str, Any]:
         delta = self.stream.feed(text)
         if finish is not None:
-            delta.add(self.stream.finish())
+            delta.add(self.stream.finish(truncated=finish == "length"))
+        writing = self.stream.open_call() if self.stream_calls and finish is None else None
+        calls = self._calls(delta.tool_calls, writing)
         shaped: dict[str, Any] = {}
         if delta.reasoning:
             shaped["reasoning_content"] = delta.reasoning
-        if delta.content or not (delta.reasoning or delta.tool_calls):
+        if delta.content or not (delta.reasoning or calls):
             shaped["content"] = delta.content
-        if delta.tool_calls:
-            shaped["tool_calls"] = self._calls(delta)
+        if calls:
+            shaped["tool_calls"] = calls
         return {"index": index, "delta": shaped, "logprobs": logprobs, "finish_reason": self._finish(finish),
                 "token_ids": token_ids}

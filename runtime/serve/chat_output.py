@@ -3,9 +3,11 @@ calls (in its dialect's spelling of DSML: :mod:`.dsml`).
 
 Text that may be the start of a marker (``</think>``, the tool-calls block) is held back until
 it is known not to be one, so no delta carries partial markup; a tool call comes out whole once
-its ``</｜DSML｜invoke>`` (V4.1: ``</｜DSML｜ invoke>``) has arrived. DSML the model gets wrong (a
-call that does not parse, a block cut short) comes out as content, as it was written, and the
-rest of the output with it."""
+its ``</｜DSML｜invoke>`` (V4.1: ``</｜DSML｜ invoke>``) has arrived, and :meth:`ChatOutputParser.open_call`
+tells what is known of the one being written (to stream it). DSML the model gets wrong (a call
+that does not parse, a block it ends early) comes out as content, as it was written, and the
+rest of the output with it; a block cut short by ``max_tokens`` ends in the call it was writing,
+as far as it got (OpenAI's truncated call), and no markup."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ _INVOKE = re.compile(r' name="([^"]*)">(.*)', re.S)
 def _parameter(dsml: Dsml) -> re.Pattern:
     return re.compile(rf'\s*{re.escape(dsml.parameter_open)} name="([^"]*)" string="(true|false)">(.*?)'
                       rf'{re.escape(dsml.parameter_close)}', re.S)
+
+
+@cache
+def _open_parameter(dsml: Dsml) -> re.Pattern:
+    """A parameter whose value is still being written."""
+    return re.compile(rf'\s*{re.escape(dsml.parameter_open)} name="([^"]*)" string="(true|false)">(.*)', re.S)
 
 
 @dataclass(frozen=True)
@@ -44,30 +52,59 @@ class ChatDelta:
         return self
 
 
-def parse_invoke(body: str, dsml: Dsml = V4_DSML) -> ToolCall | None:
-    """The call in ``<｜DSML｜invoke`` BODY ``</｜DSML｜invoke>`` (or the tags of ``dsml``), or None
-    when it is not one.
-    ``string="false"`` values must be JSON; ``string="true"`` values are strings as written."""
-    match = _INVOKE.fullmatch(body)
-    if match is None:
-        return None
-    name, rest = match.groups()
+def _arguments(rest: str, dsml: Dsml) -> tuple[dict, int, bool]:
+    """The parameters at the start of ``rest``, where they end, and whether they all parsed
+    (``string="false"`` values must be JSON, a name comes once; ``string="true"`` values are
+    strings as written)."""
     arguments, at = {}, 0
     while (p := _parameter(dsml).match(rest, at)) is not None:
         key, is_string, value = p.groups()
         if key in arguments:
-            return None
+            return arguments, at, False
         if is_string == "true":
             arguments[key] = value
         else:
             try:
                 arguments[key] = json.loads(value)
             except ValueError:
-                return None
+                return arguments, at, False
         at = p.end()
-    if rest[at:].strip():
+    return arguments, at, True
+
+
+def _json_item(key: str, value) -> str:
+    """One member of an object as ``json.dumps(..., ensure_ascii=False)`` writes it."""
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+def parse_invoke(body: str, dsml: Dsml = V4_DSML) -> ToolCall | None:
+    """The call in ``<｜DSML｜invoke`` BODY ``</｜DSML｜invoke>`` (or the tags of ``dsml``), or None
+    when it is not one."""
+    match = _INVOKE.fullmatch(body)
+    if match is None:
+        return None
+    name, rest = match.groups()
+    arguments, at, parsed = _arguments(rest, dsml)
+    if not parsed or rest[at:].strip():
         return None
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def partial_invoke(body: str, dsml: Dsml = V4_DSML) -> ToolCall | None:
+    """What is known of a call still being written (``<｜DSML｜invoke`` BODY, no end yet): None until
+    its name is; then its arguments as the start of the JSON object :func:`parse_invoke` makes of
+    the whole call: the parameters written, and a string value as far as it has come."""
+    match = _INVOKE.match(body)
+    if match is None:
+        return None
+    name, rest = match.groups()
+    arguments, at, parsed = _arguments(rest, dsml)
+    items = [_json_item(k, v) for k, v in arguments.items()]
+    writing = _open_parameter(dsml).match(rest, at) if parsed else None
+    if writing is not None and writing[2] == "true" and writing[1] not in arguments:
+        value = writing[3][:len(writing[3]) - _held(writing[3], (dsml.parameter_close,))]
+        items.append(_json_item(writing[1], value)[:-1])  # the string is not closed yet
+    return ToolCall(name, "{" + ", ".join(items))
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -97,10 +134,21 @@ class ChatOutputParser:
             pass
         return out
 
-    def finish(self) -> ChatDelta:
-        """The rest, once the model has stopped: a block cut short is content."""
+    def open_call(self) -> ToolCall | None:
+        """The call being written, as far as it is known (see :func:`partial_invoke`)."""
+        stripped = self.pending.lstrip()
+        if self.state != "calls" or not stripped.startswith(self.dsml.invoke_open):
+            return None
+        return partial_invoke(stripped[len(self.dsml.invoke_open):], self.dsml)
+
+    def finish(self, truncated: bool = False) -> ChatDelta:
+        """The rest, once the model has stopped. A block it ended early is content; one cut short
+        (``truncated``: by max_tokens) ends in the call it was writing, as far as it is known."""
         out = self.feed("")
-        if self.state == "calls":
+        if truncated:  # what is held back now can only be the start of a marker: no markup goes out
+            call = self.open_call()
+            out.tool_calls += [call] if call is not None else []
+        elif self.state == "calls":
             out.content += self.block + self.pending
         elif self.state == "reasoning":
             out.reasoning += self.pending

@@ -134,7 +134,13 @@ class GrammarTokenizer:
                     raise bad_request("constrained decoding (tool_choice 'required' or a named tool, "
                                       "response_format) needs the llguidance package: pip install 'dsv4c[serve]'",
                                       code="unsupported_option") from None
-                self._built = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size, eos_token=list(self.eos))
+                try:
+                    self._built = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size,
+                                              eos_token=list(self.eos))
+                except ValueError as e:  # a tokenizer it cannot read (a word-level one has no decoder)
+                    raise bad_request(f"this model's tokenizer.json cannot drive constrained decoding (tool_choice "
+                                      f"'required' or a named tool, response_format): llguidance: {e}",
+                                      code="unsupported_option") from None
             return self._built
 
     def think_token(self) -> int | None:

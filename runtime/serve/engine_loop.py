@@ -168,6 +168,9 @@ class EngineLoop:
             return
         gen.closed = True
         self.open_count -= 1
+        # Its handler awaits ``submitted`` no more: a refusal that comes (or came) there is read
+        # here, so that asyncio does not log it as a "Future exception was never retrieved".
+        gen.submitted.add_done_callback(lambda f: f.cancelled() or f.exception())
         if not gen.done:
             self._post("cancel", gen)
 

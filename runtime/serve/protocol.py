@@ -43,8 +43,6 @@ LABELS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # response_format are no longer neutral there).
 CHAT_PROTOCOL = {"tools", "tool_choice", "response_format", "chat_template_kwargs", "reasoning_effort",
                  "add_generation_prompt"}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos",
-          "n"}
 # The most choices one request may ask for (prompts x n): each is a request in the engine.
 MAX_CHOICES = 128
 
@@ -100,6 +98,16 @@ def _is_token_ids(v) -> bool:
     return isinstance(v, list) and all(_is_int(t) for t in v)
 
 
+def check_token_ids(ids: list[int], vocab_size: int, name: str, param: str) -> list[int]:
+    """``ids`` when every one is in the vocabulary; else a 400 naming the first that is not by its
+    position (``name[i]``), before anything decodes or embeds it."""
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        at = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise bad_request(f"{name}[{at}] = {_show(ids[at])} is outside the vocabulary: token ids must be in "
+                          f"[0, {vocab_size})", param)
+    return ids
+
+
 def _show(v) -> str:
     try:
         text = json.dumps(v)
@@ -108,53 +116,105 @@ def _show(v) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _field(body: dict, name: str, check: Callable[[Any], bool], expected: str, default=None):
+@dataclass(frozen=True)
+class Spec:
+    """What one request field accepts, once for its check and its documentation: ``check`` decides,
+    ``expected`` says it in the 400, ``schema`` (JSON Schema) in ``/openapi.json``. Null is
+    accepted too, and means the default. A field with no ``check`` has a parser of its own."""
+
+    check: Callable[[Any], bool] | None
+    expected: str
+    schema: dict[str, Any]
+
+
+def _int_spec(low: int, high: int | None = None) -> Spec:
+    if high is None:
+        return Spec(lambda v: _is_int(v) and v >= low, f"an integer >= {low}", {"type": "integer", "minimum": low})
+    return Spec(lambda v: _is_int(v) and low <= v <= high, f"an integer in [{low}, {high}]",
+                {"type": "integer", "minimum": low, "maximum": high})
+
+
+STRING = Spec(lambda v: isinstance(v, str), "a string", {"type": "string"})
+BOOL = Spec(lambda v: isinstance(v, bool), "true or false", {"type": "boolean"})
+COUNT = _int_spec(0)
+LOGPROBS_COUNT = _int_spec(0, MAX_LOGPROBS)
+TOKEN_ID = {"type": "integer", "minimum": 0}  # below the model's vocabulary size: Server.checked_ids
+TOKEN_IDS = Spec(_is_token_ids, "a list of token ids (integers)", {"type": "array", "items": TOKEN_ID})
+STRINGS = {"type": "array", "items": {"type": "string", "minLength": 1}}
+# How OpenAI's fields are checked (a prompt and messages have checks of their own: _prompts and
+# chat_messages; NEUTRAL and LABELS below are the rest of what requests may carry).
+COMMON = {
+    "model": STRING,  # which one: Server.check_model
+    "max_tokens": COUNT,
+    "temperature": Spec(lambda v: _is_number(v) and v >= 0, "a number >= 0", {"type": "number", "minimum": 0}),
+    "top_p": Spec(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]",
+                  {"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "seed": COUNT,
+    "stop": Spec(lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+                 "a string or a list of strings", {"anyOf": [{"type": "string", "minLength": 1}, STRINGS]}),
+    "stream": BOOL,
+    "stream_options": Spec(lambda v: isinstance(v, dict) and set(v) <= {"include_usage"},
+                           'an object like {"include_usage": true}',
+                           {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}},
+                            "additionalProperties": False}),
+    "ignore_eos": BOOL,
+    "n": _int_spec(1, MAX_CHOICES),
+}
+PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, TOKEN_IDS.schema,
+                           {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                           {"type": "array", "minItems": 1, "items": {**TOKEN_IDS.schema, "minItems": 1}}]}
+MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}}
+# The fields of each endpoint (beyond NEUTRAL and LABELS; chat's conversation options: runtime.serve.chat).
+COMPLETION = {**COMMON, "prompt": Spec(None, "", PROMPT_SCHEMA), "logprobs": LOGPROBS_COUNT, "echo": BOOL}
+CHAT = {**COMMON, "messages": Spec(None, "", MESSAGES_SCHEMA), "max_completion_tokens": COUNT,
+        "logprobs": BOOL, "top_logprobs": LOGPROBS_COUNT}
+TOKENIZE = {**COMMON, "prompt": Spec(None, "", {"anyOf": PROMPT_SCHEMA["anyOf"][:2]}),
+            "messages": CHAT["messages"], "add_special_tokens": BOOL}
+DETOKENIZE = {**COMMON, "tokens": TOKEN_IDS}
+
+
+def _field(body: dict, name: str, spec: Spec, default=None):
     """``body[name]`` when present and not null (null means "the default", as in OpenAI's API)."""
     value = body.get(name)
     if value is None:
         return default
-    if not check(value):
-        raise bad_request(f"'{name}' must be {expected}, got {_show(value)}", name)
+    if not spec.check(value):
+        raise bad_request(f"'{name}' must be {spec.expected}, got {_show(value)}", name)
     return value
 
 
-def _check_options(body: dict, own: set[str]) -> None:
+def _check_options(body: dict, fields: dict[str, Spec]) -> None:
     for name, value in body.items():
         if name in NEUTRAL:
             if value is not None and value != NEUTRAL[name]:
                 raise bad_request(f"'{name}' = {_show(value)} is not supported by this server (only "
                                   f"{_show(NEUTRAL[name])} or null)", name, "unsupported_option")
-        elif name not in COMMON | LABELS | own:
+        elif name not in LABELS and name not in fields:
             raise bad_request(f"unknown option '{name}'", name, "unknown_option")
 
 
 def _generation_options(body: dict, max_tokens: int | None, logprobs: int | None = None,
                         echo: bool = False) -> GenerationOptions:
-    _field(body, "model", lambda v: isinstance(v, str), "a string")  # which one: Server.check_model
-    temperature = _field(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0)
-    top_p = _field(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
-    seed = _field(body, "seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-    stop = _field(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(
-        isinstance(s, str) for s in v)), "a string or a list of strings", [])
+    _field(body, "model", STRING)
+    temperature = _field(body, "temperature", COMMON["temperature"], 1.0)
+    top_p = _field(body, "top_p", COMMON["top_p"], 1.0)
+    seed = _field(body, "seed", COUNT)
+    stop = _field(body, "stop", COMMON["stop"], [])
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if "" in stop:
         raise bad_request("'stop' strings must not be empty", "stop")
-    stream = _field(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
-    stream_options = _field(body, "stream_options", lambda v: isinstance(v, dict) and set(v) <= {"include_usage"},
-                            'an object like {"include_usage": true}', {})
-    include_usage = _field(stream_options, "include_usage", lambda v: isinstance(v, bool), "true or false", False)
-    ignore_eos = _field(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
-    n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
+    stream = _field(body, "stream", BOOL, False)
+    stream_options = _field(body, "stream_options", COMMON["stream_options"], {})
+    include_usage = _field(stream_options, "include_usage", BOOL, False)
+    ignore_eos = _field(body, "ignore_eos", BOOL, False)
+    n = _field(body, "n", COMMON["n"], 1)
     return GenerationOptions(max_tokens, float(temperature), float(top_p), seed, stop, stream, include_usage,
                              ignore_eos, n, logprobs, echo)
-
-
-def _logprobs_count(body: dict, name: str) -> int | None:
-    return _field(body, name, lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
-
-
-def _max_tokens(body: dict, name: str, default: int | None) -> int | None:
-    return _field(body, name, lambda v: _is_int(v) and v >= 0, "an integer >= 0", default)
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -172,13 +232,13 @@ def _prompts(prompt) -> list[str | list[int]]:
 def completion_request(body: dict) -> tuple[list[str | list[int]], GenerationOptions]:
     """``POST /v1/completions``: the prompts (texts or token ids; a batch answers one choice per
     prompt and ``n``) and the options."""
-    _check_options(body, {"prompt", "logprobs", "echo"})
+    _check_options(body, COMPLETION)
     if "prompt" not in body:
         raise bad_request("'prompt' is required", "prompt", "missing_field")
     prompts = _prompts(body["prompt"])
-    echo = _field(body, "echo", lambda v: isinstance(v, bool), "true or false", False)
-    opts = _generation_options(body, _max_tokens(body, "max_tokens", 16),  # OpenAI's default: 16
-                               _logprobs_count(body, "logprobs"), echo)
+    echo = _field(body, "echo", BOOL, False)
+    opts = _generation_options(body, _field(body, "max_tokens", COUNT, 16),  # OpenAI's default: 16
+                               _field(body, "logprobs", LOGPROBS_COUNT), echo)
     if len(prompts) * opts.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n = {opts.n} asks for more than {MAX_CHOICES} choices", "n")
     return prompts, opts
@@ -221,12 +281,11 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
 
 def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
     """``POST /v1/chat/completions``: the messages (content as plain text) and the options."""
-    _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL},
-                   {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL}, CHAT)
     rendered = chat_messages(body)
-    max_tokens = _max_tokens(body, "max_completion_tokens", _max_tokens(body, "max_tokens", None))
-    logprobs = _field(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
-    top = _logprobs_count(body, "top_logprobs")
+    max_tokens = _field(body, "max_completion_tokens", COUNT, _field(body, "max_tokens", COUNT))
+    logprobs = _field(body, "logprobs", BOOL, False)
+    top = _field(body, "top_logprobs", LOGPROBS_COUNT)
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return rendered, _generation_options(body, max_tokens, (top or 0) if logprobs else None)
@@ -243,10 +302,10 @@ def tokenize_request(body: dict) -> TokenizeRequest:
     """``POST /tokenize`` (vLLM's): a ``prompt`` (text or token ids) or chat ``messages``, one of them."""
     # With messages, the conversation options (tools, chat_template_kwargs, ...) shape the prompt.
     _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL or "messages" not in body},
-                   {"prompt", "messages", "add_special_tokens"})
+                   TOKENIZE)
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give either 'prompt' (text or token ids) or 'messages'", "prompt", "missing_field")
-    special = _field(body, "add_special_tokens", lambda v: isinstance(v, bool), "true or false", True)
+    special = _field(body, "add_special_tokens", BOOL, True)
     if "messages" in body:
         return TokenizeRequest(None, chat_messages(body), special)
     prompt = body["prompt"]
@@ -257,8 +316,8 @@ def tokenize_request(body: dict) -> TokenizeRequest:
 
 def detokenize_request(body: dict) -> list[int]:
     """``POST /detokenize`` (vLLM's): ``tokens``, a list of token ids."""
-    _check_options(body, {"tokens"})
-    return _field(body, "tokens", _is_token_ids, "a list of token ids (integers)", [])
+    _check_options(body, DETOKENIZE)
+    return _field(body, "tokens", TOKEN_IDS, [])
 
 
 # --------------------------------------------------------------------------- responses
