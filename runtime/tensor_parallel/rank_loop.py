@@ -14,7 +14,7 @@ from dsv4c.runtime import tvm_runtime as rt
 from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.tensor_parallel.collectives import (DEFAULT_TIMEOUT_S, Group, TensorParallelError, active,
                                                        register_collectives)
-from dsv4c.runtime.tensor_parallel.messages import StepChannel, apply_journal
+from dsv4c.runtime.tensor_parallel.messages import StepChannel, apply_journal, unpack_inputs
 from dsv4c.runtime.tensor_parallel.ranks import pin_to
 
 
@@ -41,9 +41,10 @@ def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: flo
     functions = list(backend.functions)
     group.loaded()
     while (call := channel.receive()) is not None:
-        function, arrays, extents, stream_rows, chain, journal = call
+        function, arrays, extents, stream_rows, chain, journal, packed = call
         apply_journal(pool, journal)
-        backend.call(functions[function], arrays, extents, stream_rows, chain)
+        inputs, named_inputs = unpack_inputs(packed)
+        backend.call(functions[function], arrays, extents, stream_rows, chain, *inputs, **named_inputs)
 
 
 def _die_with_parent(parent: int) -> None:
