@@ -1,7 +1,9 @@
 """Tensor parallel on the CPU: ``compile --tensor-parallel 2`` runs as two processes joined by gloo
 (runtime/tensor_parallel/) and computes what one device computes: the same greedy tokens,
-logits within 1e-5 (the all-reduces add the ranks' partial sums in another order). A dead rank
-ends generation with one line, quickly, and leaves no process behind."""
+logits within 1e-5 (the all-reduces add the ranks' partial sums in another order), V4's parity
+configs and DeepSeek-V4.1's parity case alike (which also passes every test tests/v41_case.py
+holds a target to, against the reference). A dead rank ends generation with one line, quickly,
+and leaves no process behind."""
 
 import os
 import select
@@ -19,6 +21,13 @@ from dsv4c.compile import compile_model
 from dsv4c.errors import ShardingError
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
+
+from v41_case import compile_case, prompt
+from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here at TP 2)
+from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
+from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
+from v41_case import test_preempted_requests_recompute_the_same_tokens  # noqa: F401
+from v41_case import test_speculative_decoding_computes_the_plain_tokens  # noqa: F401
 
 TOLERANCE = 1e-5
 # The parity configs whose heads, output groups, experts and expert width split in two.
@@ -72,6 +81,45 @@ def test_two_ranks_compute_what_one_device_does(parity_artifacts, tmp_path):
         _assert_same(got_ragged, _run(whole, ragged, new))
         if cfg.name == "mixed_hc4":
             _assert_same(got_ep, _run(whole, ragged, new))
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """DeepSeek-V4.1's parity case at --tensor-parallel 2 (its heads, output groups, experts and
+    expert width split in two; the compressors, indexers, candidate blocks, mHC and Engram are
+    replicated), for the tests imported from tests/v41_case.py."""
+    return compile_case(tmp_path_factory.mktemp("v41_tp2"), "llvm", "--tensor-parallel", "2")
+
+
+def test_v41_two_ranks_compute_what_one_device_does(artifact, tmp_path):
+    """V4.1 at TP 2 against one device: a long prompt (past the window, through ratio-2 and ratio-1
+    groups and the candidate blocks), then a ragged batch in prefill chunks; every rank's step
+    takes the Engram rows rank 0 hashed."""
+    long = [prompt(30, 70)]
+    ragged = [prompt(31 + i, n) for i, n in enumerate((1, 5, 9, 17, 23, 31, 40, 47))]
+    new = [3, 8, 5, 1, 7, 4, 6, 2]
+    options = {"max_requests": 8, "max_context": 512, "prefill_chunk": 7, "max_step_tokens": 48}
+    with Engine(artifact, **options) as split:
+        got_long, got_ragged = _run(split, long, [16]), _run(split, ragged, new)
+    with Engine(compile_case(tmp_path, "llvm"), **options) as whole:
+        _assert_same(got_long, _run(whole, long, [16]))
+        _assert_same(got_ragged, _run(whole, ragged, new))
+
+
+def test_a_call_s_model_inputs_reach_the_other_ranks_as_they_are():
+    """What rank 0 passes on of a call beyond the common step inputs (V4.1's Engram inputs):
+    positional and keyword arrays of any dtype and shape, and None, decode as they were."""
+    from dsv4c.runtime.tensor_parallel.messages import pack_inputs, unpack_inputs
+
+    rows = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    table = np.linspace(0, 1, 10, dtype=np.float32).reshape(5, 2)
+    codes = np.arange(6, dtype=np.uint8)
+    inputs, named = unpack_inputs(pack_inputs((rows, None), {"table": table, "codes": codes, "none": None}))
+    assert len(inputs) == 2 and inputs[1] is None and set(named) == {"table", "codes", "none"}
+    for got, want in ((inputs[0], rows), (named["table"], table), (named["codes"], codes)):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert named["none"] is None
+    assert unpack_inputs(pack_inputs((), {})) == ([], {}) and pack_inputs((), {}) == b""
 
 
 def _speculation_and_prefix_cache(split: Engine, one_device: Path, cfg, rng) -> None:
