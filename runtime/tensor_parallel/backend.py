@@ -20,11 +20,14 @@ class TensorParallelBackend(TvmBackend):
     call is first broadcast to the other ranks (:class:`RankGroup`), with the pool's changes."""
 
     def __init__(self, artifact: Path, manifest: Manifest, pool, device, weights_mode: str = "auto",
-                 timeout: float = DEFAULT_TIMEOUT_S):
-        self.ranks = RankGroup(artifact, manifest.tensor_parallel, not rt.on_host(device), timeout, weights_mode)
+                 timeout: float = DEFAULT_TIMEOUT_S, **options):
+        """``weights_mode`` and ``options`` (a model's other :class:`TvmBackend` load options, e.g.
+        V4.1's Engram memory) apply to every rank's backend alike."""
+        self.ranks = RankGroup(artifact, manifest.tensor_parallel, not rt.on_host(device), timeout, weights_mode,
+                               options)
         try:
             self.ranks.channel.send_setup([pool.total_rows])
-            super().__init__(artifact, manifest, pool, device, weights_mode, rank=0)
+            super().__init__(artifact, manifest, pool, device, weights_mode, rank=0, **options)
             self.ranks.loaded()
         except BaseException:
             self.ranks.close()
