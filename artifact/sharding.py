@@ -29,6 +29,12 @@ would need an all-reduce of ``[T, visible entries]`` scores in every CSA layer (
 per layer at 1M context) to save 12.6 M parameters a layer. MTP's ``e_proj`` / ``h_proj`` (two ``D x D`` matrices) stay whole
 rather than add an all-gather to every draft.
 
+DeepSeek-V4.1 splits by the same rules (its attention, MoE, embedding and head weights have V4's
+names); its own parts are replicated: the shared compressor and the index keys it writes (one KV
+head, like V4's compressors), every index source's query side (re-index layers included), the
+candidate blocks (per query, from the replicated scores), the delayed mHC collapse and Engram
+(table, ``wkv``, gates: it writes into the streams every rank holds whole).
+
 ``N`` is a power of two (the 2, 4, 8 devices of a node's NVLink / xGMI domain, and the doubling
 ``min_devices`` searches), columns split from FP8 block weights stay whole blocks and
 those of FP4 experts whole 32-column scale groups.

@@ -40,9 +40,9 @@ class Model(DsparkFunctions, V41Functions):
 
     def __init__(self, cfg: ModelConfig, numerics: str = "exact", tensor_parallel: int = 1,
                  expert_parallel: bool = True):
-        if cfg.family == "v4.1" and (tensor_parallel != 1 or numerics != "exact"):
+        if cfg.family == "v4.1" and numerics != "exact":
             # Its fake-quant round trips are part of the model: there is no other numerics to choose.
-            raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1 is traced for one device with numerics 'exact' "
+            raise UnsupportedModelError(f"{cfg.name}: DeepSeek-V4.1 is traced with numerics 'exact' only "
                                         "(its KV fake-quant is always on)")
         self.plan = ShardingPlan.build(cfg, tensor_parallel, expert_parallel)
         self.tp = tensor_parallel

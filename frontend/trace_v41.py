@@ -85,7 +85,7 @@ class V41Functions:
         q_res = self._norm(b, q_res, f"{p}q_norm.weight", c.q_lora_rank, f"{tag}.q_res")
         q = self._linear(b, q_res, f"{p}wq_b.weight", c.num_heads * c.head_dim, c.q_lora_rank, self.dense_quant,
                          f"{tag}.q")
-        q = b.emit("reshape", [q], {"shape": ["T", c.num_heads, c.head_dim]}, f"{tag}.q_heads")
+        q = b.emit("reshape", [q], {"shape": ["T", self._local(c.num_heads), c.head_dim]}, f"{tag}.q_heads")
         if c.q_head_norm:
             q = self._norm(b, q, None, c.head_dim, f"{tag}.q_normed")
         q = b.emit("rope", [q, pos], {**rope, "inverse": False}, f"{tag}.q_rope")

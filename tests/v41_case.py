@@ -27,15 +27,16 @@ GREEDY = json.loads((CASE / "case.json").read_text())["greedy_tokens"]
 TOLERANCE = 1e-4
 
 
-def compile_case(root: Path, target: str) -> Path:
-    """The case's model directory (config, tokenizer, weights) under ``root``, compiled for ``target``."""
+def compile_case(root: Path, target: str, *options: str) -> Path:
+    """The case's model directory (config, tokenizer, weights) under ``root``, compiled for ``target``
+    (with the compile command's ``options``)."""
     model = root / "case0"
     model.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(DATA / "v41_engram" / name, model / name)
     shutil.copyfile(CASE / "model.safetensors", model / "model.safetensors")
     out = root / "artifact"
-    assert cli(["compile", "--model", str(model), "--target", target, "-o", str(out)]) == 0
+    assert cli(["compile", "--model", str(model), "--target", target, "-o", str(out), *options]) == 0
     return out
 
 

@@ -1,11 +1,13 @@
 """Running a multi-rank artifact (``compile --tensor-parallel N``): one process per rank.
 
 Rank 0 is the engine's own process: it schedules, samples and keeps the pool's bookkeeping.
-Every rank binds its own weights (``weights.ranks[r]``) and holds a whole pool (V4 has one KV
-head: each rank computes and stores all of it) and runs the same compiled step. Before each
+Every rank binds its own weights (``weights.ranks[r]``) and holds a whole pool (V4 and V4.1 have one
+KV head: each rank computes and stores all of it) and runs the same compiled step. Before each
 call of an entry function rank 0 broadcasts the call (which function, its compact step
-inputs, and what changed in the pool outside the compiled step since the last call: a
-:class:`PoolJournal`), and every other rank makes the same call. Inside the step the ranks meet
+inputs, the inputs a model adds to them as the backend got them, such as DeepSeek-V4.1's Engram
+rows, and what changed in the pool outside the compiled step since the last call: a
+:class:`PoolJournal`), and every other rank makes the same call. The ranks it starts load the
+artifact with its backend options (weights mode and any a model adds). Inside the step the ranks meet
 in the collectives (``all_reduce``, ``all_gather``), which are ``torch.distributed`` calls
 registered as the packed functions the compiled step calls in destination-passing style
 (``codegen.ops.tensor_parallel``); tensors pass between TVM and torch through DLPack, without

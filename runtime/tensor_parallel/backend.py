@@ -11,7 +11,7 @@ from dsv4c.runtime import tvm_runtime as rt
 from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.tensor_parallel.collectives import (DEFAULT_TIMEOUT_S, TensorParallelError, active,
                                                        interrupted)
-from dsv4c.runtime.tensor_parallel.messages import PoolJournal
+from dsv4c.runtime.tensor_parallel.messages import PoolJournal, pack_inputs
 from dsv4c.runtime.tensor_parallel.ranks import RankGroup
 
 
@@ -20,11 +20,14 @@ class TensorParallelBackend(TvmBackend):
     call is first broadcast to the other ranks (:class:`RankGroup`), with the pool's changes."""
 
     def __init__(self, artifact: Path, manifest: Manifest, pool, device, weights_mode: str = "auto",
-                 timeout: float = DEFAULT_TIMEOUT_S):
-        self.ranks = RankGroup(artifact, manifest.tensor_parallel, not rt.on_host(device), timeout, weights_mode)
+                 timeout: float = DEFAULT_TIMEOUT_S, **options):
+        """``weights_mode`` and ``options`` (a model's other :class:`TvmBackend` load options, e.g.
+        V4.1's Engram memory) apply to every rank's backend alike."""
+        self.ranks = RankGroup(artifact, manifest.tensor_parallel, not rt.on_host(device), timeout, weights_mode,
+                               options)
         try:
             self.ranks.channel.send_setup([pool.total_rows])
-            super().__init__(artifact, manifest, pool, device, weights_mode, rank=0)
+            super().__init__(artifact, manifest, pool, device, weights_mode, rank=0, **options)
             self.ranks.loaded()
         except BaseException:
             self.ranks.close()
@@ -33,17 +36,17 @@ class TensorParallelBackend(TvmBackend):
         self.function_index = {name: i for i, name in enumerate(self.functions)}
 
     def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
-             chain: bool = False, engram_rows: np.ndarray | None = None):
-        if engram_rows is not None:  # V4.1's Engram: tensor parallelism refuses V4.1 at compile time
-            raise TensorParallelError("a multi-rank step takes no Engram rows (V4.1 runs on one device)")
+             chain: bool = False, *inputs, **named_inputs):
+        """:meth:`TvmBackend.call` on every rank; the step inputs a model adds (``inputs``,
+        ``named_inputs``: V4.1's Engram inputs) go to every rank as they are."""
         if self.ranks.stopped:
             raise TensorParallelError("the tensor-parallel ranks have stopped; start the engine again")
         self.ranks.in_call = True
         active.group = self.ranks.group
         try:
             self.ranks.channel.send_call(self.function_index[name], arrays, extents, stream_rows, chain,
-                                         self.pool.journal.take())
-            out = super().call(name, arrays, extents, stream_rows, chain)
+                                         self.pool.journal.take(), pack_inputs(inputs, named_inputs))
+            out = super().call(name, arrays, extents, stream_rows, chain, *inputs, **named_inputs)
         except Exception as e:  # a collective failed: a rank died or timed out, or Ctrl-C
             if interrupted.is_set():
                 interrupted.clear()  # this interrupt is handled; a later engine's errors are errors

@@ -1,5 +1,6 @@
 """What rank 0 sends the other ranks: each call of an entry function (:class:`StepChannel`)
-with the changes it made to its pool outside the compiled step (:class:`PoolJournal`)."""
+with the changes it made to its pool outside the compiled step (:class:`PoolJournal`) and the
+call's model-specific step inputs (:func:`pack_inputs`: V4.1's Engram inputs)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import numpy as np
 
 from dsv4c.runtime.tensor_parallel.collectives import IDLE_TIMEOUT, Group
 
-# A broadcast call: [op, function, T, R, B, L, stream rows (-1: none), chain, journal bytes, extents].
-HEADER_WORDS = 10
+# A broadcast call: [op, function, T, R, B, L, stream rows (-1: none), chain, journal bytes, extents,
+# packed step input bytes].
+HEADER_WORDS = 11
 MESSAGE_WORDS = 4096  # a call's first broadcast (StepChannel)
 # How long a CPU rank polls for a broadcast call before it sleeps in the wait (Group.finish): the
 # gap between two steps of a generation is far shorter, an idle server's ranks then sleep.
@@ -48,27 +50,68 @@ class PoolJournal:
         """The changes since the last ``take``, encoded (empty: none), and forget them."""
         if not self.ops:
             return b""
-        head = json.dumps(self.ops).encode()
-        data = len(head).to_bytes(8, "little") + head + b"".join(self.blobs)
+        data = _pack(self.ops, self.blobs)
         self.ops, self.blobs, self.size = [], [], 0
         return data
+
+
+def _pack(head: list, blobs: list[bytes]) -> bytes:
+    """A JSON description and the bytes its entries point into (by offset), as one byte string."""
+    text = json.dumps(head).encode()
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def _unpack(data: bytes) -> tuple[list, memoryview]:
+    """What :func:`_pack` packed: the description and the bytes after it."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), memoryview(data)[8 + n:]
+
+
+def _array(blob: memoryview, dtype: str, shape: list[int], offset: int) -> np.ndarray:
+    return np.frombuffer(blob, np.dtype(dtype), int(np.prod(shape, dtype=np.int64)), offset).reshape(shape)
+
+
+def pack_inputs(inputs: tuple, named: dict) -> bytes:
+    """The step inputs a model adds to a backend call beyond the common ones (V4.1's Engram
+    inputs), positional (``inputs``) and by keyword (``named``), each an array of any dtype or
+    None, encoded for :func:`unpack_inputs` on the other ranks (empty: none). Rank 0 passes
+    them on as it gets them, so a model's new step input needs nothing here."""
+    if not inputs and not named:
+        return b""
+    head, blobs, offset = [], [], 0
+    for key, value in [*enumerate(inputs), *named.items()]:
+        if value is None:
+            head.append([key, None])
+            continue
+        value = np.ascontiguousarray(value)
+        head.append([key, value.dtype.str, list(value.shape), offset])
+        blobs.append(value.tobytes())
+        offset += value.nbytes
+    return _pack(head, blobs)
+
+
+def unpack_inputs(data: bytes) -> tuple[list, dict]:
+    """The positional and keyword step inputs :func:`pack_inputs` encoded."""
+    if not data:
+        return [], {}
+    head, blob = _unpack(data)
+    values = [(key, None if spec[0] is None else _array(blob, *spec)) for key, *spec in head]
+    return [v for k, v in values if isinstance(k, int)], {k: v for k, v in values if isinstance(k, str)}
 
 
 def apply_journal(pool, data: bytes) -> None:
     """Make the changes a :class:`PoolJournal` recorded on another rank's pool in ``pool``."""
     if not data:
         return
-    n = int.from_bytes(data[:8], "little")
-    blob = memoryview(data)[8 + n:]
-    for op in json.loads(data[8:8 + n]):
+    ops, blob = _unpack(data)
+    for op in ops:
         if op[0] == "clear_slot":
             pool.clear_slot(op[1])
         elif op[0] == "copy_slot":
             pool.copy_slot(op[1], op[2], op[3])
         else:
             _, name, index, dtype, shape, offset = op
-            count = int(np.prod(shape, dtype=np.int64))
-            values = np.frombuffer(blob, np.dtype(dtype), count, offset).reshape(shape)
+            values = _array(blob, dtype, shape, offset)
             pool.tensors[name][tuple(np.asarray(i, np.int64) if isinstance(i, list) else i for i in index)] = values
 
 
@@ -105,16 +148,17 @@ class StepChannel:
             self._broadcast(np.ascontiguousarray(message[MESSAGE_WORDS:]))
 
     def send_call(self, function: int, arrays: list[np.ndarray], extents, stream_rows, chain: bool,
-                  journal: bytes) -> None:
+                  journal: bytes, inputs: bytes) -> None:
+        """One call: ``journal`` from :meth:`PoolJournal.take`, ``inputs`` from :func:`pack_inputs`."""
         tokens, _, _, requests, blocks, logit_rows = arrays
         streams = -1 if stream_rows is None else len(stream_rows)
         header = [OP_CALL, function, len(tokens), len(requests), blocks.shape[1], len(logit_rows), streams, int(chain),
-                  len(journal), len(extents)]
+                  len(journal), len(extents), len(inputs)]
         parts = [np.array(header, np.int32)] + [np.asarray(a, np.int32).reshape(-1) for a in arrays] + \
             [np.asarray(extents, np.int32)]
         if stream_rows is not None:
             parts.append(np.asarray(stream_rows, np.int32))
-        parts.append(np.frombuffer(journal + b"\0" * (-len(journal) % 4), np.int32))
+        parts += [np.frombuffer(data + b"\0" * (-len(data) % 4), np.int32) for data in (journal, inputs)]
         self._send(np.concatenate(parts))
 
     def send_stop(self) -> None:
@@ -127,16 +171,17 @@ class StepChannel:
         return self._broadcast(np.zeros(count, np.int64), idle=True).tolist()
 
     def receive(self):
-        """(function index, arrays, extents, stream rows or None, chain, journal bytes), or None at stop."""
+        """(function index, arrays, extents, stream rows or None, chain, journal bytes, packed step
+        input bytes), or None at stop."""
         message = self._broadcast(np.zeros(MESSAGE_WORDS, np.int32), idle=True)
-        op, function, t, r, b, lr, s, chain, journal, e = message[:HEADER_WORDS].tolist()
+        op, function, t, r, b, lr, s, chain, journal, e, inputs = message[:HEADER_WORDS].tolist()
         if op == OP_STOP:
             return None
-        sizes = [t, t, t, r * 4, r * b, lr, e, max(s, 0), -(-journal // 4)]
+        sizes = [t, t, t, r * 4, r * b, lr, e, max(s, 0), -(-journal // 4), -(-inputs // 4)]
         total = HEADER_WORDS + sum(sizes)
         if total > MESSAGE_WORDS:
             message = np.concatenate([message, self._broadcast(np.zeros(total - MESSAGE_WORDS, np.int32))])
         cut = np.split(message[HEADER_WORDS:total], np.cumsum(sizes)[:-1])
         arrays = cut[:3] + [cut[3].reshape(r, 4), cut[4].reshape(r, b), cut[5]]
         return function, arrays, cut[6].tolist(), cut[7] if s >= 0 else None, bool(chain), \
-            cut[8].tobytes()[:journal]
+            cut[8].tobytes()[:journal], cut[9].tobytes()[:inputs]

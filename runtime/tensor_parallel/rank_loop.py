@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -14,13 +15,15 @@ from dsv4c.runtime import tvm_runtime as rt
 from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.tensor_parallel.collectives import (DEFAULT_TIMEOUT_S, Group, TensorParallelError, active,
                                                        register_collectives)
-from dsv4c.runtime.tensor_parallel.messages import StepChannel, apply_journal
+from dsv4c.runtime.tensor_parallel.messages import StepChannel, apply_journal, unpack_inputs
 from dsv4c.runtime.tensor_parallel.ranks import pin_to
 
 
-def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str) -> None:
-    """A rank other than 0: join the group, load this rank's weights and a pool like rank 0's,
-    then make every call rank 0 broadcasts until it says stop."""
+def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str,
+               **options) -> None:
+    """A rank other than 0: join the group, load this rank's weights (``weights_mode``, and the
+    backend's other load ``options``, as rank 0 loads its own) and a pool like rank 0's, then make
+    every call rank 0 broadcasts until it says stop."""
     from dsv4c.artifact.directory import open_artifact
     from dsv4c.runtime.kv_pool import KVPool
     from dsv4c.targets import target_info
@@ -37,13 +40,14 @@ def serve_rank(artifact: Path, rank: int, world: int, address: str, timeout: flo
     pool = KVPool(opened.geometry, rows)
     index = int(os.environ.get("LOCAL_RANK", rank))  # this host's GPU of the rank
     device = rt.CPU if info.kind == "cpu" else rt.tvm_ffi.device(info.device().dlpack_device_type(), index)
-    backend = TvmBackend(artifact, manifest, pool, device, weights_mode, rank=rank)
+    backend = TvmBackend(artifact, manifest, pool, device, weights_mode, rank=rank, **options)
     functions = list(backend.functions)
     group.loaded()
     while (call := channel.receive()) is not None:
-        function, arrays, extents, stream_rows, chain, journal = call
+        function, arrays, extents, stream_rows, chain, journal, packed = call
         apply_journal(pool, journal)
-        backend.call(functions[function], arrays, extents, stream_rows, chain)
+        inputs, named_inputs = unpack_inputs(packed)
+        backend.call(functions[function], arrays, extents, stream_rows, chain, *inputs, **named_inputs)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -67,23 +71,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--address", required=True, help="host:port of rank 0's store")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--weights", default="auto")
+    p.add_argument("--options", type=json.loads, default={}, help="the backend's other load options (JSON)")
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--cpus", default="")
     args = p.parse_args(argv)
     _die_with_parent(args.parent)
     if args.cpus:
         pin_to([int(c) for c in args.cpus.split(",")])
-    run_rank(args.artifact, args.rank, args.world_size, args.address, args.timeout, args.weights)
+    run_rank(args.artifact, args.rank, args.world_size, args.address, args.timeout, args.weights, **args.options)
 
 
-def run_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str):
+def run_rank(artifact: Path, rank: int, world: int, address: str, timeout: float, weights_mode: str, **options):
     """:func:`serve_rank`, then end the process: its failures as one line on stderr and exit code
     2 (a user error) or 1 (a collective failed: another rank is gone). Not through ``sys.exit``:
     interpreter shutdown with gloo's threads still up aborts the process (SIGABRT), which rank 0
     (or torchrun) would report instead of the exit code."""
     code = 0
     try:
-        serve_rank(artifact, rank, world, address, timeout, weights_mode)
+        serve_rank(artifact, rank, world, address, timeout, weights_mode, **options)
     except DsvError as e:
         print(f"dsv4c rank {rank}: error: {e}", file=sys.stderr)
         code = 2

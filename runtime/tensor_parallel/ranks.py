@@ -4,6 +4,7 @@ cores) or joined under torchrun, watched for failure, and stopped."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -54,7 +55,10 @@ def pin_to(cpus: list[int]):
 class RankGroup:
     """The other ranks, seen from rank 0: started here (a process each) or by torchrun."""
 
-    def __init__(self, artifact: Path, world: int, gpu: bool, timeout: float, weights_mode: str):
+    def __init__(self, artifact: Path, world: int, gpu: bool, timeout: float, weights_mode: str,
+                 options: dict):
+        """``weights_mode`` and ``options``: how the ranks started here load the artifact (the
+        :class:`TvmBackend` keywords; JSON values)."""
         self.world, self.timeout, self.procs = world, timeout, {}
         self.stopped = False
         self.in_call = False  # a call is under way: the others may be inside its collectives
@@ -73,7 +77,7 @@ class RankGroup:
                 self.procs[rank] = subprocess.Popen(
                     [sys.executable, "-m", "dsv4c.runtime.tensor_parallel", str(artifact), "--rank", str(rank),
                      "--world-size", str(world), "--address", address, "--timeout", str(timeout),
-                     "--weights", weights_mode, "--parent", str(os.getpid()),
+                     "--weights", weights_mode, "--options", json.dumps(options), "--parent", str(os.getpid()),
                      "--cpus", ",".join(map(str, shares[rank]))],
                     start_new_session=True)  # a terminal's Ctrl-C reaches rank 0, which stops them
             if not gpu:
