@@ -546,7 +546,8 @@ def _torchrun_rank(args) -> None:
         from dsv4c.runtime.tensor_parallel.rank_loop import run_rank
         from dsv4c.runtime.tensor_parallel.ranks import torchrun_address
 
-        run_rank(Path(args.artifact), rank, world, torchrun_address(), args.distributed_timeout, args.weights)
+        run_rank(Path(args.artifact), rank, world, torchrun_address(), args.distributed_timeout, args.weights,
+                 engram_memory=args.engram_memory)
 
 
 def main(argv: list[str] | None = None) -> int:

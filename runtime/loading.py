@@ -87,7 +87,8 @@ def load_backend(artifact: Path, manifest: Manifest, config, pool: KVPool, weigh
         from dsv4c.runtime.tensor_parallel.collectives import DEFAULT_TIMEOUT_S
 
         return TensorParallelBackend(artifact, manifest, pool, device, weights_mode,
-                                     DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout)
+                                     DEFAULT_TIMEOUT_S if distributed_timeout is None else distributed_timeout,
+                                     engram_memory=engram_memory)
     return TvmBackend(artifact, manifest, pool, device, weights_mode, engram_memory=engram_memory)
 
 
