@@ -10,6 +10,12 @@
 
 namespace dsv4c {
 
+/// The hash file of an artifact whose manifest names none under "engram" (Python:
+/// artifact/file_names.py, ENGRAM_HASH).
+inline const char* const kEngramHash = "engram_hash.safetensors";
+/// The modes of EngineOptions::engram_memory (Python: Engine(engram_memory=...)).
+inline const char* const kEngramMemoryModes[] = {"map", "read"};
+
 class EngramHash {
  public:
   /// Reads an Engram hash file (EngramTables.save's tensors token_map, layer_ids, primes,

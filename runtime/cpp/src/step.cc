@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <set>
@@ -173,21 +174,74 @@ ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevic
   return machine;
 }
 
+
+// The inputs every entry function takes first (Python: codegen.relax_step.STEP_INPUTS); a V4.1
+// step with Engram layers takes its Engram inputs after them.
+const char* const kStepInputs[] = {"tokens",     "positions",  "token_request", "requests",
+                                   "block_table", "logit_rows", "entry_extents"};
+const char* const kTableInput = "engram_table.";
+const char* const kScalesInput = "engram_scale.";
+
+bool same_type(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
+
+// The Engram table of decoder layer `layer` (manifest "engram.tables", docs/artifact.md): its
+// file's rows and, for an FP8 table, scales, mapped or read, checked against the manifest.
+std::pair<Tensor, Tensor> open_engram_table(const std::string& artifact, const json::Fields& manifest, int64_t layer,
+                                            bool read) {
+  json::Fields engram = manifest.object("engram");
+  for (const json::Value& item : engram.array("tables")) {
+    std::optional<json::Object> object = json::as_object(item);
+    if (!object) engram.fail("tables", "a list of objects");
+    json::Fields table(*object, manifest.file(), "engram.tables[].");
+    if (table.integer("layer") != layer) continue;
+    const std::string path = join_path(artifact, table.string("file")), format = table.string("format");
+    const int64_t rows = table.integer("rows"), width = table.integer("width");
+    if (format != "fp8_e4m3_e8m0" && format != "fp32") table.fail("format", "'fp8_e4m3_e8m0' or 'fp32'");
+    std::map<std::string, Tensor> tensors = read ? read_safetensors(path) : map_safetensors(path);
+    auto tensor = [&](const char* name, DLDataType dtype, const char* dtype_name, std::vector<int64_t> shape) {
+      auto it = tensors.find(name);
+      if (it == tensors.end() || !same_type(it->second.dtype, dtype) || it->second.shape != shape) {
+        throw ArtifactError(path + ": the Engram table of layer " + std::to_string(layer) + " needs tensor '" + name +
+                            "' " + dtype_name + " [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) +
+                            "] (" + format + "); recompile the artifact");
+      }
+      return it->second;
+    };
+    if (format == "fp32") return {tensor("rows", kF32, "float32", {rows, width}), Tensor{}};
+    return {tensor("rows", kU8, "uint8 codes", {rows, width}), tensor("scales", kU8, "uint8", {rows, (width + 31) / 32})};
+  }
+  throw ArtifactError(manifest.file() + ": 'engram.tables' has no table of layer " + std::to_string(layer) +
+                      ", which the step reads; recompile");
+}
+
+// Rows `ids` (ascending) of a table [R, ...] as a table of their own.
+Tensor gather(const Tensor& table, const std::vector<int32_t>& ids) {
+  std::vector<int64_t> shape = table.shape;
+  shape[0] = static_cast<int64_t>(ids.size());
+  Tensor out = Tensor::zeros(shape, table.dtype);
+  const size_t row_bytes = table.nbytes() / static_cast<size_t>(table.shape[0]);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::memcpy(out.ptr<char>() + i * row_bytes, table.ptr<char>() + static_cast<size_t>(ids[i]) * row_bytes, row_bytes);
+  }
+  return out;
+}
+
 }  // namespace
 
 CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
-                           const std::string& weights_mode)
+                           const std::string& weights_mode, const std::string& engram_memory)
     : pool_(pool),
       device_(device_for(artifact, manifest)),
       vm_(load_vm(artifact, manifest.object("vm"), device_)) {
   json::Fields vm = manifest.object("vm");
-  for (const json::Value& input : vm.array("inputs")) {
-    // DeepSeek-V4.1's Engram rows are hashed from each request's tokens (Python: artifact/engram.py).
-    if (json::as_string(input).value_or("") == "engram_rows") {
-      throw UsageError(artifact + ": this DeepSeek-V4.1 step takes Engram rows, which the C++ host does not hash "
-                       "yet; run it with dsv4c generate or dsv4c serve");
-    }
+  std::vector<std::string> inputs;
+  for (const json::Value& input : vm.array("inputs")) inputs.push_back(json::as_string(input).value_or(""));
+  const size_t common = std::size(kStepInputs);
+  if (inputs.size() < common || !std::equal(kStepInputs, kStepInputs + common, inputs.begin())) {
+    vm.fail("inputs", "the step's input names");
   }
+  bind_engram_inputs(artifact, manifest, std::vector<std::string>(inputs.begin() + common, inputs.end()),
+                     engram_memory == "read");
   decode_ = vm_->GetFunction("decode").value();
   prefill_ = vm_->GetFunction("prefill").value();
   decode_max_tokens_ = vm.integer("decode_max_tokens");
@@ -200,9 +254,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   auto empty = [&](const std::vector<int64_t>& shape, DLDataType dtype) {
     return alloc(ffi::Shape(shape), dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
   };
-  // Weights are mapped from their shards or read (see reads_weights), constants read from theirs;
-  // on the CPU an aligned weight is shared with the kernels as it is (mapped, its pages load as
-  // they are first read).
+  // Weights are mapped from their shards or read (see reads_weights), constants read from theirs.
   std::map<std::string, Tensor> weights =
       read_artifact_weights(artifact, manifest,
                             reads_weights(artifact, manifest, weights_mode, device_.device_type == kDLCPU));
@@ -214,14 +266,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
       throw CheckpointError(artifact + ": tensor " + json::py_repr(name_value) +
                             " that the step reads is missing; recompile with weights");
     }
-    const Tensor& w = it->second;
-    if (device_.device_type == kDLCPU && w.aligned()) {
-      params_.push_back(share(w));
-    } else {
-      ffi::Tensor t = empty(w.shape, w.dtype);
-      copy_in(t, w.ptr<void>(), static_cast<int64_t>(w.nbytes()));
-      params_.push_back(t);
-    }
+    params_.push_back(to_device(it->second));
   }
   // The pool's tensors, zeroed (rings are emptied by the step feeding a request's position 0).
   for (const json::Value& entry : vm.array("pool")) {
@@ -237,6 +282,55 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   }
 }
 
+// A V4.1 step's Engram inputs, as they come: each token's rows, then per Engram layer its table
+// (and an FP8 table's scales) when the artifact keeps the tables in files of their own.
+void CompiledStep::bind_engram_inputs(const std::string& artifact, const json::Fields& manifest,
+                                      const std::vector<std::string>& names, bool read) {
+  std::map<int64_t, size_t> table_of_layer;
+  for (auto name = names.begin(); name != names.end(); ++name) {
+    const bool table = name->rfind(kTableInput, 0) == 0, scales = name->rfind(kScalesInput, 0) == 0;
+    if (*name == "engram_rows") {
+      takes_engram_rows_ = true;
+      engram_inputs_.push_back({EngramInput::kRows, 0});
+      continue;
+    }
+    std::optional<int64_t> layer;
+    if (table || scales) {
+      try {
+        size_t used = 0, prefix = std::strlen(table ? kTableInput : kScalesInput);
+        layer = std::stoll(name->substr(prefix), &used);
+        if (used != name->size() - prefix) layer.reset();
+      } catch (const std::exception&) {
+      }
+    }
+    if (!layer) {
+      throw ArtifactError(artifact + ": its step takes an input " + json::py_repr(ffi::String(*name)) +
+                          " that this C++ host does not know; run it with dsv4c generate or dsv4c serve");
+    }
+    auto [it, fresh] = table_of_layer.emplace(*layer, engram_tables_.size());
+    if (fresh) {
+      auto [rows, scale_rows] = open_engram_table(artifact, manifest, *layer, read);
+      engram_tables_.push_back({rows, scale_rows, {}, {}});
+    }
+    engram_inputs_.push_back({table ? EngramInput::kTable : EngramInput::kScales, it->second});
+  }
+  for (const auto& [layer, index] : table_of_layer) {
+    bool reads_scales = false;
+    for (const EngramInput& input : engram_inputs_) reads_scales |= input.kind == EngramInput::kScales && input.table == index;
+    if (reads_scales != static_cast<bool>(engram_tables_[index].scales.data)) {
+      throw ArtifactError(artifact + ": its step " + (reads_scales ? "reads" : "does not read") +
+                          " scales of the Engram table of layer " + std::to_string(layer) +
+                          ", which its manifest describes otherwise; recompile");
+    }
+  }
+  gathers_engram_rows_ = !engram_tables_.empty() && (device_.device_type != kDLCPU || gather_engram_rows_on_the_host);
+  for (EngramTable& t : engram_tables_) {
+    if (gathers_engram_rows_) continue;  // the tables stay in host memory
+    t.rows_input = to_device(t.rows);
+    if (t.scales.data) t.scales_input = to_device(t.scales);
+  }
+}
+
 ffi::Tensor CompiledStep::upload(const std::vector<int32_t>& values, std::vector<int64_t> shape) const {
   static const ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
   static const ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
@@ -245,8 +339,63 @@ ffi::Tensor CompiledStep::upload(const std::vector<int32_t>& values, std::vector
   return t;
 }
 
+// On the CPU an aligned host tensor is shared with the kernels as it is (a mapped one's pages
+// load as they are first read); anything else is copied to the device.
+ffi::Tensor CompiledStep::to_device(const Tensor& t) const {
+  if (device_.device_type == kDLCPU && t.aligned()) return share(t);
+  static const ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
+  static const ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
+  ffi::Tensor out = alloc(ffi::Shape(t.shape), t.dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
+  copy_in(out, t.ptr<void>(), static_cast<int64_t>(t.nbytes()));
+  return out;
+}
+
+// The step's Engram inputs in vm.inputs order. Whole tables on the CPU, the hashed ids as they
+// are; off it, per table the distinct rows the ids name in ascending order and the ids remapped
+// into them (Python: np.unique with return_inverse), so only those rows leave host memory.
+std::vector<ffi::Any> CompiledStep::engram_arguments(const EngramRows& engram_rows) const {
+  const int64_t per_token = engram_rows.layers * engram_rows.per_layer;
+  const int64_t n = per_token ? static_cast<int64_t>(engram_rows.rows.size()) / per_token : 0;
+  std::vector<int32_t> ids = engram_rows.rows;
+  std::vector<Tensor> rows(engram_tables_.size()), scales(engram_tables_.size());
+  for (size_t e = 0; gathers_engram_rows_ && e < engram_tables_.size(); ++e) {
+    std::vector<int32_t> distinct;
+    for (int64_t t = 0; t < n; ++t) {
+      const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * engram_rows.per_layer;
+      distinct.insert(distinct.end(), first, first + engram_rows.per_layer);
+    }
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    const EngramTable& table = engram_tables_[e];
+    if (!distinct.empty() && (distinct.front() < 0 || distinct.back() >= table.rows.shape[0])) {
+      throw std::logic_error("Engram row " + std::to_string(distinct.back()) + " is outside its table");
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * engram_rows.per_layer;
+      for (auto id = first; id != first + engram_rows.per_layer; ++id) {
+        *id = static_cast<int32_t>(std::lower_bound(distinct.begin(), distinct.end(), *id) - distinct.begin());
+      }
+    }
+    rows[e] = gather(table.rows, distinct);
+    if (table.scales.data) scales[e] = gather(table.scales, distinct);
+  }
+  std::vector<ffi::Any> out;
+  for (const EngramInput& input : engram_inputs_) {
+    if (input.kind == EngramInput::kRows) {
+      out.push_back(upload(ids, {n, engram_rows.layers, engram_rows.per_layer}));
+    } else if (gathers_engram_rows_) {
+      out.push_back(to_device(input.kind == EngramInput::kTable ? rows[input.table] : scales[input.table]));
+    } else {
+      const EngramTable& table = engram_tables_[input.table];
+      out.push_back(input.kind == EngramInput::kTable ? table.rows_input : table.scales_input);
+    }
+  }
+  return out;
+}
+
 std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
-                                     const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows) {
+                                     const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows,
+                                     const EngramRows& engram_rows) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n > max_step_tokens_) {
     throw UsageError("a step of " + std::to_string(n) + " tokens exceeds the artifact's max_step_tokens (" +
@@ -287,13 +436,18 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
   // A step that needs no logits (a prefill chunk) still computes one row: no empty tensors.
   const std::vector<int32_t> rows = logit_rows.empty() ? std::vector<int32_t>{static_cast<int32_t>(n - 1)} : logit_rows;
   ffi::Function& fn = n <= decode_max_tokens_ ? decode_ : prefill_;
+  std::vector<ffi::Any> arguments = {
+      upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
+      upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
+      ffi::Shape(extents)};
+  for (ffi::Any& input : engram_arguments(engram_rows)) arguments.push_back(std::move(input));
+  arguments.push_back(params_);
+  arguments.push_back(pool_tensors_);
+  const std::vector<ffi::AnyView> views(arguments.begin(), arguments.end());
+  ffi::Any result;
+  fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &result);
   // The step returns (logits, the last layer's streams); the host has no MTP layer to feed them to.
-  ffi::Tensor logits =
-      fn(upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
-         upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
-         ffi::Shape(extents), params_, pool_tensors_)
-          .cast<ffi::Array<ffi::Any>>()[0]
-          .cast<ffi::Tensor>();
+  ffi::Tensor logits = result.cast<ffi::Array<ffi::Any>>()[0].cast<ffi::Tensor>();
   std::vector<float> out(static_cast<size_t>(logits.numel()));
   static const ffi::Function copy_out = global("runtime.TVMTensorCopyToBytes");
   copy_out(logits, static_cast<void*>(out.data()), static_cast<int64_t>(out.size() * sizeof(float)));

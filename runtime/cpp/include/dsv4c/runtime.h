@@ -43,6 +43,9 @@ struct EngineOptions {
   // "map" the weight files, "read" them into memory (on the CPU, huge pages: faster decode), or
   // "auto": read on the CPU when they take at most half of MemAvailable, map otherwise.
   std::string weights = "auto";
+  // A DeepSeek-V4.1 model's Engram tables: "map" their files (the pages a step's rows lie on load
+  // as read) or "read" them into memory. No effect for models without Engram tables.
+  std::string engram_memory = "map";
 };
 
 /// What to generate for one request (greedy decoding).
