@@ -151,7 +151,8 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
     throw UsageError("max_step_tokens " + std::to_string(options.max_step_tokens) + " exceeds what " + m.path +
                      " was compiled for (" + std::to_string(limit) + "); lower it");
   }
-  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights, options.engram_memory);
+  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights, options.engram_memory,
+                                                   options.gather_engram_rows);
   if (m.compiled_step->takes_engram_rows()) {  // Python: runtime.loading.load_engram_hash
     std::optional<json::Value> engram = manifest.get("engram");
     std::string file = kEngramHash;

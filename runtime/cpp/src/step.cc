@@ -229,7 +229,8 @@ Tensor gather(const Tensor& table, const std::vector<int32_t>& ids) {
 }  // namespace
 
 CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
-                           const std::string& weights_mode, const std::string& engram_memory)
+                           const std::string& weights_mode, const std::string& engram_memory,
+                           bool gather_engram_rows)
     : pool_(pool),
       device_(device_for(artifact, manifest)),
       vm_(load_vm(artifact, manifest.object("vm"), device_)) {
@@ -240,6 +241,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   if (inputs.size() < common || !std::equal(kStepInputs, kStepInputs + common, inputs.begin())) {
     vm.fail("inputs", "the step's input names");
   }
+  gathers_engram_rows_ = device_.device_type != kDLCPU || gather_engram_rows;
   bind_engram_inputs(artifact, manifest, std::vector<std::string>(inputs.begin() + common, inputs.end()),
                      engram_memory == "read");
   decode_ = vm_->GetFunction("decode").value();
@@ -323,7 +325,7 @@ void CompiledStep::bind_engram_inputs(const std::string& artifact, const json::F
                           ", which its manifest describes otherwise; recompile");
     }
   }
-  gathers_engram_rows_ = !engram_tables_.empty() && (device_.device_type != kDLCPU || gather_engram_rows_on_the_host);
+  gathers_engram_rows_ = gathers_engram_rows_ && !engram_tables_.empty();
   for (EngramTable& t : engram_tables_) {
     if (gathers_engram_rows_) continue;  // the tables stay in host memory
     t.rows_input = to_device(t.rows);

@@ -32,9 +32,10 @@ class CompiledStep {
   /// Opens `artifact`'s library on the device its target names (the CPU for llvm; the first
   /// CUDA / ROCm GPU otherwise, which must exist) and binds its weights, read or mapped as
   /// `weights_mode` (a checked EngineOptions::weights) says, and a V4.1 step's Engram tables,
-  /// mapped or read as `engram_memory` ("map" / "read") says. Throws ArtifactError / CheckpointError.
+  /// mapped or read as `engram_memory` ("map" / "read") says, gathered per step off the CPU or
+  /// with `gather_engram_rows` (EngineOptions). Throws ArtifactError / CheckpointError.
   CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
-               const std::string& weights_mode, const std::string& engram_memory);
+               const std::string& weights_mode, const std::string& engram_memory, bool gather_engram_rows);
 
   /// Whether the step takes each token's Engram table rows (a V4.1 model with Engram layers).
   bool takes_engram_rows() const { return takes_engram_rows_; }
@@ -46,10 +47,6 @@ class CompiledStep {
   std::vector<float> run(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                          const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows,
                          const EngramRows& engram_rows);
-
-  /// Off the CPU the tables stay in host memory and each step uploads only the rows its tokens
-  /// read (Python: TvmBackend.device_rows); a test sets this to run that path on the CPU.
-  static inline bool gather_engram_rows_on_the_host = false;
 
  private:
   // A V4.1 step input after the common ones, in vm.inputs order: the Engram rows, or table
@@ -80,7 +77,7 @@ class CompiledStep {
   std::vector<int64_t> entry_ratios_;
   bool context_buckets_ = false;  // decode replays CUDA graphs: inputs cover the context's bucket
   bool takes_engram_rows_ = false;
-  bool gathers_engram_rows_ = false;  // see gather_engram_rows_on_the_host
+  bool gathers_engram_rows_ = false;  // off the CPU (or asked to): only the rows a step reads go in
   std::vector<EngramInput> engram_inputs_;
   std::vector<EngramTable> engram_tables_;
   tvm::ffi::Array<tvm::ffi::Tensor> params_;

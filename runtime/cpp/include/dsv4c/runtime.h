@@ -46,6 +46,10 @@ struct EngineOptions {
   // A DeepSeek-V4.1 model's Engram tables: "map" their files (the pages a step's rows lie on load
   // as read) or "read" them into memory. No effect for models without Engram tables.
   std::string engram_memory = "map";
+  // Off the CPU each step uploads only the Engram table rows its tokens read (the tables stay in
+  // host memory); true takes that path on the CPU too, which otherwise passes the whole tables
+  // (a check that both give the same logits).
+  bool gather_engram_rows = false;
 };
 
 /// What to generate for one request (greedy decoding).
