@@ -539,7 +539,7 @@ def test_host_refuses_other_engram_memory_modes_in_one_line(cpp, v41):
         assert (done.returncode, done.stderr) == (0, "")
         done = _host(build, artifact, "--token-ids", "4", "--max-new-tokens", "1", "--engram-memory", "all")
         assert (done.returncode, done.stdout) == (2, "")
-        assert done.stderr == "dsv4c: error: engram memory mode 'all' is not one of map, read\n"
+        assert done.stderr == "dsv4c: error: Engram memory mode 'all' is not one of map, read\n"
 
 
 def test_host_needs_the_hash_file_of_a_v41_step(cpp, v41, tmp_path, capsys):

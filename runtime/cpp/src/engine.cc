@@ -1,7 +1,5 @@
 // The engine: scheduling, greedy sampling and the request lifecycle of
 // dsv4c/runtime/engine.py, on the artifact's compiled step.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <iterator>
@@ -145,7 +143,7 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
     throw UsageError("max_step_tokens and prefill_chunk must be positive");
   }
   check_mode("weights", options.weights, kWeightsModes);
-  check_mode("engram memory", options.engram_memory, kEngramMemoryModes);
+  check_mode("Engram memory", options.engram_memory, kEngramMemoryModes);
   int64_t limit = manifest.object("vm").integer("max_step_tokens");
   if (options.max_step_tokens > limit) {
     throw UsageError("max_step_tokens " + std::to_string(options.max_step_tokens) + " exceeds what " + m.path +
@@ -153,17 +151,7 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
   }
   m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights, options.engram_memory,
                                                    options.gather_engram_rows);
-  if (m.compiled_step->takes_engram_rows()) {  // Python: runtime.loading.load_engram_hash
-    std::optional<json::Value> engram = manifest.get("engram");
-    std::string file = kEngramHash;
-    if (engram) file = json::Fields(json::as_object(*engram).value_or(json::Object()), manifest.file(), "engram.").string("hash");
-    const std::string path = join_path(m.path, file);
-    if (::access(path.c_str(), F_OK) != 0) {
-      throw ArtifactError(m.path + ": the model has Engram layers but the artifact has no " + file +
-                          "; compile it from a model directory that holds its tokenizer");
-    }
-    m.engram = EngramHash::load(path);
-  }
+  if (m.compiled_step->takes_engram_rows()) m.engram = load_engram_hash(m.path, manifest);
 }
 
 Engine::~Engine() = default;

@@ -1,5 +1,7 @@
 #include "engram.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -8,6 +10,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "artifact.h"
 #include "dsv4c/errors.h"
 #include "safetensors.h"
 
@@ -38,10 +41,34 @@ std::optional<int64_t> integer(const std::map<std::string, std::string>& metadat
   return std::nullopt;
 }
 
-std::string shape_list(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
+const char* const kEngramHash = "engram_hash.safetensors";  // Python: artifact/file_names.py, ENGRAM_HASH
+const char* const kFp8Table = "fp8_e4m3_e8m0";              // Python: artifact/engram_tables.py, FP8_TABLE
+const char* const kFp32Table = "fp32";
+
+// The tensors of a table file: name -> (safetensors dtype, shape) (Python: engram_tables.table_tensors).
+std::map<std::string, std::pair<std::string, std::vector<int64_t>>> table_tensors(const std::string& format,
+                                                                                  int64_t rows, int64_t width) {
+  if (format == kFp32Table) return {{"rows", {"F32", {rows, width}}}};
+  return {{"rows", {"U8", {rows, width}}}, {"scales", {"U8", {rows, (width + 31) / 32}}}};
+}
+
+// What makes a table file's header not the table the manifest records, in a few words, or ""
+// (Python: engram_tables.table_problem, same words).
+std::string table_problem(const SafetensorsHeader& header, const std::string& format, int64_t rows, int64_t width) {
+  const auto want = table_tensors(format, rows, width);
+  std::vector<std::string> held, wanted;
+  for (const auto& [name, dtype] : header.dtypes) held.push_back(name);
+  for (const auto& [name, tensor] : want) wanted.push_back(name);
+  if (held != wanted) return "holds tensors " + json::py_list(held) + ", a " + format + " table holds " + json::py_list(wanted);
+  for (const auto& [name, tensor] : want) {
+    const std::string& dtype = header.dtypes.at(name);
+    const std::vector<int64_t>& shape = header.shapes.at(name);
+    if (dtype != tensor.first || shape != tensor.second) {
+      return "tensor '" + name + "' is " + dtype + " " + json::py_list(shape) + ", the manifest implies " + tensor.first +
+             " " + json::py_list(tensor.second);
+    }
+  }
+  return "";
 }
 
 }  // namespace
@@ -80,7 +107,7 @@ EngramHash EngramHash::load(const std::string& path) {
     throw fail("token_map, primes and multipliers must have 1, 3 and 2 axes");
   }
   if (primes.shape[0] != layers || multipliers.shape != std::vector<int64_t>{layers, primes.shape[1] + 1}) {
-    throw fail("primes " + shape_list(primes.shape) + " and multipliers " + shape_list(multipliers.shape) +
+    throw fail("primes " + json::py_list(primes.shape) + " and multipliers " + json::py_list(multipliers.shape) +
                " do not fit " + std::to_string(layers) + " layers");
   }
   const std::string vocabulary = "the compressed vocabulary [0, " + std::to_string(*size) + ")";
@@ -142,6 +169,81 @@ void EngramHash::request_rows(const std::vector<int32_t>& tokens, int64_t start,
       }
     }
   }
+}
+
+EngramHash load_engram_hash(const std::string& artifact, const json::Fields& manifest) {
+  std::optional<std::string> file = kEngramHash;
+  if (std::optional<json::Value> engram = manifest.get("engram")) {
+    std::optional<json::Object> section = json::as_object(*engram);
+    std::optional<json::Value> hash = section ? section->Get(tvm::ffi::String("hash")) : std::nullopt;
+    file = hash ? json::as_string(*hash) : std::nullopt;
+    if (!section || !hash || (!file && hash->type_index() != tvm::ffi::TypeIndex::kTVMFFINone)) {
+      throw ArtifactError(manifest.file() + ": 'engram.hash' is missing or not a string or null; recompile");
+    }
+  }
+  const std::string path = file ? join_path(artifact, *file) : "";
+  if (!file || ::access(path.c_str(), F_OK) != 0) {  // null: compiled without a tokenizer
+    throw ArtifactError(artifact + ": the model has Engram layers but the artifact has no " + kEngramHash +
+                        "; compile it from a model directory that holds its tokenizer");
+  }
+  return EngramHash::load(path);
+}
+
+std::vector<std::string> EngramTable::inputs() const {
+  std::vector<std::string> names = {"engram_table." + std::to_string(layer)};
+  if (scales.data) names.push_back("engram_scale." + std::to_string(layer));
+  return names;
+}
+
+namespace {
+
+// Rows `unique` (ascending) of `table` [R, ...], then zero rows up to `count` rows.
+Tensor gathered(const Tensor& table, const std::vector<int32_t>& unique, size_t count) {
+  std::vector<int64_t> shape = table.shape;
+  shape[0] = static_cast<int64_t>(std::max<size_t>(count, 1));
+  Tensor out = Tensor::zeros(shape, table.dtype);
+  const size_t row_bytes = table.nbytes() / static_cast<size_t>(table.shape[0]);
+  for (size_t i = 0; i < unique.size(); ++i) {
+    std::memcpy(out.ptr<char>() + i * row_bytes, table.ptr<char>() + static_cast<size_t>(unique[i]) * row_bytes,
+                row_bytes);
+  }
+  return out;
+}
+
+}  // namespace
+
+EngramTable EngramTable::compact(std::vector<int32_t>& ids) const {
+  std::vector<int32_t> unique = ids;
+  std::sort(unique.begin(), unique.end());
+  unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+  if (!unique.empty() && (unique.front() < 0 || unique.back() >= rows.shape[0])) {
+    throw std::logic_error("Engram row " + std::to_string(unique.front() < 0 ? unique.front() : unique.back()) +
+                           " is outside the table of layer " + std::to_string(layer));
+  }
+  for (int32_t& id : ids) id = static_cast<int32_t>(std::lower_bound(unique.begin(), unique.end(), id) - unique.begin());
+  return EngramTable{layer, format, gathered(rows, unique, ids.size()),
+                     scales.data ? gathered(scales, unique, ids.size()) : Tensor{}};
+}
+
+std::vector<EngramTable> open_engram_tables(const std::string& artifact, const json::Fields& manifest, bool read) {
+  std::vector<EngramTable> out;
+  std::optional<json::Value> engram = manifest.get("engram");
+  if (!engram) return out;
+  json::Fields section = manifest.object("engram");
+  for (const json::Value& item : section.array("tables")) {
+    std::optional<json::Object> object = json::as_object(item);
+    if (!object) section.fail("tables", "a list of objects");
+    json::Fields record(*object, manifest.file(), "engram.tables[].");
+    const std::string path = join_path(artifact, record.string("file")), format = record.string("format");
+    if (format != kFp8Table && format != kFp32Table) record.fail("format", "'fp8_e4m3_e8m0' or 'fp32'");
+    std::string problem = table_problem(read_safetensors_header(path), format, record.integer("rows"),
+                                        record.integer("width"));
+    if (!problem.empty()) throw ArtifactError(path + ": " + problem + "; recompile");
+    std::map<std::string, Tensor> tensors = read ? read_safetensors(path) : map_safetensors(path);
+    out.push_back(EngramTable{record.integer("layer"), format, tensors["rows"],
+                              format == kFp8Table ? tensors["scales"] : Tensor{}});
+  }
+  return out;
 }
 
 }  // namespace dsv4c

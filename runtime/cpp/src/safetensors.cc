@@ -275,7 +275,10 @@ std::map<std::string, Tensor> map_safetensors(const std::string& path) { return 
 SafetensorsHeader read_safetensors_header(const std::string& path) {
   Reader reader(path);
   SafetensorsHeader header;
-  for (const Entry& e : reader.entries()) header.dtypes[e.name] = e.dtype;
+  for (const Entry& e : reader.entries()) {
+    header.dtypes[e.name] = e.dtype;
+    header.shapes[e.name] = e.shape_and_dtype.shape;
+  }
   header.metadata = reader.metadata();
   return header;
 }

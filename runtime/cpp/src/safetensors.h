@@ -5,6 +5,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "json.h"
 #include "tensor.h"
@@ -19,10 +20,12 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path);
 /// lives as long as one of them does.
 std::map<std::string, Tensor> map_safetensors(const std::string& path);
 
-/// What a file's header says besides shapes: each tensor's dtype as spelled there ("F32", "I64",
-/// ...) and the `__metadata__` strings (Python: SafetensorsFile.dtype, .metadata).
+/// What a file's header says, its data unread: each tensor's dtype as spelled there ("F32",
+/// "I64", ...) and shape, and the `__metadata__` strings (Python: SafetensorsFile.dtype, .shape,
+/// .metadata).
 struct SafetensorsHeader {
   std::map<std::string, std::string> dtypes;
+  std::map<std::string, std::vector<int64_t>> shapes;
   std::map<std::string, std::string> metadata;
 };
 SafetensorsHeader read_safetensors_header(const std::string& path);

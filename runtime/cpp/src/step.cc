@@ -179,52 +179,6 @@ ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevic
 // step with Engram layers takes its Engram inputs after them.
 const char* const kStepInputs[] = {"tokens",     "positions",  "token_request", "requests",
                                    "block_table", "logit_rows", "entry_extents"};
-const char* const kTableInput = "engram_table.";
-const char* const kScalesInput = "engram_scale.";
-
-bool same_type(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
-
-// The Engram table of decoder layer `layer` (manifest "engram.tables", docs/artifact.md): its
-// file's rows and, for an FP8 table, scales, mapped or read, checked against the manifest.
-std::pair<Tensor, Tensor> open_engram_table(const std::string& artifact, const json::Fields& manifest, int64_t layer,
-                                            bool read) {
-  json::Fields engram = manifest.object("engram");
-  for (const json::Value& item : engram.array("tables")) {
-    std::optional<json::Object> object = json::as_object(item);
-    if (!object) engram.fail("tables", "a list of objects");
-    json::Fields table(*object, manifest.file(), "engram.tables[].");
-    if (table.integer("layer") != layer) continue;
-    const std::string path = join_path(artifact, table.string("file")), format = table.string("format");
-    const int64_t rows = table.integer("rows"), width = table.integer("width");
-    if (format != "fp8_e4m3_e8m0" && format != "fp32") table.fail("format", "'fp8_e4m3_e8m0' or 'fp32'");
-    std::map<std::string, Tensor> tensors = read ? read_safetensors(path) : map_safetensors(path);
-    auto tensor = [&](const char* name, DLDataType dtype, const char* dtype_name, std::vector<int64_t> shape) {
-      auto it = tensors.find(name);
-      if (it == tensors.end() || !same_type(it->second.dtype, dtype) || it->second.shape != shape) {
-        throw ArtifactError(path + ": the Engram table of layer " + std::to_string(layer) + " needs tensor '" + name +
-                            "' " + dtype_name + " [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) +
-                            "] (" + format + "); recompile the artifact");
-      }
-      return it->second;
-    };
-    if (format == "fp32") return {tensor("rows", kF32, "float32", {rows, width}), Tensor{}};
-    return {tensor("rows", kU8, "uint8 codes", {rows, width}), tensor("scales", kU8, "uint8", {rows, (width + 31) / 32})};
-  }
-  throw ArtifactError(manifest.file() + ": 'engram.tables' has no table of layer " + std::to_string(layer) +
-                      ", which the step reads; recompile");
-}
-
-// Rows `ids` (ascending) of a table [R, ...] as a table of their own.
-Tensor gather(const Tensor& table, const std::vector<int32_t>& ids) {
-  std::vector<int64_t> shape = table.shape;
-  shape[0] = static_cast<int64_t>(ids.size());
-  Tensor out = Tensor::zeros(shape, table.dtype);
-  const size_t row_bytes = table.nbytes() / static_cast<size_t>(table.shape[0]);
-  for (size_t i = 0; i < ids.size(); ++i) {
-    std::memcpy(out.ptr<char>() + i * row_bytes, table.ptr<char>() + static_cast<size_t>(ids[i]) * row_bytes, row_bytes);
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -284,52 +238,30 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   }
 }
 
-// A V4.1 step's Engram inputs, as they come: each token's rows, then per Engram layer its table
-// (and an FP8 table's scales) when the artifact keeps the tables in files of their own.
+// A V4.1 step's Engram inputs: each token's rows, then, where the artifact keeps the tables in
+// files of their own (manifest "engram.tables"), each table's rows and an FP8 table's scales.
 void CompiledStep::bind_engram_inputs(const std::string& artifact, const json::Fields& manifest,
                                       const std::vector<std::string>& names, bool read) {
-  std::map<int64_t, size_t> table_of_layer;
-  for (auto name = names.begin(); name != names.end(); ++name) {
-    const bool table = name->rfind(kTableInput, 0) == 0, scales = name->rfind(kScalesInput, 0) == 0;
-    if (*name == "engram_rows") {
-      takes_engram_rows_ = true;
-      engram_inputs_.push_back({EngramInput::kRows, 0});
-      continue;
-    }
-    std::optional<int64_t> layer;
-    if (table || scales) {
-      try {
-        size_t used = 0, prefix = std::strlen(table ? kTableInput : kScalesInput);
-        layer = std::stoll(name->substr(prefix), &used);
-        if (used != name->size() - prefix) layer.reset();
-      } catch (const std::exception&) {
-      }
-    }
-    if (!layer) {
-      throw ArtifactError(artifact + ": its step takes an input " + json::py_repr(ffi::String(*name)) +
-                          " that this C++ host does not know; run it with dsv4c generate or dsv4c serve");
-    }
-    auto [it, fresh] = table_of_layer.emplace(*layer, engram_tables_.size());
-    if (fresh) {
-      auto [rows, scale_rows] = open_engram_table(artifact, manifest, *layer, read);
-      engram_tables_.push_back({rows, scale_rows, {}, {}});
-    }
-    engram_inputs_.push_back({table ? EngramInput::kTable : EngramInput::kScales, it->second});
+  if (names.empty()) return;
+  if (names[0] != "engram_rows") {
+    throw ArtifactError(artifact + ": its step takes an input " + json::py_repr(ffi::String(names[0])) +
+                        " that this C++ host does not know; run it with dsv4c generate or dsv4c serve");
   }
-  for (const auto& [layer, index] : table_of_layer) {
-    bool reads_scales = false;
-    for (const EngramInput& input : engram_inputs_) reads_scales |= input.kind == EngramInput::kScales && input.table == index;
-    if (reads_scales != static_cast<bool>(engram_tables_[index].scales.data)) {
-      throw ArtifactError(artifact + ": its step " + (reads_scales ? "reads" : "does not read") +
-                          " scales of the Engram table of layer " + std::to_string(layer) +
-                          ", which its manifest describes otherwise; recompile");
-    }
+  takes_engram_rows_ = true;
+  engram_tables_ = open_engram_tables(artifact, manifest, read);
+  std::vector<std::string> want;  // Python: backend_tvm.check_table_inputs
+  for (const EngramTable& t : engram_tables_) {
+    for (const std::string& name : t.inputs()) want.push_back(name);
+  }
+  if (std::vector<std::string>(names.begin() + 1, names.end()) != want) {
+    throw ArtifactError(artifact + ": the step's inputs after engram_rows are not the Engram tables " +
+                        json::py_list(want) + " the manifest lists (an older layout); recompile");
   }
   gathers_engram_rows_ = gathers_engram_rows_ && !engram_tables_.empty();
-  for (EngramTable& t : engram_tables_) {
-    if (gathers_engram_rows_) continue;  // the tables stay in host memory
-    t.rows_input = to_device(t.rows);
-    if (t.scales.data) t.scales_input = to_device(t.scales);
+  for (const EngramTable& t : engram_tables_) {
+    if (gathers_engram_rows_) break;  // the tables stay in host memory
+    whole_tables_.push_back(to_device(t.rows));
+    if (t.scales.data) whole_tables_.push_back(to_device(t.scales));
   }
 }
 
@@ -353,46 +285,28 @@ ffi::Tensor CompiledStep::to_device(const Tensor& t) const {
 }
 
 // The step's Engram inputs in vm.inputs order. Whole tables on the CPU, the hashed ids as they
-// are; off it, per table the distinct rows the ids name in ascending order and the ids remapped
-// into them (Python: np.unique with return_inverse), so only those rows leave host memory.
+// are; off it, per table the rows the ids name (EngramTable::compact) and the ids remapped into
+// them, so only those rows leave host memory (Python: TvmBackend._engram_inputs).
 std::vector<ffi::Any> CompiledStep::engram_arguments(const EngramRows& engram_rows) const {
-  const int64_t per_token = engram_rows.layers * engram_rows.per_layer;
+  const int64_t per_layer = engram_rows.per_layer, per_token = engram_rows.layers * per_layer;
   const int64_t n = per_token ? static_cast<int64_t>(engram_rows.rows.size()) / per_token : 0;
   std::vector<int32_t> ids = engram_rows.rows;
-  std::vector<Tensor> rows(engram_tables_.size()), scales(engram_tables_.size());
+  std::vector<ffi::Any> tables(whole_tables_.begin(), whole_tables_.end());
   for (size_t e = 0; gathers_engram_rows_ && e < engram_tables_.size(); ++e) {
-    std::vector<int32_t> distinct;
+    std::vector<int32_t> layer_ids;  // [T, C]: this table's rows of every token
     for (int64_t t = 0; t < n; ++t) {
-      const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * engram_rows.per_layer;
-      distinct.insert(distinct.end(), first, first + engram_rows.per_layer);
+      const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * per_layer;
+      layer_ids.insert(layer_ids.end(), first, first + per_layer);
     }
-    std::sort(distinct.begin(), distinct.end());
-    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-    const EngramTable& table = engram_tables_[e];
-    if (!distinct.empty() && (distinct.front() < 0 || distinct.back() >= table.rows.shape[0])) {
-      throw std::logic_error("Engram row " + std::to_string(distinct.back()) + " is outside its table");
-    }
+    EngramTable compact = engram_tables_[e].compact(layer_ids);
     for (int64_t t = 0; t < n; ++t) {
-      const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * engram_rows.per_layer;
-      for (auto id = first; id != first + engram_rows.per_layer; ++id) {
-        *id = static_cast<int32_t>(std::lower_bound(distinct.begin(), distinct.end(), *id) - distinct.begin());
-      }
+      std::copy_n(layer_ids.begin() + t * per_layer, per_layer, ids.begin() + t * per_token + e * per_layer);
     }
-    rows[e] = gather(table.rows, distinct);
-    if (table.scales.data) scales[e] = gather(table.scales, distinct);
+    tables.push_back(to_device(compact.rows));
+    if (compact.scales.data) tables.push_back(to_device(compact.scales));
   }
-  std::vector<ffi::Any> out;
-  for (const EngramInput& input : engram_inputs_) {
-    if (input.kind == EngramInput::kRows) {
-      out.push_back(upload(ids, {n, engram_rows.layers, engram_rows.per_layer}));
-    } else if (gathers_engram_rows_) {
-      out.push_back(to_device(input.kind == EngramInput::kTable ? rows[input.table] : scales[input.table]));
-    } else {
-      const EngramTable& table = engram_tables_[input.table];
-      out.push_back(input.kind == EngramInput::kTable ? table.rows_input : table.scales_input);
-    }
-  }
-  return out;
+  tables.insert(tables.begin(), upload(ids, {n, engram_rows.layers, per_layer}));
+  return tables;
 }
 
 std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
@@ -442,7 +356,9 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
       upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
       upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
       ffi::Shape(extents)};
-  for (ffi::Any& input : engram_arguments(engram_rows)) arguments.push_back(std::move(input));
+  if (takes_engram_rows_) {
+    for (ffi::Any& input : engram_arguments(engram_rows)) arguments.push_back(std::move(input));
+  }
   arguments.push_back(params_);
   arguments.push_back(pool_tensors_);
   const std::vector<ffi::AnyView> views(arguments.begin(), arguments.end());

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dsv4c/kv_pool.h"
+#include "engram.h"
 #include "json.h"
 #include "tensor.h"
 
@@ -49,19 +50,6 @@ class CompiledStep {
                          const EngramRows& engram_rows);
 
  private:
-  // A V4.1 step input after the common ones, in vm.inputs order: the Engram rows, or table
-  // `table`'s rows or scales.
-  struct EngramInput {
-    enum Kind { kRows, kTable, kScales } kind;
-    size_t table;
-  };
-  // One Engram layer's table file (manifest "engram.tables"), whole on the device when it is
-  // the CPU (`rows_input`, `scales_input`), else gathered per step.
-  struct EngramTable {
-    Tensor rows, scales;
-    tvm::ffi::Tensor rows_input, scales_input;
-  };
-
   void bind_engram_inputs(const std::string& artifact, const json::Fields& manifest,
                           const std::vector<std::string>& names, bool read);
   tvm::ffi::Tensor upload(const std::vector<int32_t>& values, std::vector<int64_t> shape) const;
@@ -78,8 +66,8 @@ class CompiledStep {
   bool context_buckets_ = false;  // decode replays CUDA graphs: inputs cover the context's bucket
   bool takes_engram_rows_ = false;
   bool gathers_engram_rows_ = false;  // off the CPU (or asked to): only the rows a step reads go in
-  std::vector<EngramInput> engram_inputs_;
-  std::vector<EngramTable> engram_tables_;
+  std::vector<EngramTable> engram_tables_;        // manifest "engram.tables", in host memory
+  std::vector<tvm::ffi::Tensor> whole_tables_;   // their step inputs, unless gathered
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
   tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };
