@@ -30,8 +30,11 @@ from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.cli import main as cli
 from dsv4c.compile import compile_model
 from dsv4c.errors import ArtifactError, DsvError, UsageError
-from dsv4c.frontend.config import config_from_dict, preset
+from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.config import config_from_dict, preset, with_weights
 from dsv4c.frontend.engram import hash_multipliers, hash_primes
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.artifact.manifest import FORMAT_VERSION, read_manifest
 from dsv4c.runtime.engine import Engine
@@ -512,8 +515,12 @@ def test_host_runs_v41_like_dsv4c_generate(cpp, v41, tmp_path, capsys, chunk):
     _assert_close(np.load(tmp_path / "cpp.npy"), np.load(tmp_path / "py.npy"))
 
 
-@pytest.mark.parametrize("options", [[], ["--engram-memory", "read"], ["--gather-engram-rows"]],
-                         ids=["mapped", "read", "gathered"])
+# How the host holds the Engram tables (where the artifact keeps them in files of their own).
+TABLE_OPTIONS = pytest.mark.parametrize("options", [[], ["--engram-memory", "read"], ["--gather-engram-rows"]],
+                                        ids=["mapped", "read", "gathered"])
+
+
+@TABLE_OPTIONS
 def test_host_runs_a_v41_batch_like_the_python_engine(cpp, v41, tmp_path, options):
     """Three requests of other lengths batched, in prefill chunks that never line up; the Engram
     tables (where the artifact keeps them in files of their own) mapped, read, or passed as the
@@ -532,6 +539,32 @@ def test_host_runs_a_v41_batch_like_the_python_engine(cpp, v41, tmp_path, option
     _assert_close(np.load(tmp_path / "cpp.npy"), np.concatenate([r.logits for r in results]))
 
 
+@pytest.fixture(scope="module")
+def v41_fp8(tmp_path_factory):
+    """v41-tiny as the release stores it (FP8 dense weights and Engram rows with E8M0 scales, FP4
+    experts; random weights, a byte-level tokenizer), compiled for llvm."""
+    root = tmp_path_factory.mktemp("v41_fp8")
+    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
+    model = write_checkpoint(cfg, random_weights(cfg, seed=3), root / "model")
+    write_byte_tokenizer(model, cfg.vocab_size)
+    assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(root / "llvm")]) == 0
+    return root / "llvm"
+
+
+@TABLE_OPTIONS
+def test_host_runs_an_fp8_v41_model_like_dsv4c_generate(cpp, v41_fp8, tmp_path, capsys, options):
+    build, _ = cpp
+    prompt = ",".join(map(str, np.random.default_rng(4).integers(3, 250, 37).tolist()))  # v41-tiny: 272 ids
+    args = ["--token-ids", prompt, "--max-new-tokens", "6", "--prefill-chunk", "5"]
+    capsys.readouterr()
+    assert cli(["generate", str(v41_fp8), *args, "--greedy", "--logits-out", str(tmp_path / "py.npy")]) == 0
+    expected = capsys.readouterr().out
+    done = _host(build, v41_fp8, *args, "--logits-out", tmp_path / "cpp.npy", *options)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == expected and len(expected.split()) == 6
+    _assert_close(np.load(tmp_path / "cpp.npy"), np.load(tmp_path / "py.npy"))
+
+
 def test_host_refuses_other_engram_memory_modes_in_one_line(cpp, v41):
     build, art = cpp
     for artifact in (v41, art):  # accepted and without effect for a model without Engram
@@ -543,11 +576,16 @@ def test_host_refuses_other_engram_memory_modes_in_one_line(cpp, v41):
 
 
 def test_host_needs_the_hash_file_of_a_v41_step(cpp, v41, tmp_path, capsys):
+    """An artifact compiled without a tokenizer has no hash file: manifest ``engram.hash`` null
+    (an artifact from before the ``engram`` section: no file)."""
     build, _ = cpp
     art = Path(shutil.copytree(v41, tmp_path / "art"))
     (art / ENGRAM_HASH).unlink()
-    _set_manifest(art, files={k: v for k, v in json.loads((art / "manifest.json").read_text())["files"].items()
-                              if k != ENGRAM_HASH})
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["files"].pop(ENGRAM_HASH)
+    if "engram" in manifest:
+        manifest["engram"]["hash"] = None
+    (art / "manifest.json").write_text(json.dumps(manifest))
     args = ["--token-ids", "4,5", "--max-new-tokens", "1"]
     assert cli(["generate", str(art), *args]) == 2
     expected = capsys.readouterr().err

@@ -181,12 +181,12 @@ EngramHash load_engram_hash(const std::string& artifact, const json::Fields& man
       throw ArtifactError(manifest.file() + ": 'engram.hash' is missing or not a string or null; recompile");
     }
   }
-  const std::string path = file ? join_path(artifact, *file) : "";
-  if (!file || ::access(path.c_str(), F_OK) != 0) {  // null: compiled without a tokenizer
+  // null: compiled without a tokenizer; before the "engram" section, no file said the same
+  if (!file || (!manifest.get("engram") && ::access(join_path(artifact, *file).c_str(), F_OK) != 0)) {
     throw ArtifactError(artifact + ": the model has Engram layers but the artifact has no " + kEngramHash +
                         "; compile it from a model directory that holds its tokenizer");
   }
-  return EngramHash::load(path);
+  return EngramHash::load(join_path(artifact, *file));
 }
 
 std::vector<std::string> EngramTable::inputs() const {
