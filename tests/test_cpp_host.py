@@ -26,7 +26,7 @@ import pytest
 
 from dsv4c.artifact.engram import EngramTables
 from dsv4c.artifact.file_names import ENGRAM_HASH
-from dsv4c.artifact.safetensors_io import write_safetensors
+from dsv4c.artifact.safetensors_io import SafetensorsFile, write_safetensors
 from dsv4c.cli import main as cli
 from dsv4c.compile import compile_model
 from dsv4c.errors import ArtifactError, DsvError, UsageError
@@ -563,6 +563,48 @@ def test_host_runs_an_fp8_v41_model_like_dsv4c_generate(cpp, v41_fp8, tmp_path, 
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == expected and len(expected.split()) == 6
     _assert_close(np.load(tmp_path / "cpp.npy"), np.load(tmp_path / "py.npy"))
+
+
+def _rewrite_table(**tensors):
+    """A breakage that rewrites the first Engram table file with ``tensors`` (name -> function of
+    the file's rows), its size recorded in the manifest as compile would have."""
+    def breakage(art: Path, manifest: dict) -> None:
+        name = manifest["engram"]["tables"][0]["file"]
+        with SafetensorsFile(art / name) as file:
+            rows = np.array(file.read_raw("rows"))
+        write_safetensors(art / name, {n: ("F32" if a.dtype == np.float32 else "U8", a)
+                                       for n, a in ((n, make(rows)) for n, make in tensors.items())})
+        manifest["files"][name]["bytes"] = (art / name).stat().st_size
+    return breakage
+
+
+def _older_layout(art: Path, manifest: dict) -> None:
+    inputs = manifest["vm"]["inputs"]
+    manifest["vm"]["inputs"] = inputs[:inputs.index("engram_rows") + 1]
+
+
+TABLE_BREAKAGES = {
+    "wrong-width": _rewrite_table(rows=lambda rows: np.zeros((rows.shape[0], rows.shape[1] + 1), rows.dtype)),
+    "stray-tensor": _rewrite_table(rows=lambda rows: rows, other=lambda rows: rows[:1]),
+    "older-layout": _older_layout,
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(TABLE_BREAKAGES))
+def test_host_refuses_a_damaged_engram_table_like_python(cpp, v41, tmp_path, capsys, breakage):
+    build, _ = cpp
+    art = Path(shutil.copytree(v41, tmp_path / "art"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    if "engram" not in manifest:
+        pytest.skip("this artifact keeps its Engram tables among the weights (no manifest 'engram' section)")
+    TABLE_BREAKAGES[breakage](art, manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    args = ["--token-ids", "4,5", "--max-new-tokens", "1"]
+    assert cli(["generate", str(art), *args]) == 2
+    expected = capsys.readouterr().err
+    done = _host(build, art, *args)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
+    assert expected.count("\n") == 1
 
 
 def test_host_refuses_other_engram_memory_modes_in_one_line(cpp, v41):
