@@ -59,13 +59,15 @@ std::string table_problem(const SafetensorsHeader& header, const std::string& fo
   std::vector<std::string> held, wanted;
   for (const auto& [name, dtype] : header.dtypes) held.push_back(name);
   for (const auto& [name, tensor] : want) wanted.push_back(name);
-  if (held != wanted) return "holds tensors " + json::py_list(held) + ", a " + format + " table holds " + json::py_list(wanted);
+  if (held != wanted) {
+    return "holds tensors " + json::py_list(held) + ", a " + format + " table holds " + json::py_list(wanted);
+  }
   for (const auto& [name, tensor] : want) {
     const std::string& dtype = header.dtypes.at(name);
     const std::vector<int64_t>& shape = header.shapes.at(name);
     if (dtype != tensor.first || shape != tensor.second) {
-      return "tensor '" + name + "' is " + dtype + " " + json::py_list(shape) + ", the manifest implies " + tensor.first +
-             " " + json::py_list(tensor.second);
+      return "tensor '" + name + "' is " + dtype + " " + json::py_list(shape) + ", the manifest implies " +
+             tensor.first + " " + json::py_list(tensor.second);
     }
   }
   return "";
@@ -74,7 +76,9 @@ std::string table_problem(const SafetensorsHeader& header, const std::string& fo
 }  // namespace
 
 EngramHash EngramHash::load(const std::string& path) {
-  auto fail = [&](const std::string& problem) { return ArtifactError(path + ": " + problem + "; recompile the artifact"); };
+  auto fail = [&](const std::string& problem) {
+    return ArtifactError(path + ": " + problem + "; recompile the artifact");
+  };
   SafetensorsHeader header;
   std::map<std::string, Tensor> tensors;
   try {
@@ -220,7 +224,9 @@ EngramTable EngramTable::compact(std::vector<int32_t>& ids) const {
     throw std::logic_error("Engram row " + std::to_string(unique.front() < 0 ? unique.front() : unique.back()) +
                            " is outside the table of layer " + std::to_string(layer));
   }
-  for (int32_t& id : ids) id = static_cast<int32_t>(std::lower_bound(unique.begin(), unique.end(), id) - unique.begin());
+  for (int32_t& id : ids) {
+    id = static_cast<int32_t>(std::lower_bound(unique.begin(), unique.end(), id) - unique.begin());
+  }
   return EngramTable{layer, format, gathered(rows, unique, ids.size()),
                      scales.data ? gathered(scales, unique, ids.size()) : Tensor{}};
 }

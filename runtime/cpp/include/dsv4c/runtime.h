@@ -79,10 +79,12 @@ int64_t verify_artifact(const std::string& artifact);
 class Engine {
  public:
   /// Loads the artifact directory written by `dsv4c compile`: checks the format version, the size
-  /// of every file and the sha256 of all but the weight shards and Engram tables (see verify_artifact), opens model.so through the TVM
-  /// runtime (a GPU artifact on a host with that GPU), maps or reads the weights (as
-  /// options.weights says) and uploads them, and allocates the KV pool for `options`. Throws
-  /// ArtifactError / CheckpointError / UsageError with the Python runtime's messages.
+  /// of every file and the sha256 of all but the weight shards and Engram tables (see
+  /// verify_artifact), opens model.so through the TVM runtime (a GPU artifact on a host with that
+  /// GPU), maps or reads the weights (as options.weights says) and uploads them, maps or reads a
+  /// DeepSeek-V4.1 model's Engram tables and loads its Engram hash, and allocates the KV pool for
+  /// `options`. Throws ArtifactError / CheckpointError / UsageError with the Python runtime's
+  /// messages.
   explicit Engine(const std::string& artifact, const EngineOptions& options = {});
   ~Engine();
   Engine(Engine&&) noexcept;
