@@ -102,13 +102,20 @@ def test_host_prints_what_dsv4c_generate_prints(cpp, tmp_path, capsys):
 ], ids=["chunked-prefill", "batched"])
 def test_host_matches_the_python_engine(cpp, tmp_path, prompts, new_tokens, chunk):
     build, art = cpp
+    _assert_host_runs_like_the_engine(build, art, tmp_path, prompts, new_tokens, chunk)
+
+
+def _assert_host_runs_like_the_engine(build: Path, art: Path, tmp_path: Path, prompts, new_tokens: int, chunk: int,
+                                      *options) -> None:
+    """The prompts batched, in prefill chunks of ``chunk``: the host's tokens and logits are the
+    Python engine's."""
     engine = Engine(art, prefill_chunk=chunk, max_context=max(4096, new_tokens + 8192))
     ids = [engine.submit(p, SamplingParams(max_new_tokens=new_tokens), record_logits=True) for p in prompts]
     engine.run()
     results = [engine.result(i) for i in ids]
     args = [a for p in prompts for a in ("--token-ids", ",".join(map(str, p)))]
     done = _host(build, art, *args, "--max-new-tokens", new_tokens, "--prefill-chunk", chunk,
-                 "--logits-out", tmp_path / "cpp.npy")
+                 "--logits-out", tmp_path / "cpp.npy", *options)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.splitlines() == [" ".join(map(str, r.tokens)) for r in results]
     _assert_close(np.load(tmp_path / "cpp.npy"), np.concatenate([r.logits for r in results]))
@@ -526,17 +533,8 @@ def test_host_runs_a_v41_batch_like_the_python_engine(cpp, v41, tmp_path, option
     tables (where the artifact keeps them in files of their own) mapped, read, or passed as the
     rows each step reads, as off the CPU: the same tokens and logits."""
     build, _ = cpp
-    prompts, new_tokens, chunk = [V41_PROMPT, v41_prompt(5, 30), v41_prompt(6, 71)], 12, 13
-    engine = Engine(v41, prefill_chunk=chunk, max_context=max(4096, new_tokens + 8192))
-    ids = [engine.submit(p, SamplingParams(max_new_tokens=new_tokens), record_logits=True) for p in prompts]
-    engine.run()
-    results = [engine.result(i) for i in ids]
-    args = [a for p in prompts for a in ("--token-ids", ",".join(map(str, p)))]
-    done = _host(build, v41, *args, "--max-new-tokens", new_tokens, "--prefill-chunk", chunk,
-                 "--logits-out", tmp_path / "cpp.npy", *options)
-    assert (done.returncode, done.stderr) == (0, "")
-    assert done.stdout.splitlines() == [" ".join(map(str, r.tokens)) for r in results]
-    _assert_close(np.load(tmp_path / "cpp.npy"), np.concatenate([r.logits for r in results]))
+    prompts = [V41_PROMPT, v41_prompt(5, 30), v41_prompt(6, 71)]
+    _assert_host_runs_like_the_engine(build, v41, tmp_path, prompts, 12, 13, *options)
 
 
 @pytest.fixture(scope="module")
@@ -590,6 +588,16 @@ TABLE_BREAKAGES = {
 }
 
 
+def _fails_like_the_cli(build: Path, art: Path, capsys) -> str:
+    """The host's error for ``art`` is ``dsv4c generate``'s, exit status and line; that line."""
+    args = ["--token-ids", "4,5", "--max-new-tokens", "1"]
+    assert cli(["generate", str(art), *args]) == 2
+    expected = capsys.readouterr().err
+    done = _host(build, art, *args)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
+    return expected
+
+
 @pytest.mark.parametrize("breakage", sorted(TABLE_BREAKAGES))
 def test_host_refuses_a_damaged_engram_table_like_python(cpp, v41, tmp_path, capsys, breakage):
     build, _ = cpp
@@ -599,12 +607,7 @@ def test_host_refuses_a_damaged_engram_table_like_python(cpp, v41, tmp_path, cap
         pytest.skip("this artifact keeps its Engram tables among the weights (no manifest 'engram' section)")
     TABLE_BREAKAGES[breakage](art, manifest)
     (art / "manifest.json").write_text(json.dumps(manifest))
-    args = ["--token-ids", "4,5", "--max-new-tokens", "1"]
-    assert cli(["generate", str(art), *args]) == 2
-    expected = capsys.readouterr().err
-    done = _host(build, art, *args)
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
-    assert expected.count("\n") == 1
+    assert _fails_like_the_cli(build, art, capsys).count("\n") == 1
 
 
 def test_host_refuses_other_engram_memory_modes_in_one_line(cpp, v41):
@@ -628,9 +631,4 @@ def test_host_needs_the_hash_file_of_a_v41_step(cpp, v41, tmp_path, capsys):
     if "engram" in manifest:
         manifest["engram"]["hash"] = None
     (art / "manifest.json").write_text(json.dumps(manifest))
-    args = ["--token-ids", "4,5", "--max-new-tokens", "1"]
-    assert cli(["generate", str(art), *args]) == 2
-    expected = capsys.readouterr().err
-    done = _host(build, art, *args)
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
-    assert "has no engram_hash.safetensors" in expected
+    assert "has no engram_hash.safetensors" in _fails_like_the_cli(build, art, capsys)
