@@ -8,8 +8,8 @@
 #include <tuple>
 
 #include "artifact.h"
-#include "engram.h"
 #include "dsv4c/runtime.h"
+#include "engram.h"
 #include "model_config.h"
 #include "safetensors.h"
 #include "step.h"

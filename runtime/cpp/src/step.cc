@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <set>
@@ -173,7 +172,6 @@ ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevic
                                                     kPooledAllocator, static_cast<int>(kDLCPU), 0, kPooledAllocator);
   return machine;
 }
-
 
 // The inputs every entry function takes first (Python: codegen.relax_step.STEP_INPUTS); a V4.1
 // step with Engram layers takes its Engram inputs after them.

@@ -66,8 +66,8 @@ class CompiledStep {
   bool context_buckets_ = false;  // decode replays CUDA graphs: inputs cover the context's bucket
   bool takes_engram_rows_ = false;
   bool gathers_engram_rows_ = false;  // off the CPU (or asked to): only the rows a step reads go in
-  std::vector<EngramTable> engram_tables_;        // manifest "engram.tables", in host memory
-  std::vector<tvm::ffi::Tensor> whole_tables_;   // their step inputs, unless gathered
+  std::vector<EngramTable> engram_tables_;       // manifest "engram.tables", in host memory
+  std::vector<tvm::ffi::Tensor> whole_tables_;  // their step inputs, unless gathered
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
   tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };
