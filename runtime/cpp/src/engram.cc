@@ -204,7 +204,7 @@ namespace {
 // Rows `unique` (ascending) of `table` [R, ...], then zero rows up to `count` rows.
 Tensor gathered(const Tensor& table, const std::vector<int32_t>& unique, size_t count) {
   std::vector<int64_t> shape = table.shape;
-  shape[0] = static_cast<int64_t>(std::max<size_t>(count, 1));
+  shape[0] = static_cast<int64_t>(std::max(count, unique.size()));
   Tensor out = Tensor::zeros(shape, table.dtype);
   const size_t row_bytes = table.nbytes() / static_cast<size_t>(table.shape[0]);
   for (size_t i = 0; i < unique.size(); ++i) {
@@ -216,7 +216,7 @@ Tensor gathered(const Tensor& table, const std::vector<int32_t>& unique, size_t 
 
 }  // namespace
 
-EngramTable EngramTable::compact(std::vector<int32_t>& ids) const {
+EngramTable EngramTable::compact(std::vector<int32_t>& ids, bool padded) const {
   std::vector<int32_t> unique = ids;
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
@@ -227,8 +227,9 @@ EngramTable EngramTable::compact(std::vector<int32_t>& ids) const {
   for (int32_t& id : ids) {
     id = static_cast<int32_t>(std::lower_bound(unique.begin(), unique.end(), id) - unique.begin());
   }
-  return EngramTable{layer, format, gathered(rows, unique, ids.size()),
-                     scales.data ? gathered(scales, unique, ids.size()) : Tensor{}};
+  const size_t count = padded ? ids.size() : unique.size();
+  return EngramTable{layer, format, gathered(rows, unique, count),
+                     scales.data ? gathered(scales, unique, count) : Tensor{}};
 }
 
 std::vector<EngramTable> open_engram_tables(const std::string& artifact, const json::Fields& manifest, bool read) {

@@ -61,10 +61,10 @@ struct EngramTable {
   /// The step inputs that carry the table, after engram_rows: its rows and, in FP8, their scales
   /// (Python: engram_tables.table_inputs).
   std::vector<std::string> inputs() const;
-  /// The rows `ids` names, each once in row order, padded with zero rows to ids.size() rows (a
-  /// step's shapes then depend on its tokens alone), with `ids` remapped into them (Python:
-  /// EngramTable.compact). Throws std::logic_error for an id outside the table.
-  EngramTable compact(std::vector<int32_t>& ids) const;
+  /// The rows `ids` names, each once in row order (`padded`: then zero rows up to ids.size() rows,
+  /// for a step whose shapes must depend on its tokens alone), with `ids` remapped into them
+  /// (Python: EngramTable.compact). Throws std::logic_error for an id outside the table.
+  EngramTable compact(std::vector<int32_t>& ids, bool padded) const;
 };
 
 /// The artifact's Engram tables (manifest "engram.tables", Engram-layer order; none without an

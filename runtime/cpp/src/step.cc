@@ -283,9 +283,10 @@ ffi::Tensor CompiledStep::to_device(const Tensor& t) const {
 }
 
 // The step's Engram inputs in vm.inputs order. Whole tables on the CPU, the hashed ids as they
-// are; off it, per table the rows the ids name (EngramTable::compact) and the ids remapped into
-// them, so only those rows leave host memory (Python: TvmBackend._engram_inputs).
-std::vector<ffi::Any> CompiledStep::engram_arguments(const EngramRows& engram_rows) const {
+// are; off it, per table the rows the ids name (EngramTable::compact; `padded` for a decode step
+// that replays a CUDA graph) and the ids remapped into them, so only those rows leave host memory
+// (Python: TvmBackend._engram_inputs).
+std::vector<ffi::Any> CompiledStep::engram_arguments(const EngramRows& engram_rows, bool padded) const {
   const int64_t per_layer = engram_rows.per_layer, per_token = engram_rows.layers * per_layer;
   const int64_t n = per_token ? static_cast<int64_t>(engram_rows.rows.size()) / per_token : 0;
   std::vector<int32_t> ids = engram_rows.rows;
@@ -296,7 +297,7 @@ std::vector<ffi::Any> CompiledStep::engram_arguments(const EngramRows& engram_ro
       const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * per_layer;
       layer_ids.insert(layer_ids.end(), first, first + per_layer);
     }
-    EngramTable compact = engram_tables_[e].compact(layer_ids);
+    EngramTable compact = engram_tables_[e].compact(layer_ids, padded);
     for (int64_t t = 0; t < n; ++t) {
       std::copy_n(layer_ids.begin() + t * per_layer, per_layer, ids.begin() + t * per_token + e * per_layer);
     }
@@ -355,7 +356,8 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
       upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
       ffi::Shape(extents)};
   if (takes_engram_rows_) {
-    for (ffi::Any& input : engram_arguments(engram_rows)) arguments.push_back(std::move(input));
+    const bool padded = context_buckets_ && n <= decode_max_tokens_;
+    for (ffi::Any& input : engram_arguments(engram_rows, padded)) arguments.push_back(std::move(input));
   }
   arguments.push_back(params_);
   arguments.push_back(pool_tensors_);

@@ -54,7 +54,7 @@ class CompiledStep {
                           const std::vector<std::string>& names, bool read);
   tvm::ffi::Tensor upload(const std::vector<int32_t>& values, std::vector<int64_t> shape) const;
   tvm::ffi::Tensor to_device(const Tensor& t) const;
-  std::vector<tvm::ffi::Any> engram_arguments(const EngramRows& engram_rows) const;
+  std::vector<tvm::ffi::Any> engram_arguments(const EngramRows& engram_rows, bool padded) const;
 
   const KVPool& pool_;
   DLDevice device_;
