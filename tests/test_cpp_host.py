@@ -4,11 +4,13 @@ The module builds examples/cpp_host with CMake in a fresh build directory (while
 compiles for the llvm target), then checks that ``dsv4c_host``
 
 * prints the tokens ``dsv4c generate --greedy`` prints, with logits within 1e-6 (single and
-  batched requests, chunked prefill),
+  batched requests, chunked prefill; V4 and DeepSeek-V4.1 with its Engram rows),
 * fails like the Python CLI: exit status 2 and the same one-line message on stderr,
 
-and that the C++ KV pool makes the Python KVPool's decisions on random operation traces
-(admit / ensure / free / exhaust, valid or not), state by state.
+that the C++ KV pool makes the Python KVPool's decisions on random operation traces
+(admit / ensure / free / exhaust, valid or not), state by state, and that the C++ Engram hash
+computes Python's rows for random requests fed in random chunks and refuses the hash files
+Python refuses, in the same words.
 """
 
 import json
@@ -22,10 +24,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dsv4c.artifact.engram import EngramTables
+from dsv4c.artifact.file_names import ENGRAM_HASH
+from dsv4c.artifact.safetensors_io import SafetensorsFile, write_safetensors
 from dsv4c.cli import main as cli
 from dsv4c.compile import compile_model
-from dsv4c.errors import DsvError, UsageError
-from dsv4c.frontend.config import config_from_dict, preset
+from dsv4c.errors import ArtifactError, DsvError, UsageError
+from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.config import config_from_dict, preset, with_weights
+from dsv4c.frontend.engram import hash_multipliers, hash_primes
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.artifact.manifest import FORMAT_VERSION, read_manifest
 from dsv4c.runtime.engine import Engine
@@ -35,16 +44,17 @@ from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.weights import open_weights
 
 from file_breakages import corrupt_header, flip_byte, offsets_past_the_end, truncate
+from v41_case import GREEDY as V41_GREEDY, TOKEN_IDS as V41_PROMPT, compile_case, prompt as v41_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _build(build_dir: Path) -> str | None:
-    """Configure and build the host and the pool-trace tool; the failure's output, or None."""
+    """Configure and build the host and its conformance tools; the failure's output, or None."""
     for cmd in (["cmake", "-S", str(REPO / "examples" / "cpp_host"), "-B", str(build_dir),
                  f"-DDSV4C_PYTHON={sys.executable}"],
                 ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
-                 "--target", "dsv4c_host", "dsv4c_pool_trace", "dsv4c_weights_dump"]):
+                 "--target", "dsv4c_host", "dsv4c_pool_trace", "dsv4c_weights_dump", "dsv4c_engram_rows"]):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             return f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
@@ -92,13 +102,20 @@ def test_host_prints_what_dsv4c_generate_prints(cpp, tmp_path, capsys):
 ], ids=["chunked-prefill", "batched"])
 def test_host_matches_the_python_engine(cpp, tmp_path, prompts, new_tokens, chunk):
     build, art = cpp
+    _assert_host_runs_like_the_engine(build, art, tmp_path, prompts, new_tokens, chunk)
+
+
+def _assert_host_runs_like_the_engine(build: Path, art: Path, tmp_path: Path, prompts, new_tokens: int, chunk: int,
+                                      *options) -> None:
+    """The prompts batched, in prefill chunks of ``chunk``: the host's tokens and logits are the
+    Python engine's."""
     engine = Engine(art, prefill_chunk=chunk, max_context=max(4096, new_tokens + 8192))
     ids = [engine.submit(p, SamplingParams(max_new_tokens=new_tokens), record_logits=True) for p in prompts]
     engine.run()
     results = [engine.result(i) for i in ids]
     args = [a for p in prompts for a in ("--token-ids", ",".join(map(str, p)))]
     done = _host(build, art, *args, "--max-new-tokens", new_tokens, "--prefill-chunk", chunk,
-                 "--logits-out", tmp_path / "cpp.npy")
+                 "--logits-out", tmp_path / "cpp.npy", *options)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.splitlines() == [" ".join(map(str, r.tokens)) for r in results]
     _assert_close(np.load(tmp_path / "cpp.npy"), np.concatenate([r.logits for r in results]))
@@ -385,9 +402,233 @@ def test_cpp_pool_makes_the_python_pools_decisions(cpp, tmp_path):
             assert any(s["error"] and s["error"][0] == "PoolExhausted" for s in expected)
 
 
-def test_host_refuses_a_v41_step_with_engram_rows_in_one_line(cpp, tmp_path):
-    from v41_case import compile_case
+# --------------------------------------------------------------------------- DeepSeek-V4.1 (Engram)
 
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    """The V4.1 parity case (tests/v41_case.py) compiled for llvm."""
+    return compile_case(tmp_path_factory.mktemp("v41"), "llvm")
+
+
+def _released_size_hash() -> EngramTables:
+    """Hash constants of the released model's sizes (v41-flash: 384 M rows a layer, 8 heads,
+    4-grams; multipliers up to int64's bound over the compressed vocabulary), a random token map."""
+    e = preset("v41-flash").engram
+    token_map = np.random.default_rng(0).integers(0, e.compressed_vocab_size, 129280).astype(np.int32)
+    return EngramTables(token_map, e.layer_ids, hash_primes(len(e.layer_ids), e.vocab_size, e.max_ngram_size, e.n_heads),
+                        hash_multipliers(e.layer_ids, e.max_ngram_size, e.compressed_vocab_size),
+                        e.compressed_vocab_size, e.pad_id)
+
+
+def _engram_rows(build: Path, hash_file: Path, lines: list[str]) -> subprocess.CompletedProcess:
+    tool = build / "dsv4c_runtime" / "dsv4c_engram_rows"
+    return subprocess.run([str(tool), str(hash_file)], input="".join(f"{line}\n" for line in lines),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("which", ["case", "released-size"])
+def test_cpp_engram_rows_are_the_python_hash(cpp, v41, tmp_path, which):
+    """Random requests fed in random chunks, as an engine feeds them (each chunk sees the request's
+    tokens up to its end): the C++ rows of the chunks are the Python hash of the whole sequence."""
     build, _ = cpp
-    done = _host(build, compile_case(tmp_path, "llvm"), "--token-ids", "1,2,3", "--max-new-tokens", "2")
-    assert done.returncode != 0 and "Engram rows" in done.stderr and done.stderr.strip().count("\n") == 0
+    hash_file = v41 / ENGRAM_HASH
+    if which == "released-size":
+        hash_file = tmp_path / ENGRAM_HASH
+        _released_size_hash().save(hash_file)
+    tables = EngramTables.load(hash_file)
+    rng = np.random.default_rng(7)
+    lines, requests = [], []
+    for _ in range(60):
+        tokens = rng.integers(0, len(tables.token_map), int(rng.integers(1, 120))).tolist()
+        stops = sorted({*rng.integers(1, len(tokens) + 1, int(rng.integers(0, 8))).tolist(), len(tokens)})
+        lines += [f"{start} {stop} {' '.join(map(str, tokens[:stop]))}" for start, stop in zip([0, *stops], stops)]
+        requests.append((tokens, len(stops)))
+    bad = len(tables.token_map)
+    lines.append(f"0 2 1 {bad}")
+    done = _engram_rows(build, hash_file, lines)
+    assert (done.returncode, done.stderr) == (0, "")
+    got = done.stdout.splitlines()
+    assert len(got) == len(lines)
+    for tokens, chunks in requests:
+        whole = tables.row_ids(tables.compress(tokens), 0, np.arange(len(tokens)))
+        assert whole.max() < 2**31
+        rows = np.array(" ".join(got[:chunks]).split(), np.int64).reshape(whole.shape)
+        np.testing.assert_array_equal(rows, whole)
+        got = got[chunks:]
+    with pytest.raises(UsageError) as info:
+        tables.compress([1, bad])
+    assert got == [str(info.value)]
+
+
+def _rewrite_hash(**changes):
+    """A breakage that rewrites the case's hash file with some tensors or metadata changed."""
+    def breakage(path: Path) -> None:
+        t = EngramTables.load(path)
+        arrays = {"token_map": ("I32", t.token_map), "layer_ids": ("I64", np.asarray(t.layer_ids, np.int64)),
+                  "primes": ("I64", t.primes), "multipliers": ("I64", t.multipliers)}
+        metadata = {"compressed_vocab_size": str(t.compressed_vocab_size), "pad": str(t.pad)}
+        for name, value in changes.items():
+            if name in arrays:
+                arrays[name] = value(t)
+            else:
+                metadata[name] = value
+        arrays = {name: a for name, a in arrays.items() if a is not None}
+        write_safetensors(path, arrays, metadata={k: v for k, v in metadata.items() if v is not None})
+    return breakage
+
+
+HASH_BREAKAGES = {
+    "not-a-hash-file": lambda path: write_safetensors(path, {"w": ("F32", np.zeros(3, np.float32))}),
+    "no-primes": _rewrite_hash(primes=lambda t: None),
+    "token-map-dtype": _rewrite_hash(token_map=lambda t: ("I64", t.token_map.astype(np.int64))),
+    "no-pad": _rewrite_hash(pad=None),
+    "size-not-an-integer": _rewrite_hash(compressed_vocab_size="2.5e2"),
+    "axes": _rewrite_hash(primes=lambda t: ("I64", t.primes.reshape(-1))),
+    "layers-do-not-fit": _rewrite_hash(multipliers=lambda t: ("I64", t.multipliers[:, :3])),
+    "pad-outside": _rewrite_hash(pad="254"),
+    "token-map-outside": _rewrite_hash(compressed_vocab_size="100"),
+    "overflow": _rewrite_hash(multipliers=lambda t: ("I64", t.multipliers * 1000)),
+    "truncated": truncate,
+    "corrupt-header": corrupt_header,
+    "missing": lambda path: path.unlink(),
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(HASH_BREAKAGES))
+def test_cpp_engram_hash_errors_are_the_python_loaders(cpp, v41, tmp_path, breakage):
+    build, _ = cpp
+    hash_file = tmp_path / ENGRAM_HASH
+    shutil.copyfile(v41 / ENGRAM_HASH, hash_file)
+    HASH_BREAKAGES[breakage](hash_file)
+    with pytest.raises(ArtifactError) as info:
+        EngramTables.load(hash_file)
+    done = _engram_rows(build, hash_file, [])
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"dsv4c: error: {info.value}\n")
+
+
+@pytest.mark.parametrize("chunk", [None, 5, 1])
+def test_host_runs_v41_like_dsv4c_generate(cpp, v41, tmp_path, capsys, chunk):
+    """The parity case's prompt, whole or in prefill chunks: the reference's greedy tokens, and
+    logits bit for bit those of ``dsv4c generate``."""
+    build, _ = cpp
+    args = ["--token-ids", ",".join(map(str, V41_PROMPT)), "--max-new-tokens", str(len(V41_GREEDY)),
+            *(["--prefill-chunk", str(chunk)] if chunk else [])]
+    assert cli(["generate", str(v41), *args, "--greedy", "--logits-out", str(tmp_path / "py.npy")]) == 0
+    expected = capsys.readouterr().out
+    done = _host(build, v41, *args, "--logits-out", tmp_path / "cpp.npy")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == expected and expected.split() == [str(t) for t in V41_GREEDY]
+    _assert_close(np.load(tmp_path / "cpp.npy"), np.load(tmp_path / "py.npy"))
+
+
+# How the host holds the Engram tables (where the artifact keeps them in files of their own).
+TABLE_OPTIONS = pytest.mark.parametrize("options", [[], ["--engram-memory", "read"], ["--gather-engram-rows"]],
+                                        ids=["mapped", "read", "gathered"])
+
+
+@TABLE_OPTIONS
+def test_host_runs_a_v41_batch_like_the_python_engine(cpp, v41, tmp_path, options):
+    """Three requests of other lengths batched, in prefill chunks that never line up; the Engram
+    tables (where the artifact keeps them in files of their own) mapped, read, or passed as the
+    rows each step reads, as off the CPU: the same tokens and logits."""
+    build, _ = cpp
+    prompts = [V41_PROMPT, v41_prompt(5, 30), v41_prompt(6, 71)]
+    _assert_host_runs_like_the_engine(build, v41, tmp_path, prompts, 12, 13, *options)
+
+
+@pytest.fixture(scope="module")
+def v41_fp8(tmp_path_factory):
+    """v41-tiny as the release stores it (FP8 dense weights and Engram rows with E8M0 scales, FP4
+    experts; random weights, a byte-level tokenizer), compiled for llvm."""
+    root = tmp_path_factory.mktemp("v41_fp8")
+    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
+    model = write_checkpoint(cfg, random_weights(cfg, seed=3), root / "model")
+    write_byte_tokenizer(model, cfg.vocab_size)
+    assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(root / "llvm")]) == 0
+    return root / "llvm"
+
+
+@TABLE_OPTIONS
+def test_host_runs_an_fp8_v41_model_like_dsv4c_generate(cpp, v41_fp8, tmp_path, capsys, options):
+    build, _ = cpp
+    prompt = ",".join(map(str, np.random.default_rng(4).integers(3, 250, 37).tolist()))  # v41-tiny: 272 ids
+    args = ["--token-ids", prompt, "--max-new-tokens", "6", "--prefill-chunk", "5"]
+    capsys.readouterr()
+    assert cli(["generate", str(v41_fp8), *args, "--greedy", "--logits-out", str(tmp_path / "py.npy")]) == 0
+    expected = capsys.readouterr().out
+    done = _host(build, v41_fp8, *args, "--logits-out", tmp_path / "cpp.npy", *options)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == expected and len(expected.split()) == 6
+    _assert_close(np.load(tmp_path / "cpp.npy"), np.load(tmp_path / "py.npy"))
+
+
+def _rewrite_table(**tensors):
+    """A breakage that rewrites the first Engram table file with ``tensors`` (name -> function of
+    the file's rows), its size recorded in the manifest as compile would have."""
+    def breakage(art: Path, manifest: dict) -> None:
+        name = manifest["engram"]["tables"][0]["file"]
+        with SafetensorsFile(art / name) as file:
+            rows = np.array(file.read_raw("rows"))
+        write_safetensors(art / name, {n: ("F32" if a.dtype == np.float32 else "U8", a)
+                                       for n, a in ((n, make(rows)) for n, make in tensors.items())})
+        manifest["files"][name]["bytes"] = (art / name).stat().st_size
+    return breakage
+
+
+def _older_layout(art: Path, manifest: dict) -> None:
+    inputs = manifest["vm"]["inputs"]
+    manifest["vm"]["inputs"] = inputs[:inputs.index("engram_rows") + 1]
+
+
+TABLE_BREAKAGES = {
+    "wrong-width": _rewrite_table(rows=lambda rows: np.zeros((rows.shape[0], rows.shape[1] + 1), rows.dtype)),
+    "stray-tensor": _rewrite_table(rows=lambda rows: rows, other=lambda rows: rows[:1]),
+    "older-layout": _older_layout,
+}
+
+
+def _fails_like_the_cli(build: Path, art: Path, capsys) -> str:
+    """The host's error for ``art`` is ``dsv4c generate``'s, exit status and line; that line."""
+    args = ["--token-ids", "4,5", "--max-new-tokens", "1"]
+    assert cli(["generate", str(art), *args]) == 2
+    expected = capsys.readouterr().err
+    done = _host(build, art, *args)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", expected)
+    return expected
+
+
+@pytest.mark.parametrize("breakage", sorted(TABLE_BREAKAGES))
+def test_host_refuses_a_damaged_engram_table_like_python(cpp, v41, tmp_path, capsys, breakage):
+    build, _ = cpp
+    art = Path(shutil.copytree(v41, tmp_path / "art"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    if "engram" not in manifest:
+        pytest.skip("this artifact keeps its Engram tables among the weights (no manifest 'engram' section)")
+    TABLE_BREAKAGES[breakage](art, manifest)
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    assert _fails_like_the_cli(build, art, capsys).count("\n") == 1
+
+
+def test_host_refuses_other_engram_memory_modes_in_one_line(cpp, v41):
+    build, art = cpp
+    for artifact in (v41, art):  # accepted and without effect for a model without Engram
+        done = _host(build, artifact, "--token-ids", "4", "--max-new-tokens", "1", "--engram-memory", "read")
+        assert (done.returncode, done.stderr) == (0, "")
+        done = _host(build, artifact, "--token-ids", "4", "--max-new-tokens", "1", "--engram-memory", "all")
+        assert (done.returncode, done.stdout) == (2, "")
+        assert done.stderr == "dsv4c: error: Engram memory mode 'all' is not one of map, read\n"
+
+
+def test_host_needs_the_hash_file_of_a_v41_step(cpp, v41, tmp_path, capsys):
+    """An artifact compiled without a tokenizer has no hash file: manifest ``engram.hash`` null
+    (an artifact from before the ``engram`` section: no file)."""
+    build, _ = cpp
+    art = Path(shutil.copytree(v41, tmp_path / "art"))
+    (art / ENGRAM_HASH).unlink()
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["files"].pop(ENGRAM_HASH)
+    if "engram" in manifest:
+        manifest["engram"]["hash"] = None
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    assert "has no engram_hash.safetensors" in _fails_like_the_cli(build, art, capsys)

@@ -2,12 +2,16 @@
 //
 //   dsv4c_host ART --token-ids 1,2,3 --max-new-tokens 8 [--stop-token-ids IDS] [--prefill-chunk K]
 //              [--logits-out FILE.npy] [--greedy] [--verify] [--weights auto|read|map]
+//              [--engram-memory map|read] [--gather-engram-rows]
 //
 // Prints the generated ids space-separated, like `dsv4c generate ART --token-ids ... --greedy`.
 // --token-ids may be repeated: each is one request, all run batched together, one output line
 // each (in the order given); --logits-out then holds their logit rows one request after another.
 // --verify checks every artifact file against its sha256 first, as `dsv4c generate --verify`.
-// --weights reads the weights into memory or maps them, as `dsv4c generate --weights`.
+// --weights reads the weights into memory or maps them, as `dsv4c generate --weights`;
+// --engram-memory does the same for a DeepSeek-V4.1 model's Engram tables (default: map);
+// --gather-engram-rows passes each step only the table rows it reads, as GPU targets do, on the
+// CPU too (which otherwise passes the whole tables): a check of that path.
 // User errors print `dsv4c: error: <message>` (the Python CLI's line) and exit 2.
 #include <algorithm>
 #include <cstdint>
@@ -26,7 +30,7 @@ namespace {
 const char* const kUsage =
     "usage: dsv4c_host ART --token-ids IDS [--token-ids IDS ...] --max-new-tokens N [--greedy]\n"
     "                  [--stop-token-ids IDS] [--prefill-chunk K] [--logits-out FILE] [--verify]\n"
-    "                  [--weights auto|read|map]\n";
+    "                  [--weights auto|read|map] [--engram-memory map|read] [--gather-engram-rows]\n";
 
 // A command-line mistake: printed after the usage, like argparse does.
 struct ArgumentError : std::runtime_error {
@@ -42,6 +46,8 @@ struct Arguments {
   std::string logits_out;
   bool verify = false;
   std::string weights = "auto";
+  std::string engram_memory = "map";
+  bool gather_engram_rows = false;
 };
 
 int64_t integer(const std::string& option, const std::string& text) {
@@ -101,6 +107,10 @@ Arguments parse(int argc, char** argv) {
       a.logits_out = value();
     } else if (arg == "--weights") {
       a.weights = value();
+    } else if (arg == "--engram-memory") {
+      a.engram_memory = value();
+    } else if (arg == "--gather-engram-rows") {
+      a.gather_engram_rows = true;
     } else if (arg == "--verify") {
       a.verify = true;
     } else if (arg == "--greedy") {
@@ -148,6 +158,8 @@ int main(int argc, char** argv) {
     options.max_context = std::max<int64_t>(4096, *args.max_new_tokens + 8192);
     options.prefill_chunk = args.prefill_chunk;
     options.weights = args.weights;
+    options.engram_memory = args.engram_memory;
+    options.gather_engram_rows = args.gather_engram_rows;
     if (args.verify) dsv4c::verify_artifact(args.artifact);
     dsv4c::Engine engine(args.artifact, options);
     dsv4c::GenerationParams params;

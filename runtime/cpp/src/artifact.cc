@@ -149,15 +149,24 @@ int64_t verify_files(const std::string& d, const json::Object& manifest, const s
   return check_hashes(d, manifest, path, [](const std::string&) { return true; });
 }
 
-// The weight shards the manifest lists (manifest["weights"]["files"]; none without weights).
-std::vector<std::string> weight_files(const json::Object& manifest) {
-  std::optional<json::Value> weights_v = manifest.Get(tvm::ffi::String("weights"));
-  std::optional<json::Object> weights = weights_v ? json::as_object(*weights_v) : std::nullopt;
-  std::optional<json::Value> files_v = weights ? weights->Get(tvm::ffi::String("files")) : std::nullopt;
-  std::optional<json::Array> files = files_v ? json::as_array(*files_v) : std::nullopt;
+// The large files the manifest lists, which loading does not hash: the weight shards
+// (manifest["weights"]["files"]) and the Engram tables (manifest["engram"]["tables"][]["file"]).
+std::vector<std::string> large_files(const json::Object& manifest) {
+  auto member = [](const std::optional<json::Value>& v, const char* key) -> std::optional<json::Value> {
+    std::optional<json::Object> object = v ? json::as_object(*v) : std::nullopt;
+    return object ? object->Get(tvm::ffi::String(key)) : std::nullopt;
+  };
+  auto items = [](const std::optional<json::Value>& v) {
+    std::optional<json::Array> array = v ? json::as_array(*v) : std::nullopt;
+    return array ? *array : json::Array();
+  };
   std::vector<std::string> out;
-  for (const json::Value& f : files ? *files : json::Array()) {
+  for (const json::Value& f : items(member(manifest.Get(tvm::ffi::String("weights")), "files"))) {
     if (std::optional<std::string> name = json::as_string(f)) out.push_back(*name);
+  }
+  for (const json::Value& t : items(member(manifest.Get(tvm::ffi::String("engram")), "tables"))) {
+    std::optional<json::Value> file = member(t, "file");
+    if (std::optional<std::string> name = file ? json::as_string(*file) : std::nullopt) out.push_back(*name);
   }
   return out;
 }
@@ -170,10 +179,11 @@ json::Fields read_manifest(const std::string& directory, bool verify) {
   if (verify) {
     verify_files(d, manifest, path);
   } else {
-    // Every file but the weight shards is small: hashed at every load (Python: read_manifest).
-    std::vector<std::string> shards = weight_files(manifest);
+    // Every file but the weight shards and Engram tables is small: hashed at every load (Python:
+    // read_manifest); the loaders check the large ones' headers.
+    std::vector<std::string> large = large_files(manifest);
     check_hashes(d, manifest, path, [&](const std::string& name) {
-      return std::find(shards.begin(), shards.end(), name) == shards.end();
+      return std::find(large.begin(), large.end(), name) == large.end();
     });
   }
   return json::Fields(manifest, path);

@@ -18,8 +18,8 @@ std::string join_path(const std::string& dir, const std::string& name);
 
 /// The manifest of artifact `directory`, checked: a directory, a readable manifest, its format
 /// version, every listed file present with the size the manifest records, and the sha256 of every
-/// file but the weight shards (small; the shards are not read). `verify` hashes every file instead
-/// (verify_artifact). Throws ArtifactError.
+/// file but the weight shards and Engram tables (small; the large ones are not read). `verify`
+/// hashes every file instead (verify_artifact). Throws ArtifactError.
 json::Fields read_manifest(const std::string& directory, bool verify = false);
 
 }  // namespace dsv4c

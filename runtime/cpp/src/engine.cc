@@ -4,10 +4,12 @@
 #include <cmath>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "artifact.h"
 #include "dsv4c/runtime.h"
+#include "engram.h"
 #include "model_config.h"
 #include "safetensors.h"
 #include "step.h"
@@ -40,6 +42,15 @@ int32_t argmax(const float* logits, int64_t count) {
   return static_cast<int32_t>(best);
 }
 
+// Refuses an option outside its `modes` with the Python message ("weights mode 'x' is not one of ...").
+template <size_t N>
+void check_mode(const std::string& option, const std::string& mode, const char* const (&modes)[N]) {
+  if (std::find(std::begin(modes), std::end(modes), mode) != std::end(modes)) return;
+  std::string names;
+  for (const char* name : modes) names += (names.empty() ? "" : ", ") + std::string(name);
+  throw UsageError(option + " mode " + json::py_repr(tvm::ffi::String(mode)) + " is not one of " + names);
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -48,6 +59,7 @@ struct Engine::Impl {
   ModelConfig config;
   std::unique_ptr<KVPool> pool;
   std::unique_ptr<CompiledStep> compiled_step;
+  std::optional<EngramHash> engram;  // a V4.1 step's Engram hash: rows from each request's tokens
   std::map<int64_t, Request> requests;  // by id: submission order
   int64_t next_id = 0;
 
@@ -130,17 +142,16 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
   if (options.max_step_tokens < 1 || (options.prefill_chunk && *options.prefill_chunk < 1)) {
     throw UsageError("max_step_tokens and prefill_chunk must be positive");
   }
-  if (std::find(std::begin(kWeightsModes), std::end(kWeightsModes), options.weights) == std::end(kWeightsModes)) {
-    std::string modes;
-    for (const char* mode : kWeightsModes) modes += (modes.empty() ? "" : ", ") + std::string(mode);
-    throw UsageError("weights mode " + json::py_repr(tvm::ffi::String(options.weights)) + " is not one of " + modes);
-  }
+  check_mode("weights", options.weights, kWeightsModes);
+  check_mode("Engram memory", options.engram_memory, kEngramMemoryModes);
   int64_t limit = manifest.object("vm").integer("max_step_tokens");
   if (options.max_step_tokens > limit) {
     throw UsageError("max_step_tokens " + std::to_string(options.max_step_tokens) + " exceeds what " + m.path +
                      " was compiled for (" + std::to_string(limit) + "); lower it");
   }
-  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights);
+  m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights, options.engram_memory,
+                                                   options.gather_engram_rows);
+  if (m.compiled_step->takes_engram_rows()) m.engram = load_engram_hash(m.path, manifest);
 }
 
 Engine::~Engine() = default;
@@ -181,8 +192,12 @@ bool Engine::step() {
   std::vector<std::pair<Request*, int64_t>> plan = m.schedule();
   if (plan.empty()) return false;
   std::vector<int32_t> tokens, positions, seq_ids, logit_rows;
+  EngramRows engram_rows;
+  if (m.engram) engram_rows.layers = m.engram->layers(), engram_rows.per_layer = m.engram->rows_per_layer();
   for (auto [r, n] : plan) {
     m.pool->ensure(r->id, r->fed + n);
+    // Hashed from the request's own tokens, so the rows are exact whatever the chunking.
+    if (m.engram) m.engram->request_rows(r->sequence, r->fed, r->fed + n, engram_rows.rows);
     const int32_t start = static_cast<int32_t>(tokens.size());
     for (int64_t i = r->fed; i < r->fed + n; ++i) {
       tokens.push_back(r->sequence[i]);
@@ -197,7 +212,7 @@ bool Engine::step() {
       logit_rows.push_back(start + static_cast<int32_t>(n) - 1);
     }
   }
-  std::vector<float> logits = m.compiled_step->run(tokens, positions, seq_ids, logit_rows);
+  std::vector<float> logits = m.compiled_step->run(tokens, positions, seq_ids, logit_rows, engram_rows);
   const int64_t vocab = m.config.vocab_size;
   const float* row = logits.data();
   for (auto [r, n] : plan) {

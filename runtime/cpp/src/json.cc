@@ -145,6 +145,18 @@ std::string py_repr(const Value& v) {
   return v.GetTypeKey();
 }
 
+std::string py_list(const std::vector<int64_t>& values) {
+  std::string out;
+  for (int64_t v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return "[" + out + "]";
+}
+
+std::string py_list(const std::vector<std::string>& values) {
+  std::string out;
+  for (const std::string& v : values) out += (out.empty() ? "" : ", ") + string_repr(v);
+  return "[" + out + "]";
+}
+
 Fields::Fields(Object object, std::string file, std::string prefix)
     : object_(std::move(object)), file_(std::move(file)), prefix_(std::move(prefix)) {}
 

@@ -31,6 +31,9 @@ std::optional<std::vector<int64_t>> as_ints(const Value& v);
 
 /// How Python's repr() prints the value json.loads would return (for messages).
 std::string py_repr(const Value& v);
+/// How Python's repr() prints a list of ints, or of strings.
+std::string py_list(const std::vector<int64_t>& values);
+std::string py_list(const std::vector<std::string>& values);
 
 /// An object whose members are read with a type; a missing or mistyped member throws
 /// ArtifactError "<file>: '<path.to.key>' is missing or not <type>; recompile".

@@ -49,6 +49,7 @@ std::string json_type_name(const json::Value& v) {
 // One tensor of the header: where its bytes lie in the file.
 struct Entry {
   std::string name;
+  std::string dtype;       // as the header spells it ("F32", "I64", ...)
   Tensor shape_and_dtype;  // no data
   uint64_t offset;         // from the start of the file
 };
@@ -99,6 +100,7 @@ class Reader {
     if (!object) throw fail("header is a JSON " + json_type_name(*header) + ", not an object; " + kReexport);
 
     const uint64_t data_start = 8 + header_size, data_size = file_size_ - data_start;
+    if (std::optional<json::Value> metadata = object->Get(tvm::ffi::String("__metadata__"))) read_metadata(*metadata);
     std::vector<Entry> out;
     for (const auto& [key, info] : *object) {
       std::string name = *json::as_string(key);
@@ -163,7 +165,21 @@ class Reader {
     return out;
   }
 
+  // The header's __metadata__ (string to string), once entries() has run.
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
  private:
+  void read_metadata(const json::Value& info) {
+    std::optional<json::Object> object = json::as_object(info);
+    bool strings = object.has_value();
+    for (const auto& [key, value] : object ? *object : json::Object()) {
+      std::optional<std::string> text = json::as_string(value);
+      if (text) metadata_[*json::as_string(key)] = *text;
+      strings = strings && text;
+    }
+    if (!strings) throw fail(std::string("__metadata__ must map strings to strings; ") + kReexport);
+  }
+
   CheckpointError fail(const std::string& problem, const std::string& name = "") const {
     return CheckpointError((name.empty() ? path_ : path_ + ": tensor " + json::py_repr(tvm::ffi::String(name))) + ": " +
                            problem);
@@ -212,7 +228,7 @@ class Reader {
       throw fail("bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") lie outside the " +
                  std::to_string(data_size) + "-byte data buffer; " + kReexport, name);
     }
-    return Entry{name, t, data_start + static_cast<uint64_t>(begin)};
+    return Entry{name, *dtype, t, data_start + static_cast<uint64_t>(begin)};
   }
 
   // Sorted by start, any overlap shows up between neighbours; empty tensors own no bytes.
@@ -234,6 +250,7 @@ class Reader {
   std::string path_;
   int fd_;
   uint64_t file_size_ = 0;
+  std::map<std::string, std::string> metadata_;
 };
 
 // The whole file, or nullopt when it cannot be read.
@@ -252,6 +269,19 @@ std::optional<std::string> read_text(const std::string& path) {
 }  // namespace
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path) { return Reader(path).read_all(); }
+
+std::map<std::string, Tensor> map_safetensors(const std::string& path) { return Reader(path).map_all(); }
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  Reader reader(path);
+  SafetensorsHeader header;
+  for (const Entry& e : reader.entries()) {
+    header.dtypes[e.name] = e.dtype;
+    header.shapes[e.name] = e.shape_and_dtype.shape;
+  }
+  header.metadata = reader.metadata();
+  return header;
+}
 
 namespace {
 

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "json.h"
 #include "tensor.h"
@@ -15,6 +16,19 @@ namespace dsv4c {
 /// unsigned bits), each in its own aligned buffer. Throws CheckpointError with the messages of
 /// dsv4c/artifact/safetensors_io.py.
 std::map<std::string, Tensor> read_safetensors(const std::string& path);
+/// The same tensors mapped read-only from the file instead (no data is read until used); the map
+/// lives as long as one of them does.
+std::map<std::string, Tensor> map_safetensors(const std::string& path);
+
+/// What a file's header says, its data unread: each tensor's dtype as spelled there ("F32",
+/// "I64", ...) and shape, and the `__metadata__` strings (Python: SafetensorsFile.dtype, .shape,
+/// .metadata).
+struct SafetensorsHeader {
+  std::map<std::string, std::string> dtypes;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::map<std::string, std::string> metadata;
+};
+SafetensorsHeader read_safetensors_header(const std::string& path);
 
 /// Every weight of an artifact (Python: dsv4c.runtime.weights.open_weights), memory-mapped from
 /// the shards its manifest lists: no data is read until used, storage dtypes as

@@ -173,21 +173,29 @@ ffi::Module load_vm(const std::string& artifact, const json::Fields& vm, DLDevic
   return machine;
 }
 
+// The inputs every entry function takes first (Python: codegen.relax_step.STEP_INPUTS); a V4.1
+// step with Engram layers takes its Engram inputs after them.
+const char* const kStepInputs[] = {"tokens",     "positions",  "token_request", "requests",
+                                   "block_table", "logit_rows", "entry_extents"};
+
 }  // namespace
 
 CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
-                           const std::string& weights_mode)
+                           const std::string& weights_mode, const std::string& engram_memory,
+                           bool gather_engram_rows)
     : pool_(pool),
       device_(device_for(artifact, manifest)),
       vm_(load_vm(artifact, manifest.object("vm"), device_)) {
   json::Fields vm = manifest.object("vm");
-  for (const json::Value& input : vm.array("inputs")) {
-    // DeepSeek-V4.1's Engram rows are hashed from each request's tokens (Python: artifact/engram.py).
-    if (json::as_string(input).value_or("") == "engram_rows") {
-      throw UsageError(artifact + ": this DeepSeek-V4.1 step takes Engram rows, which the C++ host does not hash "
-                       "yet; run it with dsv4c generate or dsv4c serve");
-    }
+  std::vector<std::string> inputs;
+  for (const json::Value& input : vm.array("inputs")) inputs.push_back(json::as_string(input).value_or(""));
+  const size_t common = std::size(kStepInputs);
+  if (inputs.size() < common || !std::equal(kStepInputs, kStepInputs + common, inputs.begin())) {
+    vm.fail("inputs", "the step's input names");
   }
+  gathers_engram_rows_ = device_.device_type != kDLCPU || gather_engram_rows;
+  bind_engram_inputs(artifact, manifest, std::vector<std::string>(inputs.begin() + common, inputs.end()),
+                     engram_memory == "read");
   decode_ = vm_->GetFunction("decode").value();
   prefill_ = vm_->GetFunction("prefill").value();
   decode_max_tokens_ = vm.integer("decode_max_tokens");
@@ -200,9 +208,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   auto empty = [&](const std::vector<int64_t>& shape, DLDataType dtype) {
     return alloc(ffi::Shape(shape), dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
   };
-  // Weights are mapped from their shards or read (see reads_weights), constants read from theirs;
-  // on the CPU an aligned weight is shared with the kernels as it is (mapped, its pages load as
-  // they are first read).
+  // Weights are mapped from their shards or read (see reads_weights), constants read from theirs.
   std::map<std::string, Tensor> weights =
       read_artifact_weights(artifact, manifest,
                             reads_weights(artifact, manifest, weights_mode, device_.device_type == kDLCPU));
@@ -214,14 +220,7 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
       throw CheckpointError(artifact + ": tensor " + json::py_repr(name_value) +
                             " that the step reads is missing; recompile with weights");
     }
-    const Tensor& w = it->second;
-    if (device_.device_type == kDLCPU && w.aligned()) {
-      params_.push_back(share(w));
-    } else {
-      ffi::Tensor t = empty(w.shape, w.dtype);
-      copy_in(t, w.ptr<void>(), static_cast<int64_t>(w.nbytes()));
-      params_.push_back(t);
-    }
+    params_.push_back(to_device(it->second));
   }
   // The pool's tensors, zeroed (rings are emptied by the step feeding a request's position 0).
   for (const json::Value& entry : vm.array("pool")) {
@@ -237,6 +236,33 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   }
 }
 
+// A V4.1 step's Engram inputs: each token's rows, then, where the artifact keeps the tables in
+// files of their own (manifest "engram.tables"), each table's rows and an FP8 table's scales.
+void CompiledStep::bind_engram_inputs(const std::string& artifact, const json::Fields& manifest,
+                                      const std::vector<std::string>& names, bool read) {
+  if (names.empty()) return;
+  if (names[0] != "engram_rows") {
+    throw ArtifactError(artifact + ": its step takes an input " + json::py_repr(ffi::String(names[0])) +
+                        " that this C++ host does not know; run it with dsv4c generate or dsv4c serve");
+  }
+  takes_engram_rows_ = true;
+  engram_tables_ = open_engram_tables(artifact, manifest, read);
+  std::vector<std::string> want;  // Python: backend_tvm.check_table_inputs
+  for (const EngramTable& t : engram_tables_) {
+    for (const std::string& name : t.inputs()) want.push_back(name);
+  }
+  if (std::vector<std::string>(names.begin() + 1, names.end()) != want) {
+    throw ArtifactError(artifact + ": the step's inputs after engram_rows are not the Engram tables " +
+                        json::py_list(want) + " the manifest lists (an older layout); recompile");
+  }
+  gathers_engram_rows_ = gathers_engram_rows_ && !engram_tables_.empty();
+  for (const EngramTable& t : engram_tables_) {
+    if (gathers_engram_rows_) break;  // the tables stay in host memory
+    whole_tables_.push_back(to_device(t.rows));
+    if (t.scales.data) whole_tables_.push_back(to_device(t.scales));
+  }
+}
+
 ffi::Tensor CompiledStep::upload(const std::vector<int32_t>& values, std::vector<int64_t> shape) const {
   static const ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
   static const ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
@@ -245,8 +271,46 @@ ffi::Tensor CompiledStep::upload(const std::vector<int32_t>& values, std::vector
   return t;
 }
 
+// On the CPU an aligned host tensor is shared with the kernels as it is (a mapped one's pages
+// load as they are first read); anything else is copied to the device.
+ffi::Tensor CompiledStep::to_device(const Tensor& t) const {
+  if (device_.device_type == kDLCPU && t.aligned()) return share(t);
+  static const ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
+  static const ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
+  ffi::Tensor out = alloc(ffi::Shape(t.shape), t.dtype, device_, ffi::Optional<ffi::String>()).cast<ffi::Tensor>();
+  copy_in(out, t.ptr<void>(), static_cast<int64_t>(t.nbytes()));
+  return out;
+}
+
+// The step's Engram inputs in vm.inputs order. Whole tables on the CPU, the hashed ids as they
+// are; off it, per table the rows the ids name (EngramTable::compact; `padded` for a decode step
+// that replays a CUDA graph) and the ids remapped into them, so only those rows leave host memory
+// (Python: TvmBackend._engram_inputs).
+std::vector<ffi::Any> CompiledStep::engram_arguments(const EngramRows& engram_rows, bool padded) const {
+  const int64_t per_layer = engram_rows.per_layer, per_token = engram_rows.layers * per_layer;
+  const int64_t n = per_token ? static_cast<int64_t>(engram_rows.rows.size()) / per_token : 0;
+  std::vector<int32_t> ids = engram_rows.rows;
+  std::vector<ffi::Any> tables(whole_tables_.begin(), whole_tables_.end());
+  for (size_t e = 0; gathers_engram_rows_ && e < engram_tables_.size(); ++e) {
+    std::vector<int32_t> layer_ids;  // [T, C]: this table's rows of every token
+    for (int64_t t = 0; t < n; ++t) {
+      const auto first = ids.begin() + t * per_token + static_cast<int64_t>(e) * per_layer;
+      layer_ids.insert(layer_ids.end(), first, first + per_layer);
+    }
+    EngramTable compact = engram_tables_[e].compact(layer_ids, padded);
+    for (int64_t t = 0; t < n; ++t) {
+      std::copy_n(layer_ids.begin() + t * per_layer, per_layer, ids.begin() + t * per_token + e * per_layer);
+    }
+    tables.push_back(to_device(compact.rows));
+    if (compact.scales.data) tables.push_back(to_device(compact.scales));
+  }
+  tables.insert(tables.begin(), upload(ids, {n, engram_rows.layers, per_layer}));
+  return tables;
+}
+
 std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
-                                     const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows) {
+                                     const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows,
+                                     const EngramRows& engram_rows) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n > max_step_tokens_) {
     throw UsageError("a step of " + std::to_string(n) + " tokens exceeds the artifact's max_step_tokens (" +
@@ -287,13 +351,21 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
   // A step that needs no logits (a prefill chunk) still computes one row: no empty tensors.
   const std::vector<int32_t> rows = logit_rows.empty() ? std::vector<int32_t>{static_cast<int32_t>(n - 1)} : logit_rows;
   ffi::Function& fn = n <= decode_max_tokens_ ? decode_ : prefill_;
+  std::vector<ffi::Any> arguments = {
+      upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
+      upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
+      ffi::Shape(extents)};
+  if (takes_engram_rows_) {
+    const bool padded = context_buckets_ && n <= decode_max_tokens_;
+    for (ffi::Any& input : engram_arguments(engram_rows, padded)) arguments.push_back(std::move(input));
+  }
+  arguments.push_back(params_);
+  arguments.push_back(pool_tensors_);
+  const std::vector<ffi::AnyView> views(arguments.begin(), arguments.end());
+  ffi::Any result;
+  fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &result);
   // The step returns (logits, the last layer's streams); the host has no MTP layer to feed them to.
-  ffi::Tensor logits =
-      fn(upload(tokens, {n}), upload(positions, {n}), upload(token_request, {n}), upload(requests, {r, 4}),
-         upload(block_table, {r, static_cast<int64_t>(width)}), upload(rows, {static_cast<int64_t>(rows.size())}),
-         ffi::Shape(extents), params_, pool_tensors_)
-          .cast<ffi::Array<ffi::Any>>()[0]
-          .cast<ffi::Tensor>();
+  ffi::Tensor logits = result.cast<ffi::Array<ffi::Any>>()[0].cast<ffi::Tensor>();
   std::vector<float> out(static_cast<size_t>(logits.numel()));
   static const ffi::Function copy_out = global("runtime.TVMTensorCopyToBytes");
   copy_out(logits, static_cast<void*>(out.data()), static_cast<int64_t>(out.size() * sizeof(float)));

@@ -16,26 +16,45 @@
 #include <vector>
 
 #include "dsv4c/kv_pool.h"
+#include "engram.h"
 #include "json.h"
+#include "tensor.h"
 
 namespace dsv4c {
+
+/// Each token's Engram table rows, row-major [tokens, layers, per_layer] (EngramHash::request_rows).
+struct EngramRows {
+  std::vector<int32_t> rows;
+  int64_t layers = 0, per_layer = 0;
+};
 
 class CompiledStep {
  public:
   /// Opens `artifact`'s library on the device its target names (the CPU for llvm; the first
   /// CUDA / ROCm GPU otherwise, which must exist) and binds its weights, read or mapped as
-  /// `weights_mode` (a checked EngineOptions::weights) says. Throws ArtifactError / CheckpointError.
+  /// `weights_mode` (a checked EngineOptions::weights) says, and a V4.1 step's Engram tables,
+  /// mapped or read as `engram_memory` ("map" / "read") says, gathered per step off the CPU or
+  /// with `gather_engram_rows` (EngineOptions). Throws ArtifactError / CheckpointError.
   CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
-               const std::string& weights_mode);
+               const std::string& weights_mode, const std::string& engram_memory, bool gather_engram_rows);
+
+  /// Whether the step takes each token's Engram table rows (a V4.1 model with Engram layers).
+  bool takes_engram_rows() const { return takes_engram_rows_; }
 
   /// One step over tokens of the pool's admitted requests (each request's tokens contiguous,
   /// consecutive positions); returns the logits of `logit_rows` (token indices), row-major
-  /// [logit_rows.size(), vocab].
+  /// [logit_rows.size(), vocab]. `engram_rows`: each token's Engram table rows when
+  /// takes_engram_rows(), else empty.
   std::vector<float> run(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
-                         const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows);
+                         const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows,
+                         const EngramRows& engram_rows);
 
  private:
+  void bind_engram_inputs(const std::string& artifact, const json::Fields& manifest,
+                          const std::vector<std::string>& names, bool read);
   tvm::ffi::Tensor upload(const std::vector<int32_t>& values, std::vector<int64_t> shape) const;
+  tvm::ffi::Tensor to_device(const Tensor& t) const;
+  std::vector<tvm::ffi::Any> engram_arguments(const EngramRows& engram_rows, bool padded) const;
 
   const KVPool& pool_;
   DLDevice device_;
@@ -45,6 +64,10 @@ class CompiledStep {
   int64_t max_step_tokens_ = 0;
   std::vector<int64_t> entry_ratios_;
   bool context_buckets_ = false;  // decode replays CUDA graphs: inputs cover the context's bucket
+  bool takes_engram_rows_ = false;
+  bool gathers_engram_rows_ = false;  // off the CPU (or asked to): only the rows a step reads go in
+  std::vector<EngramTable> engram_tables_;       // manifest "engram.tables", in host memory
+  std::vector<tvm::ffi::Tensor> whole_tables_;  // their step inputs, unless gathered
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
   tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };

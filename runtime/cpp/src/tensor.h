@@ -18,6 +18,7 @@ namespace dsv4c {
 
 inline constexpr DLDataType kF32{kDLFloat, 32, 1};
 inline constexpr DLDataType kI32{kDLInt, 32, 1};
+inline constexpr DLDataType kU8{kDLUInt, 8, 1};
 
 struct Tensor {
   std::shared_ptr<void> data;

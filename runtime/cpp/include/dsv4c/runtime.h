@@ -43,6 +43,13 @@ struct EngineOptions {
   // "map" the weight files, "read" them into memory (on the CPU, huge pages: faster decode), or
   // "auto": read on the CPU when they take at most half of MemAvailable, map otherwise.
   std::string weights = "auto";
+  // A DeepSeek-V4.1 model's Engram tables: "map" their files (the pages a step's rows lie on load
+  // as read) or "read" them into memory. No effect for models without Engram tables.
+  std::string engram_memory = "map";
+  // Off the CPU each step uploads only the Engram table rows its tokens read (the tables stay in
+  // host memory); true takes that path on the CPU too, which otherwise passes the whole tables
+  // (a check that both give the same logits).
+  bool gather_engram_rows = false;
 };
 
 /// What to generate for one request (greedy decoding).
@@ -72,10 +79,12 @@ int64_t verify_artifact(const std::string& artifact);
 class Engine {
  public:
   /// Loads the artifact directory written by `dsv4c compile`: checks the format version, the size
-  /// of every file and the sha256 of all but the weight shards (see verify_artifact), opens model.so through the TVM
-  /// runtime (a GPU artifact on a host with that GPU), maps or reads the weights (as
-  /// options.weights says) and uploads them, and allocates the KV pool for `options`. Throws
-  /// ArtifactError / CheckpointError / UsageError with the Python runtime's messages.
+  /// of every file and the sha256 of all but the weight shards and Engram tables (see
+  /// verify_artifact), opens model.so through the TVM runtime (a GPU artifact on a host with that
+  /// GPU), maps or reads the weights (as options.weights says) and uploads them, maps or reads a
+  /// DeepSeek-V4.1 model's Engram tables and loads its Engram hash, and allocates the KV pool for
+  /// `options`. Throws ArtifactError / CheckpointError / UsageError with the Python runtime's
+  /// messages.
   explicit Engine(const std::string& artifact, const EngineOptions& options = {});
   ~Engine();
   Engine(Engine&&) noexcept;
