@@ -24,11 +24,11 @@ def order_key(x):
 def kth_key_macros(lanes: int):
     """Macros over the order keys (``order_key``) of row t of X [N, C], read ``lanes`` columns
     at a time: ``count_above(X, t, c, lane_count, total, threshold)`` sets total[0] to the number
-    of columns whose key is above ``threshold``; ``kth_key(X, t, c, k, lane_count, total, lo, hi,
-    mid, threshold, ties)`` (int64 lo, hi, mid) sets threshold[0] and ties[0] so that the k
-    largest are the columns whose key is above threshold[0] and, in column order, the first
-    ties[0] equal to it (all pickable columns where there are at most k): a binary search for
-    the k-th largest key in 33 counts, without sorting the row."""
+    of columns whose key is above ``threshold``; ``kth_key(X, t, c, k, threshold, ties)`` sets
+    threshold[0] and ties[0] so that the k largest are the columns whose key is above
+    threshold[0] and, in column order, the first ties[0] equal to it (all pickable columns where
+    there are at most k): a binary search for the k-th largest key in 33 counts, without
+    sorting the row."""
     @T.macro
     def lane_sum(lane_count, total):  # total[0]: the lanes' counts added
         total[0] = 0
@@ -46,8 +46,13 @@ def kth_key_macros(lanes: int):
         lane_sum(lane_count, total)
 
     @T.macro
-    def kth_key(X, t, c, k, lane_count, total, lo, hi, mid, threshold, ties):
+    def kth_key(X, t, c, k, threshold, ties):
+        lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
+        total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
         # The largest key below the k-th largest, lo: at least k keys above lo, in [lo, hi].
+        lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+        hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+        mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
         lo[0] = T.int64(INT32_MIN)
         hi[0] = T.int64(-INT32_MIN - 2)
         count_above(X, t, c, lane_count, total, T.int32(INT32_MIN))
@@ -85,19 +90,16 @@ def topk_rows(k: int):
     @T.macro
     def select(X, IDS, n, c):
         for t in T.parallel(n):
-            lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
-            total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             threshold = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept_key = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
             kept_col = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
+            lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
+            total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             # Keep the keys above the k-th largest, and as many equal to it as fit, in column order.
-            kth_key(X, t, c, k, lane_count, total, lo, hi, mid, threshold, ties)
+            kth_key(X, t, c, k, threshold, ties)
             kept[0] = 0
             for col in range(c):
                 key[0] = order_key(X[t, col])

@@ -128,16 +128,11 @@ def candidate_mask(block: int, blocks: int, *, max_lanes: int = 0):
         BS = T.match_buffer(block_scores, (n, nb), F32)
         OUT = T.match_buffer(out, (n, e), F32)
         for t in T.parallel(n):
-            lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
-            total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             threshold = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            kth_key(BS, t, nb, blocks, lane_count, total, lo, hi, mid, threshold, ties)
+            kth_key(BS, t, nb, blocks, threshold, ties)
             for b in range(nb):
                 key[0] = order_key(BS[t, b])
                 kept[0] = T.float32(NEG_INF)
