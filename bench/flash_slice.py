@@ -146,10 +146,11 @@ def _step_weights(artifact: Path, rank: int = 0):
 def _param_part(name: str) -> str:
     """The part of step parameter ``name`` (the MTP layer's apart): a token reads the routed
     experts' top-k share of ``routed_experts``, one row of ``embedding_rows`` (the embedding,
-    hash-routing tables), all of ``head`` and ``dense``."""
+    hash-routing tables; a V4.1 Engram table stored among the weights, of which it reads a few),
+    all of ``head`` and ``dense``."""
     if ".ffn.experts." in name:
         return "routed_experts"
-    if name == "embed.weight" or name.endswith(".tid2eid"):
+    if name == "embed.weight" or name.endswith((".tid2eid", ".engram.embed.weight")):
         return "embedding_rows"
     return "head" if name.startswith("head.") else "dense"
 
