@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dsv4c.artifact.file_names import MANIFEST
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flash_slice import best, decode_beside_read, decode_weight_bytes, _param_part, weight_read_probe  # noqa: E402
 
@@ -161,7 +163,7 @@ def table_spans(engine) -> list[tuple[int, int]]:
     """(address, bytes) of this process's mappings of the Engram tables: the manifest's
     ``engram.tables`` files, or (an artifact that stores the tables among its weights, opened
     with ``weights="map"``) the table tensors."""
-    manifest = json.loads((engine.path / "manifest.json").read_text())
+    manifest = json.loads((engine.path / MANIFEST).read_text())
     if "engram" in manifest:
         files = {str((engine.path / t["file"]).resolve()) for t in manifest["engram"]["tables"]}
         return [(lo, hi - lo) for lo, hi, _, path in _file_mappings() if path in files]
@@ -209,8 +211,10 @@ def drop_pages(spans: list[tuple[int, int]]) -> None:
 
 def measure_engram(artifact: Path, context: int, steps: int) -> dict:
     """The V4.1 slice's decode step profiled by op family, with the Engram tables' pages warm
-    and cold (dropped before each step)."""
-    s = Slice(artifact, context + 3 * steps + 64, profile=True, weights="map")
+    and cold (dropped before each step). Tables in files of their own are mapped whatever the
+    weights mode; tables among the weights are mapped with them (``weights="map"``)."""
+    in_files = "engram" in json.loads((artifact / MANIFEST).read_text())
+    s = Slice(artifact, context + 3 * steps + 64, profile=True, weights="auto" if in_files else "map")
     spans = table_spans(s.engine)
     s.new_request(context)
     for _ in range(steps):  # untimed: pages in the weights
