@@ -23,7 +23,7 @@ KERNELS = {f.__name__: f for f in (
     attention.sparse_attn, step.window_rows, step.compress_windows, step.entry_rows, step.attention_rows,
     step.block_attention_rows, step.moe_group, step.moe_combine, step.shard_ids, step.gather_rows, step.scatter_rows,
     step.pad_rows, step.copy_rows, step.slice_columns, v41.v41_roundtrip, v41.hc_collapse,
-    v41.project_rows, v41.candidate_mask, v41.engram_gather, v41.engram_gate)}
+    v41.candidate_block_scores, v41.candidate_mask, v41.engram_gather, v41.engram_gate)}
 
 
 @functools.cache

@@ -119,7 +119,7 @@ class V41Functions:
                     self._w(b, f"{p}indexer.k_norm.weight", c.index_head_dim)]
         attrs = {"layer": layer.index, "ratio": layer.compress_ratio, "head_dim": c.head_dim,
                  "index_dim": c.index_head_dim, "rope_dim": c.rope_dim, "eps": c.rms_norm_eps,
-                 "index_keys": layer.owns_index_keys, "fake_quant": c.activation_fake_quant}
+                 "index_keys": layer.owns_index_keys, "fake_quant": c.activation_fake_quant, "quant": self.dense_quant}
         return b.emit("shared_compress", ins, attrs, f"{tag}.entries")
 
     def v41_indexer(self, b: Builder, layer: LayerSpec, p: str, x: Value, q_res: Value, pos: Value, seq: Value,

@@ -322,7 +322,7 @@ def _shared_compress(node: Node, d: Decode):
     read, written = (2 * 4 * r * hd if r > 1 else 0) + 4 * hd, d.main_row_bytes
     if a["index_keys"]:
         flops += 2 * di * hd + 8 * di + 3 * rope
-        read += 4 * (di * hd + di)
+        read += _dense_weight_bytes(node, node.inputs[-2], d) + 4 * di
         written += d.index_row_bytes
     enter = Cost(0, _tensor_bytes(kv_in, d), _tensor_bytes(kv_in, d))
     return "compressor", enter + Cost(flops, read, written).scaled(d.batch / r)

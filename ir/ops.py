@@ -419,7 +419,7 @@ def _v41_rt(ins, attrs):
 
 
 @_op("shared_compress", attrs=("layer", "ratio", "head_dim", "index_dim", "rope_dim", "eps", "index_keys",
-                                "fake_quant"),
+                                "fake_quant", "quant"),
      effect=True, arity=(4, 5, 6, 7))
 def _shared_compress(ins, attrs):
     """A V4.1 KV source's compressor: ``[kv, norm, positions, seq_ids]``, then the gate when the

@@ -19,17 +19,23 @@ import tvm
 
 from dsv4c.artifact import lowbit
 from dsv4c.artifact.engram_tables import EngramTable
+from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.codegen import gpu
+from dsv4c.cli import main as cli
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.compile import compile_model
 from dsv4c.errors import DsvError
+from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
+from dsv4c.frontend.checkpoint_writer import write_checkpoint
+from dsv4c.frontend.config import preset, with_weights
+from dsv4c.frontend.random_model import random_weights
 from dsv4c.ir.reference_v41 import candidate_mask
 from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
 
-from v41_case import TOKEN_IDS, compile_case
+from v41_case import TOKEN_IDS, TOLERANCE, compile_case
 from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here on llvm)
 from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
@@ -69,7 +75,7 @@ def test_the_round_trips_are_bit_exact(fmt):
     assert np.array_equal(got.view(np.uint32), lowbit.v41_roundtrip(x, fmt).view(np.uint32))
 
 
-@pytest.mark.parametrize("ratio,block,blocks", [(2, 8, 2), (1, 4, 3), (2, 3, 1)])
+@pytest.mark.parametrize("ratio,block,blocks", [(2, 8, 2), (1, 4, 3), (2, 3, 1), (1, 1, 7)])
 def test_the_candidate_mask_matches_the_reference(ratio, block, blocks):
     rng = np.random.default_rng(ratio + block)
     entries = 22  # every query sees at most the step's entries
@@ -78,7 +84,9 @@ def test_the_candidate_mask_matches_the_reference(ratio, block, blocks):
     scores[:, 3] = scores[:, 11]  # ties between blocks
     visible = (positions[:, None] + 1) // ratio
     scores[np.arange(entries)[None, :] >= visible] = np.float32(-3.4028234663852886e38)  # index_score's mask
-    got = _call(_kernel("candidate_mask", ratio, block, blocks), [scores, positions], scores.shape)
+    block_scores = _call(_kernel("candidate_block_scores", ratio, block), [scores, positions],
+                         (len(positions), -(-entries // block)))
+    got = _call(_kernel("candidate_mask", block, blocks), [block_scores], scores.shape)
     want = candidate_mask(np.where(scores < -1e38, -np.inf, scores).astype(np.float32), positions, None,
                           ratio=ratio, block=block, blocks=blocks)
     assert np.array_equal(got == 0, want == 0)
@@ -137,3 +145,26 @@ def test_gpu_targets_compile_v41_tiny_into_machine_code(tmp_path, target):
     assert len(rows) >= 60
     memory = "stack" if target == "sm90" else "scratch"
     assert {row["kernel"]: row for row in rows if row[memory] or row["spills"] != 0} == {}
+
+
+def test_an_fp8_checkpoint_runs_its_projections_in_the_plan_format_and_matches_the_reference(tmp_path, capsys):
+    """v41-tiny stored as the release stores it (FP8 32 x 32 dense weights, FP4 experts): on llvm
+    the index keys' ``indexer.wk`` and Engram's ``wkv`` are FP8 matmul weights (codes and scales,
+    GEMV in decode, GEMM in prefill), and the logits of a prefill in chunks and decode steps match
+    the reference target's (which multiplies the decoded fp32 weights)."""
+    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
+    model = write_checkpoint(cfg, random_weights(cfg, seed=1), tmp_path / "fp8")
+    write_byte_tokenizer(model, cfg.vocab_size)
+    logits, tokens = {}, {}
+    for target in ("reference", "llvm"):
+        art = tmp_path / target
+        assert cli(["compile", "--model", str(model), "--target", target, "-o", str(art)]) == 0
+        capsys.readouterr()
+        assert cli(["generate", str(art), "--token-ids", ",".join(map(str, range(3, 40))), "--max-new-tokens", "6",
+                    "--greedy", "--prefill-chunk", "16", "--logits-out", str(tmp_path / f"{target}.npy")]) == 0
+        tokens[target], logits[target] = capsys.readouterr().out.split(), np.load(tmp_path / f"{target}.npy")
+    with SafetensorsFile(tmp_path / "llvm" / "weights.safetensors") as stored:
+        for name in ("layers.1.attn.indexer.wk.weight", "layers.4.attn.indexer.wk.weight", "layers.5.engram.wkv.weight"):
+            assert stored.dtype(name) == "U8" and name + ".scale" in stored.names()
+    assert tokens["llvm"] == tokens["reference"]
+    assert np.abs(logits["llvm"] - logits["reference"]).max() < TOLERANCE

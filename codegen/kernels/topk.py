@@ -21,6 +21,57 @@ def order_key(x):
     return T.Select(x > T.float32(NEG_INF), bits ^ ((bits >> 31) & T.int32(0x7FFFFFFF)), T.int32(INT32_MIN))
 
 
+def kth_key_macros(lanes: int):
+    """Macros over the order keys (``order_key``) of row t of X [N, C], read ``lanes`` columns
+    at a time: ``count_above(X, t, c, lane_count, total, threshold)`` sets total[0] to the number
+    of columns whose key is above ``threshold``; ``kth_key(X, t, c, k, threshold, ties)`` sets
+    threshold[0] and ties[0] so that the k largest are the columns whose key is above
+    threshold[0] and, in column order, the first ties[0] equal to it (all pickable columns where
+    there are at most k): a binary search for the k-th largest key in 33 counts, without
+    sorting the row."""
+    @T.macro
+    def lane_sum(lane_count, total):  # total[0]: the lanes' counts added
+        total[0] = 0
+        for l in range(lanes):
+            total[0] = total[0] + lane_count[l]
+
+    @T.macro
+    def count_above(X, t, c, lane_count, total, threshold):
+        for l in T.vectorized(lanes):
+            lane_count[l] = 0
+        for co in range((c + lanes - 1) // lanes):
+            for l in T.vectorized(lanes):
+                lane_count[l] = lane_count[l] + T.Select(T.And(
+                    co * lanes + l < c, order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
+        lane_sum(lane_count, total)
+
+    @T.macro
+    def kth_key(X, t, c, k, threshold, ties):
+        lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
+        total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+        # The largest key below the k-th largest, lo: at least k keys above lo, in [lo, hi].
+        lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+        hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+        mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
+        lo[0] = T.int64(INT32_MIN)
+        hi[0] = T.int64(-INT32_MIN - 2)
+        count_above(X, t, c, lane_count, total, T.int32(INT32_MIN))
+        if total[0] > k:  # else every pickable column is kept
+            for _ in range(32):
+                if lo[0] < hi[0]:
+                    mid[0] = lo[0] + (hi[0] - lo[0] + 1) // 2
+                    count_above(X, t, c, lane_count, total, T.Cast("int32", mid[0]))
+                    if total[0] >= k:
+                        lo[0] = mid[0]
+                    else:
+                        hi[0] = mid[0] - 1
+        threshold[0] = T.Cast("int32", lo[0] + 1)
+        count_above(X, t, c, lane_count, total, threshold[0])
+        ties[0] = k - total[0]
+
+    return lane_sum, count_above, kth_key
+
+
 def topk_rows(k: int):
     """Per row, the column numbers of the k largest values, best first, lower columns first
     among equal values; NEG_INF (and -inf, NaN) columns are never picked (-1 fills the rest).
@@ -34,54 +85,21 @@ def topk_rows(k: int):
     ``kernels.gpu_topk``'s kernel instead: the same algorithm over a block of threads per row."""
     lanes = TOPK_LANES
     kept_lanes = -(-k // lanes) * lanes
-
-    @T.macro
-    def lane_sum(lane_count, total):  # total[0]: the lanes' counts added
-        total[0] = 0
-        for l in range(lanes):
-            total[0] = total[0] + lane_count[l]
-
-    @T.macro
-    def count_above(X, t, c, lane_count, total, threshold):  # total[0]: columns whose key > threshold
-        for l in T.vectorized(lanes):
-            lane_count[l] = 0
-        for co in range((c + lanes - 1) // lanes):
-            for l in T.vectorized(lanes):
-                lane_count[l] = lane_count[l] + T.Select(T.And(
-                    co * lanes + l < c, order_key(X[t, T.min(co * lanes + l, c - 1)]) > threshold), 1, 0)
-        lane_sum(lane_count, total)
+    lane_sum, _, kth_key = kth_key_macros(lanes)
 
     @T.macro
     def select(X, IDS, n, c):
         for t in T.parallel(n):
-            lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
-            total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            # The largest key below the k-th largest, lo: at least k keys above lo, in [lo, hi].
-            lo = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            hi = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
-            mid = T.alloc_buffer((1,), "int64", scope="local", annotations=ON_STACK)
             threshold = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             kept_key = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
             kept_col = T.alloc_buffer((kept_lanes,), "int32", scope="local", annotations=ON_STACK)
-            lo[0] = T.int64(INT32_MIN)
-            hi[0] = T.int64(-INT32_MIN - 2)
-            count_above(X, t, c, lane_count, total, T.int32(INT32_MIN))
-            if total[0] > k:  # else every pickable column is kept
-                for _ in range(32):
-                    if lo[0] < hi[0]:
-                        mid[0] = lo[0] + (hi[0] - lo[0] + 1) // 2
-                        count_above(X, t, c, lane_count, total, T.Cast("int32", mid[0]))
-                        if total[0] >= k:
-                            lo[0] = mid[0]
-                        else:
-                            hi[0] = mid[0] - 1
+            lane_count = T.alloc_buffer((lanes,), "int32", scope="local", annotations=ON_STACK)
+            total = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
             # Keep the keys above the k-th largest, and as many equal to it as fit, in column order.
-            threshold[0] = T.Cast("int32", lo[0] + 1)
-            count_above(X, t, c, lane_count, total, threshold[0])
-            ties[0] = k - total[0]
+            kth_key(X, t, c, k, threshold, ties)
             kept[0] = 0
             for col in range(c):
                 key[0] = order_key(X[t, col])

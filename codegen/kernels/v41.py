@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's kernels (docs/v41.md): the fake-quant round trips, the collapse of the streams
-with a site's ``pre``, the shared compressor's index-key projection (its pool is
-``compressor.compress_pool``'s), the
-candidate-block mask of the two-level top-k and the Engram gather and gate. Each follows its
+with a site's ``pre``, the candidate-block mask of the two-level top-k and the Engram gather and
+gate (the index-key and Engram projections are ``matmul.linear``'s, the compressor's pool
+``compressor.compress_pool``'s). Each follows its
 reference op (``ir.reference_v41``) in fp32, in the reference's order where a round trip follows."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dsv4c.artifact.lowbit import E2M1_MAX, E4M3_MAX, FP4_AMAX_FLOOR, FP8_AMAX_F
 from dsv4c.codegen.kernels.codecs import (F32, NEG_INF, abs_bits, amax_floor, decode_e2m1, decode_e4m3fn,
                                           decode_e8m0, encode_e2m1, encode_e4m3fn)
 from dsv4c.codegen.kernels.cpu import ON_STACK
+from dsv4c.codegen.kernels.topk import TOPK_LANES, kth_key_macros, order_key
 
 INF = float("inf")
 ROUNDTRIP_BLOCK = {"fp8_b32": 32, "fp4_b32": 32, "fp4_e4m3_b16": 16}
@@ -87,59 +88,62 @@ def hc_collapse(hc: int, dim: int, weighted: bool):
     return f
 
 
-def project_rows(out_dim: int, in_dim: int):
-    """out = x @ w.T for a few rows (a KV source's index keys from its latents), fp32 weights."""
-    @T.prim_func
-    def f(x: T.handle, w: T.handle, out: T.handle):
-        n = T.int32()
-        X = T.match_buffer(x, (n, in_dim), F32)
-        W = T.match_buffer(w, (out_dim, in_dim), F32)
-        OUT = T.match_buffer(out, (n, out_dim), F32)
-        for i in T.parallel(n * out_dim):
-            acc = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            acc[0] = T.float32(0)
-            for c in range(in_dim):
-                acc[0] = acc[0] + X[i // out_dim, c] * W[i % out_dim, c]
-            OUT[i // out_dim, i % out_dim] = acc[0]
-    return f
-
-
-def candidate_mask(ratio: int, block: int, blocks: int):
-    """Level one of the two-level top-k (``reference_v41.candidate_mask``): per query, a block of
-    ``block`` rows scores its best row; the block of the newest visible row is always kept; the
-    best ``blocks`` blocks with a finite score are kept (ties to the lower block); 0 on their
-    rows, -inf elsewhere. Selection by rank: a block is kept when fewer than ``blocks`` blocks
-    beat it (a higher score, or the same score and a lower index)."""
-    @T.macro
-    def block_score(S, POS, t, e, b, out):
-        out[0] = T.float32(NEG_INF)
-        for j in range(block):
-            if b * block + j < e:
-                out[0] = T.max(out[0], S[t, b * block + j])
-        if (POS[t] + 1) // ratio > 0 and b == ((POS[t] + 1) // ratio - 1) // block:
-            out[0] = T.float32(INF)
-
+def candidate_block_scores(ratio: int, block: int):
+    """Level one of the two-level top-k (``reference_v41.candidate_mask``), its first half: per
+    query, each block of ``block`` rows of the index scores [N, E] scores its best row, and the
+    block of the newest visible row scores +inf (always kept): [N, ceil(E / block)]."""
     @T.prim_func
     def f(scores: T.handle, pos: T.handle, out: T.handle):
         n = T.int32()
         e = T.int32()
+        nb = T.int32()
         S = T.match_buffer(scores, (n, e), F32)
         POS = T.match_buffer(pos, (n,), "int32")
-        OUT = T.match_buffer(out, (n, e), F32)
-        for i in T.parallel(n * ((e + block - 1) // block)):
-            mine = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            other = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
-            rank = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
-            block_score(S, POS, i // ((e + block - 1) // block), e, i % ((e + block - 1) // block), mine)
-            rank[0] = 0
-            for o in range((e + block - 1) // block):
-                block_score(S, POS, i // ((e + block - 1) // block), e, o, other)
-                if other[0] > mine[0] or (other[0] == mine[0] and o < i % ((e + block - 1) // block)):
-                    rank[0] = rank[0] + 1
+        OUT = T.match_buffer(out, (n, nb), F32)
+        for i in T.parallel(n * nb):
+            best = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            best[0] = T.float32(NEG_INF)
             for j in range(block):
-                if i % ((e + block - 1) // block) * block + j < e:
-                    OUT[i // ((e + block - 1) // block), i % ((e + block - 1) // block) * block + j] = T.if_then_else(
-                        rank[0] < blocks and mine[0] > T.float32(NEG_INF), T.float32(0), T.float32(NEG_INF))
+                if i % nb * block + j < e:
+                    best[0] = T.max(best[0], S[i // nb, i % nb * block + j])
+            if (POS[i // nb] + 1) // ratio > 0 and i % nb == ((POS[i // nb] + 1) // ratio - 1) // block:
+                best[0] = T.float32(INF)
+            OUT[i // nb, i % nb] = best[0]
+    return f
+
+
+def candidate_mask(block: int, blocks: int, *, max_lanes: int = 0):
+    """The second half: per query, 0 on the rows of the ``blocks`` best blocks with a finite
+    score (ties to the lower block), NEG_INF elsewhere, [N, E]. The blocks are selected as
+    ``topk.topk_rows`` selects columns (the k-th largest block score by binary search, then one
+    pass), in O(blocks) vector steps per query: their order is not needed. GPU builds
+    (``max_lanes``) count that many columns at a time, a thread per query."""
+    lanes = max_lanes or TOPK_LANES
+    _, _, kth_key = kth_key_macros(lanes)
+
+    @T.prim_func
+    def f(block_scores: T.handle, out: T.handle):
+        n = T.int32()
+        nb = T.int32()
+        e = T.int32()
+        BS = T.match_buffer(block_scores, (n, nb), F32)
+        OUT = T.match_buffer(out, (n, e), F32)
+        for t in T.parallel(n):
+            threshold = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            ties = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            key = T.alloc_buffer((1,), "int32", scope="local", annotations=ON_STACK)
+            kept = T.alloc_buffer((1,), F32, scope="local", annotations=ON_STACK)
+            kth_key(BS, t, nb, blocks, threshold, ties)
+            for b in range(nb):
+                key[0] = order_key(BS[t, b])
+                kept[0] = T.float32(NEG_INF)
+                if key[0] > threshold[0] or (key[0] == threshold[0] and ties[0] > 0):
+                    if key[0] == threshold[0]:
+                        ties[0] = ties[0] - 1
+                    kept[0] = T.float32(0)
+                for j in range(block):
+                    if b * block + j < e:
+                        OUT[t, b * block + j] = kept[0]
     return f
 
 

@@ -13,7 +13,7 @@ from tvm import relax, tirx
 from dsv4c.artifact.engram_tables import table_format, table_inputs
 from dsv4c.codegen.kernels.v41 import ROUNDTRIP_BLOCK
 from dsv4c.codegen.ops.attention import main_planes, pool_envelope, store_kernel, store_pool_rows
-from dsv4c.codegen.ops.base import F32, I32, OpLowering, input_shapes, kernel
+from dsv4c.codegen.ops.base import F32, I32, OpLowering, dense_quant, input_shapes, kernel, matmul_kernels
 from dsv4c.codegen.ops.norm import rope_call, rope_table
 
 
@@ -63,7 +63,13 @@ class SharedCompress(OpLowering):
     rows, normed, roped at the window's first position, round-tripped and stored as the group's
     compressed rows; their index keys projected from the same latents, normed, roped,
     round-tripped and stored in the group's index rows; then the ring takes the step's rows
-    (kv, and the gate as the score ring; ratio 1: the kv in both, unread)."""
+    (kv, and the gate as the score ring; ratio 1: the kv in both, unread). The index-key weight
+    ``indexer.wk`` (the last but one input) is a matmul weight in the plan's dense format."""
+
+    weight_role = "key_gemv"
+
+    def matmul_weights(self, node) -> list:
+        return node.inputs[-2:-1] if node.attrs["index_keys"] else []
 
     def kernels(self, node, cfg, plan):
         a = node.attrs
@@ -75,7 +81,8 @@ class SharedCompress(OpLowering):
         if a["fake_quant"] and d % ROUNDTRIP_BLOCK["fp4_e4m3_b16"] == 0:
             out["quant"] = kernel("v41_roundtrip", d, "fp4_e4m3_b16")
         if a["index_keys"]:
-            out.update(key=kernel("project_rows", di, d), key_norm=kernel("rmsnorm", di, a["eps"], True),
+            out.update(matmul_kernels("key_", di, d, dense_quant(node, plan)),
+                       key_norm=kernel("rmsnorm", di, a["eps"], True),
                        key_rope=kernel("rope", 1, di, a["rope_dim"], False),
                        key_store=store_kernel(cfg, plan, "index", di))
             if a["fake_quant"] and di % ROUNDTRIP_BLOCK["fp4_b32"] == 0:
@@ -108,7 +115,7 @@ class SharedCompress(OpLowering):
             win = em.call(roles["windows"], [i["requests"], i["block_table"], *pool_envelope(em, layer, True)],
                           [([windows, r], I32), ([windows], I32), ([windows], I32)])
             key_rows = em.outputs(win, 3)[2]
-            keys = em.call(roles["key"], [latent, em.param(node.inputs[-2].name)], ([windows, di], F32))
+            keys = em.matmul(roles, "key_", latent, em.weight(node.inputs[-2].name, roles["key_gemv"]), di)
             keys = em.call(roles["key_norm"], [keys, em.param(node.inputs[-1].name)], ([windows, di], F32))
             keys = rope_call(em, roles["key_rope"], keys, entry_pos, rope_table(em, "compress"))
             if "key_quant" in roles:
@@ -120,31 +127,40 @@ class SharedCompress(OpLowering):
 
 
 class CandidateMask(OpLowering):
+    """Each block's score (its best row; the newest visible row's block +inf), then the best
+    blocks' rows (``kernels.v41.candidate_mask``)."""
+
     def kernels(self, node, cfg, plan):
         a = node.attrs
-        return {"main": kernel("candidate_mask", a["ratio"], a["block"], a["blocks"])}
+        return {"scores": kernel("candidate_block_scores", a["ratio"], a["block"]),
+                "main": kernel("candidate_mask", a["block"], a["blocks"])}
 
     def emit(self, em, node, roles, args):
-        return [em.call(roles["main"], [args[0], em.inputs["positions"]], (em.shape(args[0]), F32))]
+        n, e = em.shape(args[0])
+        blocks = (e + node.attrs["block"] - 1) // node.attrs["block"]
+        scores = em.call(roles["scores"], [args[0], em.inputs["positions"]], ([n, blocks], F32))
+        return [em.call(roles["main"], [scores], ([n, e], F32))]
 
 
 class Engram(OpLowering):
     """The token's table rows gathered by the step input ``engram_rows`` from its layer's table
     (the step inputs ``artifact.engram_tables.table_inputs`` name, not a weight), projected by
-    ``wkv`` (fp32) and gated into the streams."""
+    ``wkv`` (a matmul weight in the plan's dense format) and gated into the streams."""
+
+    weights, weight_role = slice(3, 4), "project_gemv"
 
     def kernels(self, node, cfg, plan):
         h, ids, table, wkv = input_shapes(node)[:4]
         return {"gather": kernel("engram_gather", table[1], ids[2], ids[1], node.attrs["slot"], table_format(cfg)),
-                "project": kernel("project_rows", wkv[0], wkv[1]),
+                **matmul_kernels("project_", wkv[0], wkv[1], dense_quant(node, plan)),
                 "gate": kernel("engram_gate", h[1], h[2], node.attrs["eps"])}
 
     def emit(self, em, node, roles, args):
         h = em.shape(args[0])
-        wkv, qw, kw = (em.param(v.name) for v in node.inputs[3:6])
+        qw, kw = (em.param(v.name) for v in node.inputs[4:6])
         table = [em.inputs[name] for name in table_inputs(em.cfg.engram.layer_ids[node.attrs["slot"]],
                                                           table_format(em.cfg))]
         wkv_shape = node.inputs[3].type.shape
         rows = em.call(roles["gather"], [em.inputs["engram_rows"], *table], ([h[0], wkv_shape[1]], F32))
-        kv = em.call(roles["project"], [rows, wkv], ([h[0], wkv_shape[0]], F32))
+        kv = em.matmul(roles, "project_", rows, em.weight(node.inputs[3].name, roles["project_gemv"]), wkv_shape[0])
         return [em.call(roles["gate"], [args[0], kv, qw, kw], (h, F32))]
