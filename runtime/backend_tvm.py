@@ -27,7 +27,7 @@ from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
 from dsv4c.runtime.backend import Backend
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
-from dsv4c.runtime.weights import open_engram_tables, open_weights, reads_weights
+from dsv4c.runtime.weights import open_engram_tables, open_weights, prefetch_rows, reads_weights
 
 
 NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
@@ -86,6 +86,7 @@ class TvmBackend(Backend):
         self.engram_tables = open_engram_tables(artifact, manifest, read=engram_memory == "read")
         check_table_inputs(artifact, vm.inputs, self.engram_tables)
         self.engram_host_gather = self.engram_host_gather or not self.on_host
+        self.engram_mapped = engram_memory == "map"  # its pages may be cold: prefetched each step
         # On the CPU the step reads the whole tables, shared with the kernels as they are.
         self.whole_tables = () if self.engram_host_gather else \
             tuple(self._upload(a) for t in self.engram_tables for a in t.arrays)
@@ -198,6 +199,8 @@ class TvmBackend(Backend):
         """The step inputs ``engram_rows`` and the tables (``vm.inputs``' order): the ids and the
         whole tables, or with ``engram_host_gather`` per table the rows its ids name, once each
         (``padded``: with zero rows up to one per id), and the ids remapped into them."""
+        if self.engram_mapped:
+            prefetch_rows(self.engram_tables, ids)
         if not self.engram_host_gather:
             return (self._upload(ids), *self.whole_tables)
         remapped, arrays = np.empty_like(ids), []

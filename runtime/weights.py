@@ -15,7 +15,9 @@ hand TVM the versioned capsule (``runtime.tvm_runtime.from_numpy``).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
@@ -180,3 +182,24 @@ def open_engram_tables(artifact: str | Path, manifest: Manifest, read: bool = Fa
         if bar is not None:
             bar.close()
     return out
+
+
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def prefetch_rows(tables: list[EngramTable], ids: np.ndarray) -> None:
+    """Ask the OS to start reading, all at once, the pages of the rows ``ids`` ``[T, L_e, C]``
+    names in each of the mapped ``tables`` (``madvise(MADV_WILLNEED)`` on each run of adjacent
+    pages), so that a step whose table pages are cold waits for one round of reads rather than
+    for one page fault after another (bench/RESULTS.md, the V4.1 slice)."""
+    for e, table in enumerate(tables):
+        rows = np.unique(ids[:, e]).astype(np.int64)  # ascending: so are the rows' page ranges
+        for a in table.arrays:
+            first = (a.ctypes.data + rows * a.strides[0]) // _PAGE
+            last = (a.ctypes.data + (rows + 1) * a.strides[0] - 1) // _PAGE
+            starts = np.flatnonzero(np.r_[True, first[1:] > last[:-1] + 1])  # where a run of pages begins
+            ends = np.r_[starts[1:], len(rows)] - 1
+            for lo, hi in zip(first[starts].tolist(), last[ends].tolist()):
+                _libc.madvise(lo * _PAGE, (hi - lo + 1) * _PAGE, mmap.MADV_WILLNEED)
