@@ -15,7 +15,8 @@
    pool functions on the device, decode steps replaying CUDA graphs) gives plain greedy's
    tokens, and so does DSpark's block drafter (``tiny-dspark``: tiny with 2 DSpark stages, block
    4), whose ``dspark_draft`` / ``dspark_markov`` outputs are also compared with the reference
-   backend's after the same prompt; then prints prefill and decode timings of the GPU artifact, and what fraction of the
+   backend's after the same prompt; ``v41-tiny`` (DeepSeek-V4.1 stored as the release: FP8
+   Engram tables gathered on the host each step, an fp32 pool) runs the same parity check; then prints prefill and decode timings of the GPU artifact, and what fraction of the
    GPU's memory bandwidth a decode token's weight reads reach; with ``--profile``, decode's kernel
    time by op family (a copy of the artifact without CUDA graphs).
 
@@ -24,7 +25,7 @@ Without such a GPU it says so and stops after step 1. Budget: under 8 minutes on
 GEMMs emulated with sm90's fragment layout against the MFMA's), which is how the script itself
 is tested where no GPU is.
 
-    scripts/device_check [--target sm90|llvm] [--models tiny tiny-dspark flash-slice] [--prompt-tokens 256]
+    scripts/device_check [--target sm90|llvm] [--models tiny tiny-dspark v41-tiny flash-slice] [--prompt-tokens 256]
                          [--decode-steps 16] [--keep DIR] [--profile]
 """
 
@@ -66,15 +67,18 @@ GEMV_EXPERT_ROWS = [1, 0, 2, 1]
 # rejected drafts cross ratio-4 compression boundaries).
 TINY_DSPARK = {"num_nextn_predict_layers": 2, "dspark_block_size": 4, "dspark_target_layer_ids": [2, 3],
                "dspark_markov_rank": 16, "dspark_noise_token_id": 511}
-MODELS = ("tiny", "tiny-dspark", "flash-slice")
+MODELS = ("tiny", "tiny-dspark", "v41-tiny", "flash-slice")
+# DeepSeek-V4.1's pool keeps its own round-tripped rows in fp32 on every target (docs/v41.md).
+KV_CACHE_DTYPE = {"v41-tiny": "auto"}
 
 
 def _compile(model: Path, target: str, out: Path) -> float:
-    """An artifact with an FP8 pool (the GPU default; explicit so llvm matches it)."""
+    """An artifact with an FP8 pool (the GPU default; explicit so llvm matches it), V4.1's fp32."""
     from dsv4c.compile import compile_model
 
     start = time.perf_counter()
-    compile_model(str(model), target, out, progress=False, log=lambda *_: None, kv_cache_dtype="fp8")
+    compile_model(str(model), target, out, progress=False, log=lambda *_: None,
+                  kv_cache_dtype=KV_CACHE_DTYPE.get(model.name, "fp8"))
     return time.perf_counter() - start
 
 
@@ -82,16 +86,21 @@ def build(work: Path, target: str, models: list[str]) -> None:
     """The checkpoints (random weights) and the target's artifacts."""
     from flash_slice import FLASH_SLICE
 
+    from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
     from dsv4c.frontend.checkpoint_writer import write_checkpoint
     from dsv4c.frontend.random_model import random_weights
-    from dsv4c.frontend.config import config_from_dict, preset
+    from dsv4c.frontend.config import config_from_dict, preset, with_weights
 
     tiny = json.loads(resources.files("dsv4c.frontend").joinpath("presets/tiny.json").read_text())
     configs = {"tiny": preset("tiny"), "tiny-dspark": config_from_dict({**tiny, **TINY_DSPARK}, "tiny-dspark"),
+               # stored as the release stores V4.1: FP8 32 x 32 dense, FP4 experts, FP8 Engram tables
+               "v41-tiny": with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32),
                "flash-slice": config_from_dict(FLASH_SLICE, "flash-slice")}
     for label in models:
         start = time.perf_counter()
         write_checkpoint(configs[label], random_weights(configs[label], 0), work / label)
+        if configs[label].engram is not None:  # Engram's hash needs the tokenizer make-tiny writes
+            write_byte_tokenizer(work / label, configs[label].vocab_size)
         seconds = _compile(work / label, target, work / f"{label}-{target}")
         note = ""
         if target == "sm90":
@@ -313,10 +322,15 @@ def timings(work: Path, target: str, label: str, prompt_tokens: int, steps: int)
     backend, pool = engine.backend, engine.pool
     tokens = np.random.default_rng(2).integers(0, engine.config.vocab_size, prompt_tokens).astype(np.int32)
 
+    fed: dict[int, list[int]] = {}  # each sequence's tokens by position, for V4.1's Engram rows
+
     def forward(seq: int, start: int, toks: np.ndarray) -> None:
         pool.ensure(seq, start + len(toks))
+        fed[seq] = fed.get(seq, [])[:start] + toks.tolist()
+        rows = None if engine.engram is None else \
+            engine.engram.request_rows(fed[seq], start, start + len(toks)).astype(np.int32)
         backend.step(toks, np.arange(start, start + len(toks), dtype=np.int32), np.full(len(toks), seq, np.int32),
-                     last_row + len(toks) - 1)
+                     last_row + len(toks) - 1, engram_rows=rows)
 
     pool.admit(0)
     forward(0, 0, tokens[:16])  # warm-up: loads every kernel once

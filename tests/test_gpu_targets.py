@@ -273,7 +273,7 @@ def test_full_structure_compiles_without_weights(tmp_path, model, target, ranks)
 
 
 def test_device_check_logic_runs_on_the_cpu():
-    """scripts/device_check's tensor-core GEMM check, whole-model and DSpark drafter parity,
+    """scripts/device_check's tensor-core GEMM check, whole-model (V4.1 too) and DSpark drafter parity,
     speculation (MTP and DSpark) and timing path, on the CPU (--target llvm, the same FP8 pool
     format): on an H200 the same code runs the sm90 artifacts and the GEMMs on the GPU."""
     import subprocess
@@ -282,10 +282,11 @@ def test_device_check_logic_runs_on_the_cpu():
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
     done = subprocess.run([sys.executable, str(script), "--target", "llvm", "--models", "tiny", "tiny-dspark",
-                           "--prompt-tokens", "32", "--decode-steps", "2", "--profile"], capture_output=True, text=True,
+                           "v41-tiny", "--prompt-tokens", "32", "--decode-steps", "2", "--profile"], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("same tokens: True -> PASS") == 2
+    assert done.stdout.count("same tokens: True -> PASS") == 3
+    assert "v41-tiny: prompt 40 + 8 greedy tokens" in done.stdout and "v41-tiny: prefill 32 tokens" in done.stdout
     assert done.stdout.count("| = 0.0e+00 -> PASS") == 12  # 6 GEMMs, 6 GEMVs: both emulations sum alike
     assert "decode at 32 context" in done.stdout and "GB/s" in done.stdout
     assert "tiny: 8 greedy tokens with mtp drafts equal plain greedy's: True -> PASS" in done.stdout
