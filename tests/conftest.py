@@ -28,6 +28,32 @@ def parity_artifacts(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v41_fp8_model(tmp_path_factory):
+    """v41-tiny as the release stores it (FP8 32 x 32 dense weights and Engram rows with E8M0
+    scales, FP4 experts; random weights, a byte-level tokenizer) and its weights."""
+    from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
+    from dsv4c.frontend.checkpoint_writer import write_checkpoint
+    from dsv4c.frontend.config import preset, with_weights
+    from dsv4c.frontend.random_model import random_weights
+
+    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
+    weights = random_weights(cfg, seed=3)
+    out = write_checkpoint(cfg, weights, tmp_path_factory.mktemp("v41_fp8") / "model")
+    write_byte_tokenizer(out, cfg.vocab_size)
+    return out, weights
+
+
+@pytest.fixture(scope="session")
+def v41_fp8_artifacts(v41_fp8_model, tmp_path_factory):
+    """``v41_fp8_model`` compiled for the reference target and for llvm, once for the whole run
+    (tests that change an artifact copy it first)."""
+    root = tmp_path_factory.mktemp("v41_fp8_artifacts")
+    for target in ("reference", "llvm"):
+        assert cli(["compile", "--model", str(v41_fp8_model[0]), "--target", target, "-o", str(root / target)]) == 0
+    return {target: root / target for target in ("reference", "llvm")}
+
+
+@pytest.fixture(scope="session")
 def tiny_llvm(tmp_path_factory):
     """The quick start's artifact: ``dsv4c make-tiny`` then ``dsv4c compile --target llvm``,
     built once for the tests that only read it (the model directory lies beside it, ``model``)."""

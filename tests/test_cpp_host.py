@@ -30,11 +30,8 @@ from dsv4c.artifact.safetensors_io import SafetensorsFile, write_safetensors
 from dsv4c.cli import main as cli
 from dsv4c.compile import compile_model
 from dsv4c.errors import ArtifactError, DsvError, UsageError
-from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
-from dsv4c.frontend.checkpoint_writer import write_checkpoint
-from dsv4c.frontend.config import config_from_dict, preset, with_weights
+from dsv4c.frontend.config import config_from_dict, preset
 from dsv4c.frontend.engram import hash_multipliers, hash_primes
-from dsv4c.frontend.random_model import random_weights
 from dsv4c.passes.quant_plan import plan_for
 from dsv4c.artifact.manifest import FORMAT_VERSION, read_manifest
 from dsv4c.runtime.engine import Engine
@@ -537,16 +534,10 @@ def test_host_runs_a_v41_batch_like_the_python_engine(cpp, v41, tmp_path, option
     _assert_host_runs_like_the_engine(build, v41, tmp_path, prompts, 12, 13, *options)
 
 
-@pytest.fixture(scope="module")
-def v41_fp8(tmp_path_factory):
-    """v41-tiny as the release stores it (FP8 dense weights and Engram rows with E8M0 scales, FP4
-    experts; random weights, a byte-level tokenizer), compiled for llvm."""
-    root = tmp_path_factory.mktemp("v41_fp8")
-    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
-    model = write_checkpoint(cfg, random_weights(cfg, seed=3), root / "model")
-    write_byte_tokenizer(model, cfg.vocab_size)
-    assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(root / "llvm")]) == 0
-    return root / "llvm"
+@pytest.fixture
+def v41_fp8(v41_fp8_artifacts):
+    """v41-tiny as the release stores it, compiled for llvm (conftest.py)."""
+    return v41_fp8_artifacts["llvm"]
 
 
 @TABLE_OPTIONS

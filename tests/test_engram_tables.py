@@ -19,10 +19,7 @@ from dsv4c.artifact.engram_tables import EngramTable, table_weight
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.cli import main as cli
 from dsv4c.errors import ArtifactError, UsageError
-from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
-from dsv4c.frontend.checkpoint_writer import write_checkpoint
-from dsv4c.frontend.config import preset, with_weights
-from dsv4c.frontend.random_model import random_weights
+from dsv4c.frontend.config import preset
 from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
@@ -32,25 +29,14 @@ from v41_case import compile_case
 PROMPT = np.random.default_rng(4).integers(3, 250, 37).tolist()
 
 
-@pytest.fixture(scope="module")
-def fp8_model(tmp_path_factory):
-    """v41-tiny as the release stores it (FP8 dense weights and Engram rows, FP4 experts), with a
-    byte-level tokenizer, and its weights."""
-    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
-    weights = random_weights(cfg, seed=3)
-    out = write_checkpoint(cfg, weights, tmp_path_factory.mktemp("fp8") / "model")
-    write_byte_tokenizer(out, cfg.vocab_size)
-    return out, weights
+@pytest.fixture
+def fp8_model(v41_fp8_model):
+    return v41_fp8_model
 
 
-@pytest.fixture(scope="module")
-def fp8_artifacts(fp8_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8_artifacts")
-    out = {}
-    for target in ("reference", "llvm"):
-        assert cli(["compile", "--model", str(fp8_model[0]), "--target", target, "-o", str(root / target)]) == 0
-        out[target] = root / target
-    return out
+@pytest.fixture
+def fp8_artifacts(v41_fp8_artifacts):
+    return v41_fp8_artifacts
 
 
 def _manifest(artifact: Path) -> dict:

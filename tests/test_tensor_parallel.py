@@ -25,7 +25,7 @@ from dsv4c.runtime.sampling import SamplingParams
 
 # At TP 2 the V4.1 case's logits and greedy tokens are held to the reference; its ragged batches,
 # prefix-cache hits, preemption and speculation run on tensor parallelism's V4-generic paths, which
-# the tests below check for V4 (and test_v41_two_ranks_compute_what_one_device_does for V4.1's
+# the tests below check for V4 (and test_v41_in_the_release_s_storage_splits_in_two for V4.1's
 # ragged chunked batches): held to the reference on one device by test_v41_compiled.py.
 from v41_case import compile_case
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401  (run here at TP 2)
@@ -120,18 +120,10 @@ def _v41_same_on_two_ranks(two: Path, one: Path, vocab: int) -> None:
         _assert_same(got_ragged, _run(whole, ragged, new))
 
 
-def test_v41_two_ranks_compute_what_one_device_does(without_fake_quant, tmp_path):
-    """The parity case's structure (shared compressors of ratio 2 and 1, re-index and reuse layers,
-    candidate blocks, Engram, the delayed mHC collapse) at TP 2; with V4.1's own numerics the
-    parity tests above hold TP 2 to the reference."""
-    (tmp_path / "tp1").mkdir()
-    (tmp_path / "tp2").mkdir()
-    _v41_same_on_two_ranks(compile_case(tmp_path / "tp2", "llvm", "--tensor-parallel", "2"),
-                           compile_case(tmp_path / "tp1", "llvm"), 300)
-
-
 def test_v41_in_the_release_s_storage_splits_in_two(without_fake_quant, tmp_path):
-    """v41-tiny (shared expert widened to 64, so that its FP8 columns split between 32-column blocks)
+    """V4.1's structure at TP 2 (v41-tiny is the parity case's shape: shared compressors of ratio 2
+    and 1, re-index and reuse layers, candidate blocks, Engram, the delayed mHC collapse) against
+    one device. v41-tiny (shared expert widened to 64, so that its FP8 columns split between 32-column blocks)
     stored as the release stores V4.1: FP8 32 x 32 dense weights cut by rows and by columns, FP4
     experts whole, the FP8 Engram tables and their scales replicated."""
     from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer

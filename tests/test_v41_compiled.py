@@ -25,10 +25,6 @@ from dsv4c.cli import main as cli
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.compile import compile_model
 from dsv4c.errors import DsvError
-from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
-from dsv4c.frontend.checkpoint_writer import write_checkpoint
-from dsv4c.frontend.config import preset, with_weights
-from dsv4c.frontend.random_model import random_weights
 from dsv4c.ir.reference_v41 import candidate_mask
 from dsv4c.runtime.backend_tvm import TvmBackend
 from dsv4c.runtime.engine import Engine
@@ -147,23 +143,19 @@ def test_gpu_targets_compile_v41_tiny_into_machine_code(tmp_path, target):
     assert {row["kernel"]: row for row in rows if row[memory] or row["spills"] != 0} == {}
 
 
-def test_an_fp8_checkpoint_runs_its_projections_in_the_plan_format_and_matches_the_reference(tmp_path, capsys):
+def test_an_fp8_checkpoint_runs_its_projections_in_the_plan_format_and_matches_the_reference(v41_fp8_artifacts,
+                                                                                              tmp_path, capsys):
     """v41-tiny stored as the release stores it (FP8 32 x 32 dense weights, FP4 experts): on llvm
     the index keys' ``indexer.wk`` and Engram's ``wkv`` are FP8 matmul weights (codes and scales,
     GEMV in decode, GEMM in prefill), and the logits of a prefill in chunks and decode steps match
     the reference target's (which multiplies the decoded fp32 weights)."""
-    cfg = with_weights(preset("v41-tiny"), dense="fp8", experts="fp4", fp8_block=32)
-    model = write_checkpoint(cfg, random_weights(cfg, seed=1), tmp_path / "fp8")
-    write_byte_tokenizer(model, cfg.vocab_size)
     logits, tokens = {}, {}
-    for target in ("reference", "llvm"):
-        art = tmp_path / target
-        assert cli(["compile", "--model", str(model), "--target", target, "-o", str(art)]) == 0
+    for target, art in v41_fp8_artifacts.items():
         capsys.readouterr()
         assert cli(["generate", str(art), "--token-ids", ",".join(map(str, range(3, 40))), "--max-new-tokens", "6",
                     "--greedy", "--prefill-chunk", "16", "--logits-out", str(tmp_path / f"{target}.npy")]) == 0
         tokens[target], logits[target] = capsys.readouterr().out.split(), np.load(tmp_path / f"{target}.npy")
-    with SafetensorsFile(tmp_path / "llvm" / "weights.safetensors") as stored:
+    with SafetensorsFile(v41_fp8_artifacts["llvm"] / "weights.safetensors") as stored:
         for name in ("layers.1.attn.indexer.wk.weight", "layers.4.attn.indexer.wk.weight", "layers.5.engram.wkv.weight"):
             assert stored.dtype(name) == "U8" and name + ".scale" in stored.names()
     assert tokens["llvm"] == tokens["reference"]
