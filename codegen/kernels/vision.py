@@ -4,7 +4,9 @@ bidirectional attention over one image's patches, the aligner's r x r merge and 
 The tower's matmuls, norms, SwiGLU and residual adds are the text model's kernels.
 
 Each kernel's outermost loop runs over independent rows, so GPU targets bind it to threads as
-they do the text model's row kernels (``codegen.gpu``). The image's patch grid (rows gh, columns
+they do the text model's row kernels (``codegen.gpu``); the loops over a thread's small arrays
+(a head's accumulator, a block's scores, the rope's angles) are unrolled, so a GPU keeps them in
+registers rather than local memory. The image's patch grid (rows gh, columns
 gw) comes from the buffers' shapes: the entry function views its tensors as grids.
 """
 
@@ -70,13 +72,13 @@ def vision_rope(heads: int, head_dim: int):
         OUT = T.match_buffer(out, (3, gh * gw, heads, head_dim), F32)
         for n in T.parallel(gh * gw):
             trig = T.alloc_buffer((half, 2), F32, scope="local", annotations=ON_STACK)
-            for p in range(half):
+            for p in T.unroll(half):
                 trig[p, 0] = T.cos(T.Cast(F32, T.if_then_else(p < quarter, n // gw, n % gw)) *
                                    INV[T.if_then_else(p < quarter, p, p - quarter)])
                 trig[p, 1] = T.sin(T.Cast(F32, T.if_then_else(p < quarter, n // gw, n % gw)) *
                                    INV[T.if_then_else(p < quarter, p, p - quarter)])
             for s, h in T.grid(2, heads):
-                for p in range(half):
+                for p in T.unroll(half):
                     OUT[s, n, h, p] = X[n // gw, n % gw, s, h, p] * trig[p, 0] - \
                         X[n // gw, n % gw, s, h, p + half] * trig[p, 1]
                     OUT[s, n, h, p + half] = X[n // gw, n % gw, s, h, p + half] * trig[p, 0] + \
@@ -105,27 +107,27 @@ def vision_attention(heads: int, head_dim: int):
             run = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)  # max, sum, block max
             run[0] = T.float32(-3.0e38)
             run[1] = T.float32(0)
-            for j in range(head_dim):
+            for j in T.unroll(head_dim):
                 acc[j] = T.float32(0)
             for blk in range((n + kb - 1) // kb):
                 run[2] = run[0]
-                for b in range(kb):
+                for b in T.unroll(kb):
                     score[b] = T.float32(0)
-                    for j in range(head_dim):
+                    for j in T.unroll(head_dim):
                         score[b] = score[b] + QKV[0, job // heads, job % heads, j] * \
                             QKV[1, T.min(blk * kb + b, n - 1), job % heads, j]
                     score[b] = T.if_then_else(blk * kb + b < n, score[b] * T.float32(scale), T.float32(-3.0e38))
                     run[2] = T.max(run[2], score[b])
                 run[1] = run[1] * T.exp(run[0] - run[2])
-                for j in range(head_dim):
+                for j in T.unroll(head_dim):
                     acc[j] = acc[j] * T.exp(run[0] - run[2])
                 run[0] = run[2]
-                for b in range(kb):
+                for b in T.unroll(kb):
                     score[b] = T.if_then_else(blk * kb + b < n, T.exp(score[b] - run[0]), T.float32(0))
                     run[1] = run[1] + score[b]
-                    for j in range(head_dim):
+                    for j in T.unroll(head_dim):
                         acc[j] = acc[j] + score[b] * QKV[2, T.min(blk * kb + b, n - 1), job % heads, j]
-            for j in range(head_dim):
+            for j in T.unroll(head_dim):
                 OUT[job // heads, job % heads * head_dim + j] = acc[j] / run[1]
     return f
 
