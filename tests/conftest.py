@@ -112,42 +112,10 @@ def v41_vision_model(tmp_path_factory):
     """v41-tiny (random text weights, a byte-level tokenizer) with a random vision tower, aligner
     and span rows (V41_VISION_CONFIG, stored BF16 as the release stores them) in the release's
     composite config.json: (model directory, the tower's tensors as float32 by name)."""
-    import json
+    from vision_reference import write_vision_model
 
-    import numpy as np
-    import torch
-    from safetensors.torch import save_file
-
-    from dsv4c.artifact.vision import vision_tensors
-    from dsv4c.frontend.byte_tokenizer import write_byte_tokenizer
-    from dsv4c.frontend.checkpoint_writer import write_checkpoint
-    from dsv4c.frontend.config import preset
-    from dsv4c.frontend.random_model import random_weights
-    from dsv4c.frontend.vision import read_vision
-
-    cfg = preset("v41-tiny")
-    out = write_checkpoint(cfg, random_weights(cfg, seed=5), tmp_path_factory.mktemp("v41_vision") / "model")
-    write_byte_tokenizer(out, cfg.vocab_size)
-    text = json.loads((out / "config.json").read_text())
-    composite = {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
-                 "vision_config": V41_VISION_CONFIG, "image_token_id": V41_VISION_IMAGE_TOKEN_ID}
-    (out / "config.json").write_text(json.dumps(composite, indent=2))
-    geometry, tower = read_vision(composite, cfg.hidden_size)
-    gen = torch.Generator().manual_seed(11)
-    tensors = {}
-    for name, (shape, multiplied) in vision_tensors(geometry, tower).items():
-        if multiplied:  # about unit-variance outputs
-            value = torch.randn(shape, generator=gen) / shape[1] ** 0.5
-        elif name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
-            value = 1 + 0.1 * torch.randn(shape, generator=gen)
-        else:
-            value = 0.5 * torch.randn(shape, generator=gen)
-        tensors[name] = value.to(torch.bfloat16)
-    save_file(tensors, str(out / "vision.safetensors"), metadata={"format": "pt"})
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    index["weight_map"].update({name: "vision.safetensors" for name in tensors})
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return out, {name: t.float().numpy().astype(np.float32) for name, t in tensors.items()}
+    out = tmp_path_factory.mktemp("v41_vision") / "model"
+    return out, write_vision_model(out, V41_VISION_CONFIG, V41_VISION_IMAGE_TOKEN_ID)
 
 
 @pytest.fixture(scope="session")
