@@ -16,8 +16,6 @@ the patch embedding and the aligner do not grow with the blocks).
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from matmul import _best as best_of, cpu_model  # noqa: E402
 from vision_reference import reference_rows, write_vision_model  # noqa: E402
 
 RELEASE_TOWER = {"model_type": "deepseek_v41_vision", "hidden_size": 1024, "intermediate_size": 2816,
@@ -33,22 +33,6 @@ RELEASE_TOWER = {"model_type": "deepseek_v41_vision", "hidden_size": 1024, "inte
                  "max_image_tokens": 1024, "min_pixels": 295936}
 RELEASE_TEXT_HIDDEN = 5120
 RELEASE_LAYERS = 32
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                platform.processor())
-
-
-def best_of(repeats: int, fn) -> float:
-    fn()  # warm: first-call allocations, page faults on the weights
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -75,9 +59,9 @@ def main() -> None:
         pixels = np.random.default_rng(0).uniform(-1, 1, (3, args.size, args.size)).astype(np.float32)
         tokens = geometry.token_count(args.size, args.size)
         rows = backend.encode_image(pixels)
-        ours = best_of(args.repeats, lambda: backend.encode_image(pixels))
+        ours = best_of(lambda: backend.encode_image(pixels), args.repeats)
         torch.set_grad_enabled(False)
-        reference = best_of(args.repeats, lambda: reference_rows(weights, geometry, tower, pixels, torch.float32))
+        reference = best_of(lambda: reference_rows(weights, geometry, tower, pixels, torch.float32), args.repeats)
         error = float(np.abs(rows - reference_rows(weights, geometry, tower, pixels)).max())
 
     patches = (args.size // 14) ** 2

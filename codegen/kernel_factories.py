@@ -25,7 +25,7 @@ KERNELS = {f.__name__: f for f in (
     step.block_attention_rows, step.moe_group, step.moe_combine, step.shard_ids, step.gather_rows, step.scatter_rows,
     step.pad_rows, step.copy_rows, step.slice_columns, v41.v41_roundtrip, v41.hc_collapse,
     v41.candidate_block_scores, v41.candidate_mask, v41.engram_gather, v41.engram_gate, vision.vision_patches,
-    vision.vision_bias, vision.vision_rope, vision.vision_attention, vision.vision_merge, vision.vision_span)}
+    vision.vision_gelu, vision.vision_rope, vision.vision_attention, vision.vision_merge, vision.vision_span)}
 
 
 @functools.cache

@@ -67,7 +67,7 @@ def _roles(geometry: VisionGeometry, tower: VisionTower) -> dict[str, KernelSpec
              for k, spec in matmul_kernels("", o, n, BF16.name).items()}
     roles.update(
         patches=kernel("vision_patches", p), norm=kernel("rmsnorm", d, tower.norm_eps, True),
-        **{f"bias_{w}": kernel("vision_bias", w, False) for w in (d, 3 * d, t)}, gelu_t=kernel("vision_bias", t, True),
+        **{f"bias_{w}": kernel("add_bias", w) for w in (d, 3 * d, t)}, gelu_t=kernel("vision_gelu", t),
         rope=kernel("vision_rope", tower.num_heads, tower.head_dim),
         attention=kernel("vision_attention", tower.num_heads, tower.head_dim),
         add=kernel("add", d), swiglu=kernel("swiglu", i, NO_LIMIT), merge=kernel("vision_merge", d, r),
@@ -97,7 +97,7 @@ class VisionEmitter(_Emitter):
         y = self.matmul(roles, f"{role}_", x, [self.param(name)], out_dim)
         if bias is None:
             return y
-        return self.call(kernel("vision_bias", out_dim, False), [y, self.param(bias)], (self.shape(y), F32))
+        return self.call(kernel("add_bias", out_dim), [y, self.param(bias)], (self.shape(y), F32))
 
     def encode_image(self, geometry: VisionGeometry, tower: VisionTower) -> None:
         roles = _roles(geometry, tower)

@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's vision tower kernels (docs/vision.md): the patches of the pixels, the biases
-of its projections (with the aligner's GELU), the 2-D rope on the queries and keys, dense
+of the aligner's first projection with its GELU, the 2-D rope on the queries and keys, dense
 bidirectional attention over one image's patches, the aligner's r x r merge and the span's rows.
-The tower's matmuls, norms, SwiGLU and residual adds are the text model's kernels.
+The tower's matmuls, norms, biases, SwiGLU and residual adds are the text model's kernels.
 
 Each kernel's outermost loop runs over independent rows, so GPU targets bind it to threads as
 they do the text model's row kernels (``codegen.gpu``); the loops over a thread's small arrays
@@ -39,9 +39,9 @@ def vision_patches(patch: int):
     return f
 
 
-def vision_bias(dim: int, gelu: bool):
-    """out = x + b, through the exact (erf) GELU when ``gelu``: the tower's projections carry
-    biases, which the matmul kernels do not add."""
+def vision_gelu(dim: int):
+    """out = gelu(x + b), the exact (erf) GELU: the aligner's first projection and its activation
+    (the tower's other biases are the router's ``add_bias``)."""
     @T.prim_func
     def f(x: T.handle, b: T.handle, out: T.handle):
         n = T.int32()
@@ -50,9 +50,8 @@ def vision_bias(dim: int, gelu: bool):
         OUT = T.match_buffer(out, (n, dim), F32)
         for i in T.parallel(n):
             for j in range(dim):
-                OUT[i, j] = T.if_then_else(
-                    gelu, (X[i, j] + B[j]) * T.float32(0.5) * (T.float32(1) + T.erf(
-                        (X[i, j] + B[j]) * T.float32(1 / math.sqrt(2)))), X[i, j] + B[j])
+                OUT[i, j] = (X[i, j] + B[j]) * T.float32(0.5) * (
+                    T.float32(1) + T.erf((X[i, j] + B[j]) * T.float32(1 / math.sqrt(2))))
     return f
 
 
