@@ -19,7 +19,7 @@ from tvm import relax, tirx
 from dsv4c.artifact.quant import BF16, FP32
 from dsv4c.artifact.vision import ENCODE_IMAGE, VisionGeometry, VisionTower, vision_tensors
 from dsv4c.codegen.lowering import WeightLayout
-from dsv4c.codegen.ops.base import F32, KernelSpec, kernel, matmul_kernels
+from dsv4c.codegen.ops.base import F32, KernelSpec, kernel
 from dsv4c.codegen.relax_step import _Emitter
 
 ROPE_CONSTANT = "const.rope.vision"
@@ -63,8 +63,8 @@ def _roles(geometry: VisionGeometry, tower: VisionTower) -> dict[str, KernelSpec
     p, r = geometry.patch_size, geometry.downsample_ratio
     matmuls = {"patch": (d, 3 * p * p), "qkv": (3 * d, d), "wo": (d, d), "w1": (2 * i, d), "w2": (d, i),
                "align1": (t, d * r * r), "align2": (t, t)}
-    roles = {f"{role}_{k}": spec for role, (o, n) in matmuls.items()
-             for k, spec in matmul_kernels("", o, n, BF16.name).items()}
+    # GEMM kernels only (``_Emitter.matmul`` with gemv off): one image is many rows.
+    roles = {f"{role}_gemm": kernel("linear", o, n, BF16.name, False, 0) for role, (o, n) in matmuls.items()}
     roles.update(
         patches=kernel("vision_patches", p), norm=kernel("rmsnorm", d, tower.norm_eps, True),
         **{f"bias_{w}": kernel("add_bias", w) for w in (d, 3 * d, t)}, gelu_t=kernel("vision_gelu", t),
@@ -76,8 +76,8 @@ def _roles(geometry: VisionGeometry, tower: VisionTower) -> dict[str, KernelSpec
 
 
 def vision_kernels(geometry: VisionGeometry, tower: VisionTower) -> dict[str, KernelSpec]:
-    """The distinct kernels encode_image calls, by symbol (GEMM kernels only: one image is many rows)."""
-    return {spec.symbol: spec for role, spec in _roles(geometry, tower).items() if not role.endswith("_gemv")}
+    """The distinct kernels encode_image calls, by symbol."""
+    return {spec.symbol: spec for spec in _roles(geometry, tower).values()}
 
 
 class VisionEmitter(_Emitter):
