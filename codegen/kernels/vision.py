@@ -112,9 +112,12 @@ def vision_attention(heads: int, head_dim: int):
                 run[2] = run[0]
                 for b in T.unroll(kb):
                     score[b] = T.float32(0)
-                    for j in T.unroll(head_dim):
+                # The block's keys summed side by side: kb independent chains, not one long one.
+                for j in T.unroll(head_dim):
+                    for b in T.unroll(kb):
                         score[b] = score[b] + QKV[0, job // heads, job % heads, j] * \
                             QKV[1, T.min(blk * kb + b, n - 1), job % heads, j]
+                for b in T.unroll(kb):
                     score[b] = T.if_then_else(blk * kb + b < n, score[b] * T.float32(scale), T.float32(-3.0e38))
                     run[2] = T.max(run[2], score[b])
                 run[1] = run[1] * T.exp(run[0] - run[2])
