@@ -223,7 +223,7 @@ class TvmBackend(Backend):
         each token row and its image_newline, image_end) from its pixels, float32 ``[3, H, W]``
         normalized, H and W multiples of the patch size (``artifact.vision``)."""
         if self.vision is None:
-            raise UsageError("this artifact has no vision tower (its model has no vision_config); images need one")
+            return super().encode_image(pixels)
         geometry, tower, function = self.vision
         pixels = np.ascontiguousarray(pixels, np.float32)
         geometry.check_pixels(pixels.shape, tower.max_patches)

@@ -47,3 +47,8 @@ def test_the_manifest_carries_the_geometry_and_bad_pixels_are_refused(vision_eng
     for shape in [(3, 6, 8), (1, 8, 8), (3, 0, 8), (3, 4, 4 * 550)]:
         with pytest.raises(UsageError):
             backend.encode_image(np.zeros(shape, np.float32))
+
+
+def test_a_text_only_artifact_refuses_images(tiny_llvm):
+    with pytest.raises(UsageError, match="no vision tower"):
+        Engine(tiny_llvm).backend.encode_image(np.zeros((3, 28, 28), np.float32))

@@ -381,7 +381,8 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
 
 ImageRows CompiledStep::encode_image(const std::vector<float>& pixels, int64_t height, int64_t width) const {
   if (!encode_image_) {
-    throw UsageError("this artifact has no vision tower (its model has no vision_config); images need one");
+    throw UsageError("this artifact has no vision tower (its model has no vision_config, or its target runs none); "
+                     "images need one");
   }
   // Python: VisionGeometry.check_pixels, the same words.
   const std::string shape = "(3, " + std::to_string(height) + ", " + std::to_string(width) + ")";
