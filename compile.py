@@ -32,6 +32,7 @@ from dsv4c.artifact.pool import PoolGeometry
 from dsv4c.artifact.quant import QuantPlan, WeightFormat
 from dsv4c.artifact.safetensors_io import write_safetensors
 from dsv4c.artifact.sharding import RANK_VALUES, ShardingPlan
+from dsv4c.artifact.vision import vision_manifest
 from dsv4c.errors import UsageError
 from dsv4c.frontend.checkpoint import Checkpoint, ir_sources, skipped_v41_tensors
 from dsv4c.frontend.checkpoint_writer import write_checkpoint
@@ -40,6 +41,7 @@ from dsv4c.frontend.engram import engram_tables
 from dsv4c.frontend.random_model import iter_random_weights
 from dsv4c.frontend.config import resolve_model
 from dsv4c.frontend.trace import trace
+from dsv4c.frontend.vision import model_vision, vision_sources
 from dsv4c.ir.core import Program, concat_parts
 from dsv4c.ir.serialize import program_to_json
 from dsv4c.passes.merge_projections import base_weight_names, weight_sources
@@ -161,15 +163,19 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                            passes)
     plan = plan_for(cfg, target, numerics, kv_cache_dtype)
     geometry = PoolGeometry.build(cfg, plan)
+    # A V4.1 vision tower compiles into the library as encode_image (codegen.relax_vision).
+    vision = model_vision(model, cfg) if info.compiled else None
     from dsv4c.codegen.convert import SHARD_BYTES, convert_engram_tables, convert_weights
     from dsv4c.codegen.lowering import weight_layouts
 
     with ExitStack() as stack:
         sources = None
+        vision_rows = {}
         if not no_weights:
             ckpt = stack.enter_context(Checkpoint(_checkpoint_dir(cfg, model, stack), drafter=draft_model))
-            skipped_v41_tensors(cfg, ckpt.names())
             # Every tensor's storage and shape is checked here, before anything is written.
+            vision_rows = vision_sources(ckpt, *vision) if vision is not None else {}
+            skipped_v41_tensors(cfg, [n for n in ckpt.names() if n not in vision_rows])
             sources = ir_sources(cfg, ckpt, {n for n in base_weight_names(program) if n not in RANK_VALUES})
         with staging(out, log) as tmp:
             (tmp / PROGRAM).write_text(json.dumps(program_to_json(program)))
@@ -183,18 +189,27 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 if info.compiled:
                     from dsv4c.codegen.build import build_step
 
-                    write_safetensors(tmp / CONSTANTS, step_constants(program))
+                    from dsv4c.codegen.relax_vision import vision_constants
+
+                    constants = step_constants(program)
+                    if vision is not None:
+                        constants.update(vision_constants(vision[1]))
+                    write_safetensors(tmp / CONSTANTS, constants)
                     # Alongside the weights: the build spends most of its time in TVM / LLVM,
                     # which release the GIL. Only one progress bar: the weights' when there are any.
                     building = builder.submit(build_step, program, plan, geometry, tmp, info,
-                                              progress=progress and sources is None)
+                                              progress=progress and sources is None, vision=vision)
                 reports = []
                 if sources is not None:
                     layouts = weight_layouts(program, plan)
+                    if vision is not None:  # every rank's whole tower, after the text model's weights
+                        from dsv4c.codegen.relax_vision import vision_layouts
+
+                        layouts.update(vision_layouts(*vision))
                     for rank in range(tensor_parallel):  # each rank's parts, read from the checkpoint alone
-                        reports.append(convert_weights(layouts, rank_sources(program, sharding, rank, sources), tmp,
-                                                       shard_bytes or SHARD_BYTES, progress=progress,
-                                                       prefix=rank_prefix(rank, tensor_parallel)))
+                        rank_rows = {**rank_sources(program, sharding, rank, sources), **vision_rows}
+                        reports.append(convert_weights(layouts, rank_rows, tmp, shard_bytes or SHARD_BYTES,
+                                                       progress=progress, prefix=rank_prefix(rank, tensor_parallel)))
                 engram = None
                 if cfg.engram is not None:  # the tables in files of their own, once for every rank
                     tables = [] if sources is None else convert_engram_tables(
@@ -223,6 +238,7 @@ def compile_model(model: str, target: str, out: str | Path, numerics: str = "exa
                 entry_points={"step": STEP_ENTRY_POINT},
                 kernels=parse_record(Kernels, kernels, where, "kernels"),
                 vm=parse_record(Vm, {**vm, "constants": CONSTANTS}, where, "vm") if vm else None,
+                vision=vision_manifest(*vision) if vision is not None else None,
                 files={},  # write_manifest records the files
             ))
     built_for = f"{manifest.kernels.mcpu}, " if manifest.kernels.mcpu else ""

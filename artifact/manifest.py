@@ -281,6 +281,9 @@ class Manifest:
     entry_points: dict[str, EntryPoint]
     kernels: Kernels
     vm: Vm | None = None  # compiled targets
+    # A V4.1 model's vision tower compiled as encode_image: artifact.vision's geometry, "tower"
+    # and "function" (compiled targets with a vision_config only).
+    vision: dict[str, Any] | None = None
     files: dict[str, FileRecord]  # every other file; write_manifest records them
 
     def to_json(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dsv4c.codegen.gpu import export_options, toolchain
 from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.codegen.lowering import kernel_table, replays_cuda_graphs
+from dsv4c.codegen.relax_vision import VisionEmitter, vision_kernels, vision_params
 from dsv4c.codegen.relax_step import (GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module,
                                      engram_table_inputs)
 from dsv4c.ir.core import Program
@@ -56,10 +57,14 @@ def serial_when_single(func: tirx.PrimFunc) -> tirx.PrimFunc:
         tirx.IfThenElse(body.extent > 1, body, inline))}))["main"]
 
 
-def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_tokens: int, progress: bool = False):
+def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_tokens: int, progress: bool = False,
+               vision=None):
     """(the Relax module after our pipeline, the step description, the TVM target): what
-    ``build_step`` compiles. Tests inspect the lowered module (e.g. for CUDA graphs)."""
+    ``build_step`` compiles. Tests inspect the lowered module (e.g. for CUDA graphs). ``vision``
+    (an ``artifact.vision`` (VisionGeometry, VisionTower)) adds ``encode_image``."""
     specs, _ = kernel_table(program, plan)
+    if vision is not None:
+        specs.update(vision_kernels(*vision))
     target = info.tvm_target()
     items = list(specs.items())
     if progress:
@@ -74,17 +79,22 @@ def lower_step(program: Program, plan, geometry, info: TargetInfo, max_step_toke
 
         kernels = {symbol: gpu_kernel(spec, target) for symbol, spec in items}
     cuda_graph = replays_cuda_graphs(program, plan)
-    step = build_step_module(program, plan, geometry, kernels, max_step_tokens, cuda_graph)
+    extra = {} if vision is None else {
+        "extra_params": vision_params(*vision),
+        "emit_extra": lambda bb, gvars, params: VisionEmitter(bb, gvars, params).encode_image(*vision)}
+    step = build_step_module(program, plan, geometry, kernels, max_step_tokens, cuda_graph, **extra)
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         lowered = relax_pipeline(target, cuda_graph)(step.module)
     return lowered, step, target
 
 
 def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo,
-               max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS, progress: bool = False) -> tuple[dict, dict]:
-    """Compile the step into ``out_dir / LIBRARY``; the manifest's ``kernels`` and ``vm`` sections."""
+               max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS, progress: bool = False,
+               vision=None) -> tuple[dict, dict]:
+    """Compile the step (and with ``vision`` encode_image) into ``out_dir / LIBRARY``; the
+    manifest's ``kernels`` and ``vm`` sections."""
     start = time.perf_counter()
-    lowered, step, target = lower_step(program, plan, geometry, info, max_step_tokens, progress)
+    lowered, step, target = lower_step(program, plan, geometry, info, max_step_tokens, progress, vision)
     config = CPU_PASS_CONFIG if info.kind == "cpu" else {}
     with toolchain(info), tvm.transform.PassContext(config=config):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)

@@ -13,7 +13,8 @@ import inspect
 from collections import namedtuple
 
 from dsv4c.codegen import step_kernels as step
-from dsv4c.codegen.kernels import attention, compressor, index, matmul, mhc, norm_rope, pool_rows, routing, topk, v41
+from dsv4c.codegen.kernels import (attention, compressor, index, matmul, mhc, norm_rope, pool_rows, routing, topk, v41,
+                                   vision)
 
 KERNELS = {f.__name__: f for f in (
     matmul.linear, matmul.expert_linear, norm_rope.embed, norm_rope.rmsnorm, norm_rope.rope, norm_rope.rmsnorm_rope,
@@ -23,7 +24,8 @@ KERNELS = {f.__name__: f for f in (
     attention.sparse_attn, step.window_rows, step.compress_windows, step.entry_rows, step.attention_rows,
     step.block_attention_rows, step.moe_group, step.moe_combine, step.shard_ids, step.gather_rows, step.scatter_rows,
     step.pad_rows, step.copy_rows, step.slice_columns, v41.v41_roundtrip, v41.hc_collapse,
-    v41.candidate_block_scores, v41.candidate_mask, v41.engram_gather, v41.engram_gate)}
+    v41.candidate_block_scores, v41.candidate_mask, v41.engram_gather, v41.engram_gate, vision.vision_patches,
+    vision.vision_gelu, vision.vision_rope, vision.vision_attention, vision.vision_merge, vision.vision_span)}
 
 
 @functools.cache

@@ -370,9 +370,12 @@ def constant_names(program: Program) -> list[str]:
 
 
 def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.PrimFunc],
-                      max_step_tokens: int, cuda_graph: bool = False) -> StepModule:
+                      max_step_tokens: int, cuda_graph: bool = False, extra_params=(),
+                      emit_extra=None) -> StepModule:
     """The IRModule of the entry functions (``entry_functions``) over ``kernels`` (symbol ->
-    PrimFunc, already specialised for the target)."""
+    PrimFunc, already specialised for the target). ``extra_params`` (name, shape, dtype) follow
+    the step's in the params tuple and ``emit_extra(bb, gvars, params)`` adds functions of its
+    own that read them (``codegen.relax_vision``'s encode_image)."""
     for layer in program.config.mtp_layers:
         if layer.is_compressed:
             raise UnsupportedModelError(f"MTP layer {layer.index} is {layer.attention} (compress ratio "
@@ -380,7 +383,8 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
                                         "as the official V4 checkpoints ship")
     per_node = {name: [node_kernels(node, program.config, plan) for node in fn.nodes]
                 for name, fn in program.functions.items()}
-    params = step_params(program, [roles for name in program.functions for roles in per_node[name]])
+    params = step_params(program, [roles for name in program.functions for roles in per_node[name]]) + \
+        list(extra_params)
     bb = relax.BlockBuilder()
     gvars = {symbol: bb.add_func(func, symbol) for symbol, func in kernels.items()}
     functions = entry_functions(program, max_step_tokens)
@@ -390,5 +394,7 @@ def build_step_module(program: Program, plan, geometry, kernels: dict[str, tirx.
         emitter.function(name, source, bound)
         pool, ratios, call_families[name] = emitter.pool_layout, emitter.ratios, emitter.call_families
     emit_pool_functions(bb, gvars, geometry)
+    if emit_extra is not None:
+        emit_extra(bb, gvars, params)
     return StepModule(bb.get(), list(functions), [name for name, _, _ in params], pool, ratios, max_step_tokens,
                       call_families, cuda_graph)

@@ -63,8 +63,14 @@ _HF_RULES = [(re.compile(a), b) for a, b in _HF_TO_OFFICIAL]
 _HF_MERGED_EXPERTS = re.compile(r"^(?P<prefix>.*\.ffn\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
 
+VISION_PREFIXES = ("vision.", "aligner.", "image_")  # V4.1's vision tower (frontend.vision)
+
+
 def official_name(name: str) -> str:
-    """Map a ``transformers`` tensor name to the official one (official names pass through)."""
+    """Map a ``transformers`` tensor name to the official one (official names pass through; so
+    do V4.1's vision tensors, whose ``.mlp.`` is the release's own name)."""
+    if name.startswith(VISION_PREFIXES):
+        return name
     for pattern, repl in _HF_RULES:
         name = pattern.sub(repl, name)
     return name
@@ -73,8 +79,9 @@ def official_name(name: str) -> str:
 FLOAT_STORAGE = ("F32", "F16", "BF16")
 TABLE_SCALE_COLUMNS = 32
 # Tensors of a V4.1 checkpoint that are not the text model dsv4c compiles: the DSpark drafter
-# (compiled for V4.1 by a later change) and the vision tower with its aligner and image markers.
-V41_SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_")
+# (compiled for V4.1 by a later change) and the vision tower with its aligner and image markers
+# (compiled as encode_image from the composite config, whose vision tensors compile.py reads).
+V41_SKIPPED_PREFIXES = ("mtp.", *VISION_PREFIXES)
 
 
 def skipped_v41_tensors(cfg: ModelConfig, names) -> list[str]:
@@ -83,9 +90,11 @@ def skipped_v41_tensors(cfg: ModelConfig, names) -> list[str]:
         return []
     skipped = [n for n in names if n.startswith(V41_SKIPPED_PREFIXES)]
     if skipped:
-        print(f"dsv4c: note: ignoring {len(skipped)} checkpoint tensors of the DSpark drafter (mtp.*) and the "
-              "vision tower (vision.*, aligner.*, image_*): dsv4c compiles V4.1's text model without them",
-              file=sys.stderr)
+        parts = [what for prefixes, what in ((("mtp.",), "the DSpark drafter (mtp.*)"),
+                                             (VISION_PREFIXES, "the vision tower (vision.*, aligner.*, image_*)"))
+                 if any(n.startswith(prefixes) for n in skipped)]
+        print(f"dsv4c: note: ignoring {len(skipped)} checkpoint tensors of {' and '.join(parts)}: dsv4c compiles "
+              "V4.1's text model without them", file=sys.stderr)
     return skipped
 
 

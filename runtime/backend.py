@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from dsv4c.errors import UsageError
+
 
 class Backend(ABC):
     # Whether the pool is the KVPool's own arrays in host memory (false: a device copy, which the
@@ -25,6 +27,9 @@ class Backend(ABC):
     # Whether speculative decoding saves and restores pool rows with :meth:`save_rows` /
     # :meth:`restore_rows` (the pool lives on a device) rather than in the KVPool's arrays.
     device_rows: bool = False
+    # Whether the artifact's vision tower can run (:meth:`encode_image`): a V4.1 model compiled
+    # with its vision_config (docs/vision.md).
+    has_vision: bool = False
 
     @abstractmethod
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -47,6 +52,12 @@ class Backend(ABC):
         """For rows ``rows`` of the last :meth:`dspark_draft`: the Markov bias [R, V] from each row's
         previous token, and the confidence logits [R] (None: the drafter has no confidence head)."""
         raise NotImplementedError(f"{type(self).__name__} has no DSpark drafter")
+
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """One image's span rows ``[token_count, text_hidden]`` from its pixels (backends with
+        ``has_vision``; ``artifact.vision`` says what the pixels are)."""
+        raise UsageError("this artifact has no vision tower (its model has no vision_config, or its target runs "
+                         "none); images need one")
 
     def check_pool_functions(self) -> None:
         """Refuse an artifact that cannot save and restore pool rows (backends with ``device_rows``)."""

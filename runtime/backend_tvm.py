@@ -22,6 +22,7 @@ from dsv4c.artifact.manifest import Kernels, Manifest
 from dsv4c.artifact.pool import ENVELOPE_TOKENS, context_bucket
 from dsv4c.artifact.pool_rows import IndexRowCodec
 from dsv4c.artifact.step_requests import request_groups
+from dsv4c.artifact.vision import read_vision_manifest
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
@@ -102,6 +103,9 @@ class TvmBackend(Backend):
         # for its Markov function.
         self.step_streams = self.draft_streams = None
         self.dspark_rows = self.dspark_block = None
+        # A V4.1 vision tower compiled as its own function (artifact.vision; docs/vision.md).
+        self.vision = read_vision_manifest(manifest.vision) if manifest.vision is not None else None
+        self.has_vision = self.vision is not None
 
     # ------------------------------------------------------------------ memory
     def _upload(self, a: np.ndarray):
@@ -213,6 +217,17 @@ class TvmBackend(Backend):
              logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
         return self._run("", tokens, positions, seq_ids, logit_rows, engram_rows=engram_rows)
+
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """One image's span rows ``[token_count, text_hidden]`` (float32, prompt order: image_start,
+        each token row and its image_newline, image_end) from its pixels, float32 ``[3, H, W]``
+        normalized, H and W multiples of the patch size (``artifact.vision``)."""
+        if self.vision is None:
+            return super().encode_image(pixels)
+        geometry, tower, function = self.vision
+        pixels = np.ascontiguousarray(pixels, np.float32)
+        geometry.check_pixels(pixels.shape, tower.max_patches)
+        return rt.to_numpy(self.vm[function](self._upload(pixels), self.params))
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:

@@ -97,3 +97,30 @@ def serve_artifacts(tmp_path_factory):
     assert cli(["compile", "--model", str(model), "--target", "llvm", "-o", str(root / "cpu")]) == 0
     assert (root / "cpu" / "tokenizer_config.json").is_file() and not (root / "ref" / "tokenizer.json").exists()
     return root
+
+
+# A small random vision tower for v41-tiny (hidden 64, like the text model): the release's
+# vision_config fields, its ratio 3 and its span layout, at widths a test compiles in seconds.
+V41_VISION_CONFIG = {"model_type": "deepseek_v41_vision", "hidden_size": 64, "intermediate_size": 96,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "patch_size": 4, "downsample_ratio": 3,
+                     "rope_theta": 10000.0, "max_image_tokens": 64, "min_pixels": 1024}
+V41_VISION_IMAGE_TOKEN_ID = 271  # v41-tiny's last id: its byte-level tokenizer leaves 259 .. 271 unused
+
+
+@pytest.fixture(scope="session")
+def v41_vision_model(tmp_path_factory):
+    """v41-tiny (random text weights, a byte-level tokenizer) with a random vision tower, aligner
+    and span rows (V41_VISION_CONFIG, stored BF16 as the release stores them) in the release's
+    composite config.json: (model directory, the tower's tensors as float32 by name)."""
+    from vision_reference import write_vision_model
+
+    out = tmp_path_factory.mktemp("v41_vision") / "model"
+    return out, write_vision_model(out, V41_VISION_CONFIG, V41_VISION_IMAGE_TOKEN_ID)
+
+
+@pytest.fixture(scope="session")
+def v41_vision_artifact(v41_vision_model, tmp_path_factory):
+    """``v41_vision_model`` compiled for llvm (with encode_image), once for the whole run."""
+    out = tmp_path_factory.mktemp("v41_vision_artifact") / "llvm"
+    compile_model(str(v41_vision_model[0]), "llvm", out, progress=False, log=lambda *_: None)
+    return out

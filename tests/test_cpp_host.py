@@ -623,3 +623,22 @@ def test_host_needs_the_hash_file_of_a_v41_step(cpp, v41, tmp_path, capsys):
         manifest["engram"]["hash"] = None
     (art / "manifest.json").write_text(json.dumps(manifest))
     assert "has no engram_hash.safetensors" in _fails_like_the_cli(build, art, capsys)
+
+
+# --------------------------------------------------------------------------- vision
+def test_host_encodes_an_image_like_python(cpp, v41_vision_artifact, tmp_path, capsys):
+    """``--encode-image``: the span rows of pixels the host prepared are TvmBackend.encode_image's,
+    bit for bit; pixels that are not whole patches fail in Python's words."""
+    build, _ = cpp
+    pixels = np.random.default_rng(4).uniform(-1, 1, (3, 28, 20)).astype(np.float32)
+    pixels.tofile(tmp_path / "pixels.f32")
+    done = _host(build, v41_vision_artifact, "--encode-image", tmp_path / "pixels.f32", "--image-size", "28,20",
+                 "--rows-out", tmp_path / "rows.npy")
+    assert done.returncode == 0, done.stderr
+    want = Engine(v41_vision_artifact).backend.encode_image(pixels)
+    assert done.stdout.split() == [str(len(want))]
+    assert np.array_equal(np.load(tmp_path / "rows.npy"), want)
+    done = _host(build, v41_vision_artifact, "--encode-image", tmp_path / "pixels.f32", "--image-size", "27,20")
+    with pytest.raises(UsageError) as python:
+        Engine(v41_vision_artifact).backend.encode_image(np.zeros((3, 27, 20), np.float32))
+    assert done.returncode == 2 and done.stderr == f"dsv4c: error: {python.value}\n"

@@ -12,6 +12,13 @@
 // --engram-memory does the same for a DeepSeek-V4.1 model's Engram tables (default: map);
 // --gather-engram-rows passes each step only the table rows it reads, as GPU targets do, on the
 // CPU too (which otherwise passes the whole tables): a check of that path.
+//
+//   dsv4c_host ART --encode-image PIXELS --image-size H,W [--rows-out FILE.npy]
+//
+// runs a DeepSeek-V4.1 artifact's vision tower on one image the caller prepared: PIXELS holds
+// raw little-endian float32 [3, H, W] (RGB planes, rows top to bottom, normalized as
+// (value / 255 - 0.5) / 0.5, H and W multiples of the patch size; docs/cpp_host.md). Prints the
+// span's token count; --rows-out saves its rows [tokens, hidden] (Python: TvmBackend.encode_image).
 // User errors print `dsv4c: error: <message>` (the Python CLI's line) and exit 2.
 #include <algorithm>
 #include <cstdint>
@@ -30,7 +37,8 @@ namespace {
 const char* const kUsage =
     "usage: dsv4c_host ART --token-ids IDS [--token-ids IDS ...] --max-new-tokens N [--greedy]\n"
     "                  [--stop-token-ids IDS] [--prefill-chunk K] [--logits-out FILE] [--verify]\n"
-    "                  [--weights auto|read|map] [--engram-memory map|read] [--gather-engram-rows]\n";
+    "                  [--weights auto|read|map] [--engram-memory map|read] [--gather-engram-rows]\n"
+    "       dsv4c_host ART --encode-image PIXELS --image-size H,W [--rows-out FILE]\n";
 
 // A command-line mistake: printed after the usage, like argparse does.
 struct ArgumentError : std::runtime_error {
@@ -48,6 +56,9 @@ struct Arguments {
   std::string weights = "auto";
   std::string engram_memory = "map";
   bool gather_engram_rows = false;
+  std::string encode_image;        // raw float32 [3, H, W] pixels
+  std::vector<int32_t> image_size;  // H, W
+  std::string rows_out;
 };
 
 int64_t integer(const std::string& option, const std::string& text) {
@@ -111,6 +122,13 @@ Arguments parse(int argc, char** argv) {
       a.engram_memory = value();
     } else if (arg == "--gather-engram-rows") {
       a.gather_engram_rows = true;
+    } else if (arg == "--encode-image") {
+      a.encode_image = value();
+    } else if (arg == "--image-size") {
+      a.image_size = token_ids(arg, value());
+      if (a.image_size.size() != 2) throw ArgumentError("argument --image-size: give H,W");
+    } else if (arg == "--rows-out") {
+      a.rows_out = value();
     } else if (arg == "--verify") {
       a.verify = true;
     } else if (arg == "--greedy") {
@@ -120,6 +138,12 @@ Arguments parse(int argc, char** argv) {
     } else {
       throw ArgumentError("unrecognized arguments: " + arg);
     }
+  }
+  if (!a.encode_image.empty()) {
+    if (a.artifact.empty() || a.image_size.empty()) {
+      throw ArgumentError("the following arguments are required: ART, --image-size");
+    }
+    return a;
   }
   if (a.artifact.empty() || a.prompts.empty() || !a.max_new_tokens) {
     throw ArgumentError("the following arguments are required: ART, --token-ids, --max-new-tokens");
@@ -139,7 +163,17 @@ void write_npy(const std::string& path, const std::vector<float>& values, int64_
   out.write(length, 2);
   out << header;
   out.write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * sizeof(float)));
-  if (!out) throw std::runtime_error(path + ": cannot write the logits");
+  if (!out) throw std::runtime_error(path + ": cannot write the array");
+}
+
+// The pixels file of --encode-image: raw float32 values.
+std::vector<float> read_floats(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw dsv4c::UsageError(path + ": cannot read the pixels");
+  std::vector<float> values(static_cast<size_t>(in.tellg()) / sizeof(float));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(values.data()), static_cast<std::streamsize>(values.size() * sizeof(float)));
+  return values;
 }
 
 }  // namespace
@@ -155,13 +189,20 @@ int main(int argc, char** argv) {
   try {
     dsv4c::EngineOptions options;
     // The same pool as `dsv4c generate` sizes, so that rows land where the Python runtime puts them.
-    options.max_context = std::max<int64_t>(4096, *args.max_new_tokens + 8192);
+    options.max_context = std::max<int64_t>(4096, args.max_new_tokens.value_or(0) + 8192);
     options.prefill_chunk = args.prefill_chunk;
     options.weights = args.weights;
     options.engram_memory = args.engram_memory;
     options.gather_engram_rows = args.gather_engram_rows;
     if (args.verify) dsv4c::verify_artifact(args.artifact);
     dsv4c::Engine engine(args.artifact, options);
+    if (!args.encode_image.empty()) {
+      dsv4c::ImageRows image = engine.encode_image(read_floats(args.encode_image), args.image_size[0],
+                                                   args.image_size[1]);
+      std::cout << image.tokens << "\n";
+      if (!args.rows_out.empty()) write_npy(args.rows_out, image.rows, image.tokens, image.width);
+      return 0;
+    }
     dsv4c::GenerationParams params;
     params.max_new_tokens = *args.max_new_tokens;
     params.stop_token_ids = args.stop_token_ids;

@@ -248,6 +248,9 @@ Result Engine::generate(const std::vector<int32_t>& prompt, const GenerationPara
   return result(id);
 }
 
+ImageRows Engine::encode_image(const std::vector<float>& pixels, int64_t height, int64_t width) const {
+  return impl_->compiled_step->encode_image(pixels, height, width);
+}
 int64_t Engine::vocab_size() const { return impl_->config.vocab_size; }
 const std::string& Engine::path() const { return impl_->path; }
 const KVPool& Engine::pool() const { return *impl_->pool; }

@@ -202,6 +202,12 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
   max_step_tokens_ = vm.integer("max_step_tokens");
   entry_ratios_ = vm.integers("entry_ratios");
   context_buckets_ = vm.flag("cuda_graph");
+  if (manifest.get("vision")) {  // Python: artifact.vision.read_vision_manifest
+    json::Fields vision = manifest.object("vision");
+    encode_image_ = vm_->GetFunction(vision.string("function")).value();
+    patch_size_ = vision.integer("patch_size");
+    max_patches_ = vision.object("tower").integer("max_patches");
+  }
 
   ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
   ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
@@ -370,6 +376,40 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
   static const ffi::Function copy_out = global("runtime.TVMTensorCopyToBytes");
   copy_out(logits, static_cast<void*>(out.data()), static_cast<int64_t>(out.size() * sizeof(float)));
   out.resize(logit_rows.size() * (out.size() / rows.size()));
+  return out;
+}
+
+ImageRows CompiledStep::encode_image(const std::vector<float>& pixels, int64_t height, int64_t width) const {
+  if (!encode_image_) {
+    throw UsageError("this artifact has no vision tower (its model has no vision_config, or its target runs none); "
+                     "images need one");
+  }
+  // Python: VisionGeometry.check_pixels, the same words.
+  const std::string shape = "(3, " + std::to_string(height) + ", " + std::to_string(width) + ")";
+  const int64_t p = patch_size_;
+  if (height < p || width < p || height % p || width % p) {
+    throw UsageError("pixels of shape " + shape + ": encode_image takes float32 [3, H, W] with H and W positive "
+                     "multiples of the patch size " + std::to_string(p));
+  }
+  if (static_cast<int64_t>(pixels.size()) != 3 * height * width) {
+    throw UsageError("pixels of shape " + shape + " hold " + std::to_string(3 * height * width) + " values, not " +
+                     std::to_string(pixels.size()));
+  }
+  const int64_t patches = (height / p) * (width / p);
+  if (patches > max_patches_) {
+    throw UsageError("pixels of shape " + shape + " are " + std::to_string(patches) + " patches; this artifact's "
+                     "encode_image takes at most " + std::to_string(max_patches_));
+  }
+  Tensor host = Tensor::zeros({3, height, width});
+  std::copy(pixels.begin(), pixels.end(), host.ptr<float>());
+  std::vector<ffi::Any> arguments = {to_device(host), params_};
+  const std::vector<ffi::AnyView> views(arguments.begin(), arguments.end());
+  ffi::Any result;
+  encode_image_->CallPacked(views.data(), static_cast<int32_t>(views.size()), &result);
+  ffi::Tensor rows = result.cast<ffi::Tensor>();
+  ImageRows out{std::vector<float>(static_cast<size_t>(rows.numel())), rows.size(0), rows.size(1)};
+  static const ffi::Function copy_out = global("runtime.TVMTensorCopyToBytes");
+  copy_out(rows, static_cast<void*>(out.rows.data()), static_cast<int64_t>(out.rows.size() * sizeof(float)));
   return out;
 }
 

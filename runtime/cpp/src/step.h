@@ -12,10 +12,12 @@
 #include <tvm/ffi/function.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dsv4c/kv_pool.h"
+#include "dsv4c/runtime.h"
 #include "engram.h"
 #include "json.h"
 #include "tensor.h"
@@ -49,6 +51,10 @@ class CompiledStep {
                          const std::vector<int32_t>& seq_ids, const std::vector<int32_t>& logit_rows,
                          const EngramRows& engram_rows);
 
+  /// The library's encode_image (a V4.1 model with a vision tower, manifest "vision") on one
+  /// image's pixels, row-major float32 [3, height, width]: its span's rows (Engine::encode_image).
+  ImageRows encode_image(const std::vector<float>& pixels, int64_t height, int64_t width) const;
+
  private:
   void bind_engram_inputs(const std::string& artifact, const json::Fields& manifest,
                           const std::vector<std::string>& names, bool read);
@@ -68,6 +74,8 @@ class CompiledStep {
   bool gathers_engram_rows_ = false;  // off the CPU (or asked to): only the rows a step reads go in
   std::vector<EngramTable> engram_tables_;       // manifest "engram.tables", in host memory
   std::vector<tvm::ffi::Tensor> whole_tables_;  // their step inputs, unless gathered
+  std::optional<tvm::ffi::Function> encode_image_;  // manifest "vision.function", when the model has a tower
+  int64_t patch_size_ = 0, max_patches_ = 0;         // manifest "vision": patch_size, tower.max_patches
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
   tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };

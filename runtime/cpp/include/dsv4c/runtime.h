@@ -71,6 +71,15 @@ struct Result {
   int64_t rows = 0;
 };
 
+/// One image's span rows from Engine::encode_image: row-major float32 [tokens, width] (width: the
+/// text model's hidden size), in prompt order: image_start, each row of the aligner's grid and
+/// its image_newline, image_end (docs/vision.md).
+struct ImageRows {
+  std::vector<float> rows;
+  int64_t tokens = 0;
+  int64_t width = 0;
+};
+
 /// Checks every file of an artifact against the sha256 its manifest records (reads every byte;
 /// Python: `dsv4c verify`). Returns the bytes checked; throws ArtifactError naming the first file
 /// that does not match (or what read_manifest finds first: a missing or resized file).
@@ -117,6 +126,13 @@ class Engine {
   Result generate(const std::vector<int32_t>& prompt, const GenerationParams& params,
                   TokenCallback on_token = nullptr);
 
+  /// Runs the artifact's vision tower (a DeepSeek-V4.1 model compiled with its vision_config) on
+  /// one image the host prepared: `pixels` row-major float32 [3, height, width], RGB, normalized
+  /// as (value / 255 - 0.5) / 0.5, height and width multiples of the patch size (the manifest's
+  /// "vision": resizing, padding and the token budget are the host's, docs/cpp_host.md). Returns
+  /// the rows that replace the span's image_token_id positions in the prompt. Throws UsageError
+  /// without a tower or for pixels it cannot take (Python: TvmBackend.encode_image's messages).
+  ImageRows encode_image(const std::vector<float>& pixels, int64_t height, int64_t width) const;
   int64_t vocab_size() const;
   /// The artifact path as messages spell it (normalised like Python's pathlib).
   const std::string& path() const;

@@ -1,0 +1,178 @@
+"""DeepSeek-V4.1's vision tower kernels (docs/vision.md): the patches of the pixels, the biases
+of the aligner's first projection with its GELU, the 2-D rope on the queries and keys, dense
+bidirectional attention over one image's patches, the aligner's r x r merge and the span's rows.
+The tower's matmuls, norms, biases, SwiGLU and residual adds are the text model's kernels.
+
+Each kernel's outermost loop runs over independent rows, so GPU targets bind it to threads as
+they do the text model's row kernels (``codegen.gpu``); the loops over a thread's small arrays
+(a head's accumulator, a block's scores, the rope's angles) are unrolled, so a GPU keeps them in
+registers rather than local memory. The image's patch grid (rows gh, columns
+gw) comes from the buffers' shapes: the entry function views its tensors as grids.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+from dsv4c.codegen.kernels.codecs import F32
+from dsv4c.codegen.kernels.cpu import ON_STACK
+
+ATTENTION_KEY_BLOCK = 16  # keys scored together before the running softmax is rescaled
+
+
+def vision_patches(patch: int):
+    """pixels viewed as [3, gh, patch, gw, patch] -> [gh * gw, 3 * patch * patch]: patch n = y * gw
+    + x in raster order, each patch channel-major (c, row, column), as the release flattens it."""
+    width = 3 * patch * patch
+
+    @T.prim_func
+    def f(x: T.handle, out: T.handle):
+        gh = T.int32()
+        gw = T.int32()
+        X = T.match_buffer(x, (3, gh, patch, gw, patch), F32)
+        OUT = T.match_buffer(out, (gh * gw, width), F32)
+        for n in T.parallel(gh * gw):
+            for c, py, px in T.grid(3, patch, patch):
+                OUT[n, c * patch * patch + py * patch + px] = X[c, n // gw, py, n % gw, px]
+    return f
+
+
+def vision_gelu(dim: int):
+    """out = gelu(x + b), the exact (erf) GELU: the aligner's first projection and its activation
+    (the tower's other biases are the router's ``add_bias``)."""
+    @T.prim_func
+    def f(x: T.handle, b: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, dim), F32)
+        B = T.match_buffer(b, (dim,), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for i in T.parallel(n):
+            for j in range(dim):
+                OUT[i, j] = (X[i, j] + B[j]) * T.float32(0.5) * (
+                    T.float32(1) + T.erf((X[i, j] + B[j]) * T.float32(1 / math.sqrt(2))))
+    return f
+
+
+def vision_rope(heads: int, head_dim: int):
+    """The 2-D rope of the queries and keys: qkv viewed as [gh, gw, 3, heads, head_dim] -> q, k
+    (rotated) and v as [3, gh * gw, heads, head_dim]. Channel i < head_dim / 2 pairs with i +
+    head_dim / 2 (the split-half convention); the first half of the pairs turns by the patch's
+    row times ``inv[i]``, the second by its column times ``inv[i - head_dim / 4]``."""
+    half, quarter = head_dim // 2, head_dim // 4
+
+    @T.prim_func
+    def f(x: T.handle, inv: T.handle, out: T.handle):
+        gh = T.int32()
+        gw = T.int32()
+        X = T.match_buffer(x, (gh, gw, 3, heads, head_dim), F32)
+        INV = T.match_buffer(inv, (quarter,), F32)
+        OUT = T.match_buffer(out, (3, gh * gw, heads, head_dim), F32)
+        for n in T.parallel(gh * gw):
+            trig = T.alloc_buffer((half, 2), F32, scope="local", annotations=ON_STACK)
+            for p in T.unroll(half):
+                trig[p, 0] = T.cos(T.Cast(F32, T.if_then_else(p < quarter, n // gw, n % gw)) *
+                                   INV[T.if_then_else(p < quarter, p, p - quarter)])
+                trig[p, 1] = T.sin(T.Cast(F32, T.if_then_else(p < quarter, n // gw, n % gw)) *
+                                   INV[T.if_then_else(p < quarter, p, p - quarter)])
+            for s, h in T.grid(2, heads):
+                for p in T.unroll(half):
+                    OUT[s, n, h, p] = X[n // gw, n % gw, s, h, p] * trig[p, 0] - \
+                        X[n // gw, n % gw, s, h, p + half] * trig[p, 1]
+                    OUT[s, n, h, p + half] = X[n // gw, n % gw, s, h, p + half] * trig[p, 0] + \
+                        X[n // gw, n % gw, s, h, p] * trig[p, 1]
+            for h, j in T.grid(heads, head_dim):
+                OUT[2, n, h, j] = X[n // gw, n % gw, 2, h, j]
+    return f
+
+
+def vision_attention(heads: int, head_dim: int):
+    """Dense bidirectional attention of one image: every patch attends to every patch, softmax
+    scaled by 1 / sqrt(head_dim), no mask, no sink. qkv [3, n, heads, head_dim] -> [n, heads *
+    head_dim]; in parallel over (query, head), keys in blocks of ATTENTION_KEY_BLOCK with a
+    running max (the accumulator is rescaled once per block)."""
+    kb = ATTENTION_KEY_BLOCK
+    scale = 1 / math.sqrt(head_dim)
+
+    @T.prim_func
+    def f(qkv: T.handle, out: T.handle):
+        n = T.int32()
+        QKV = T.match_buffer(qkv, (3, n, heads, head_dim), F32)
+        OUT = T.match_buffer(out, (n, heads * head_dim), F32)
+        for job in T.parallel(n * heads):
+            acc = T.alloc_buffer((head_dim,), F32, scope="local", annotations=ON_STACK)
+            score = T.alloc_buffer((kb,), F32, scope="local", annotations=ON_STACK)
+            run = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)  # max, sum, block max
+            run[0] = T.float32(-3.0e38)
+            run[1] = T.float32(0)
+            for j in T.unroll(head_dim):
+                acc[j] = T.float32(0)
+            for blk in range((n + kb - 1) // kb):
+                run[2] = run[0]
+                for b in T.unroll(kb):
+                    score[b] = T.float32(0)
+                # The block's keys summed side by side: kb independent chains, not one long one.
+                for j in T.unroll(head_dim):
+                    for b in T.unroll(kb):
+                        score[b] = score[b] + QKV[0, job // heads, job % heads, j] * \
+                            QKV[1, T.min(blk * kb + b, n - 1), job % heads, j]
+                for b in T.unroll(kb):
+                    score[b] = T.if_then_else(blk * kb + b < n, score[b] * T.float32(scale), T.float32(-3.0e38))
+                    run[2] = T.max(run[2], score[b])
+                run[1] = run[1] * T.exp(run[0] - run[2])
+                for j in T.unroll(head_dim):
+                    acc[j] = acc[j] * T.exp(run[0] - run[2])
+                run[0] = run[2]
+                for b in T.unroll(kb):
+                    score[b] = T.if_then_else(blk * kb + b < n, T.exp(score[b] - run[0]), T.float32(0))
+                    run[1] = run[1] + score[b]
+                    for j in T.unroll(head_dim):
+                        acc[j] = acc[j] + score[b] * QKV[2, T.min(blk * kb + b, n - 1), job % heads, j]
+            for j in T.unroll(head_dim):
+                OUT[job // heads, job % heads * head_dim + j] = acc[j] / run[1]
+    return f
+
+
+def vision_merge(dim: int, ratio: int):
+    """The aligner's r x r merge: features [gh, gw, dim] -> [mh, mw, dim * r * r], token (Y, X)
+    holding element c * r * r + dy * r + dx = features[Y * r + dy, X * r + dx, c] (zeros past the
+    grid's edge: the release pads the features, not the pixels)."""
+    width = dim * ratio * ratio
+
+    @T.prim_func
+    def f(x: T.handle, out: T.handle):
+        gh = T.int32()
+        gw = T.int32()
+        mh = T.int32()
+        mw = T.int32()
+        X = T.match_buffer(x, (gh, gw, dim), F32)
+        OUT = T.match_buffer(out, (mh, mw, width), F32)
+        for t in T.parallel(mh * mw):
+            for c, dy, dx in T.grid(dim, ratio, ratio):
+                OUT[t // mw, t % mw, c * ratio * ratio + dy * ratio + dx] = T.if_then_else(
+                    t // mw * ratio + dy < gh and t % mw * ratio + dx < gw,
+                    X[T.min(t // mw * ratio + dy, gh - 1), T.min(t % mw * ratio + dx, gw - 1), c], T.float32(0))
+    return f
+
+
+def vision_span(dim: int):
+    """The span's rows: image_start, each row of tokens [mh, mw, dim] followed by image_newline,
+    image_end -> [mh * (mw + 1) + 2, dim]."""
+    @T.prim_func
+    def f(x: T.handle, start: T.handle, newline: T.handle, end: T.handle, out: T.handle):
+        mh = T.int32()
+        mw = T.int32()
+        X = T.match_buffer(x, (mh, mw, dim), F32)
+        START = T.match_buffer(start, (dim,), F32)
+        NEWLINE = T.match_buffer(newline, (dim,), F32)
+        END = T.match_buffer(end, (dim,), F32)
+        OUT = T.match_buffer(out, (mh * (mw + 1) + 2, dim), F32)
+        for i in T.parallel(mh * (mw + 1) + 2):
+            for j in range(dim):
+                OUT[i, j] = T.if_then_else(
+                    i == 0, START[j], T.if_then_else(
+                        i == mh * (mw + 1) + 1, END[j], T.if_then_else(
+                            (i - 1) % (mw + 1) == mw, NEWLINE[j],
+                            X[T.min((i - 1) // (mw + 1), mh - 1), T.min((i - 1) % (mw + 1), mw - 1), j])))
+    return f
