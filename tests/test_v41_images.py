@@ -15,24 +15,24 @@ where transformers has the V4.1 model (skipped elsewhere, as in CI)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dsv4c.cli import main as cli
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.prefix_cache import BLOCK_TOKENS
 from dsv4c.runtime.request import ImageSpan
 from dsv4c.runtime.sampling import SamplingParams
 
+from v41_case import IMAGE_TOKEN, write_case_model
+
 DATA = Path(__file__).parent / "data"
 IMAGES = DATA / "v41_images"
 CASE = json.loads((IMAGES / "case.json").read_text())
 TOKEN_IDS = json.loads((DATA / "v41_engram" / "case.json").read_text())["token_ids"]
-IMAGE_TOKEN, START, COUNT = CASE["image_token_id"], CASE["span_start"], CASE["span_tokens"]
+START, COUNT = CASE["span_start"], CASE["span_tokens"]
 PROMPT = TOKEN_IDS[:START] + [IMAGE_TOKEN] * COUNT + TOKEN_IDS[START + COUNT:]
 TOLERANCE = 1e-4  # as tests/v41_case.py
 
@@ -48,26 +48,9 @@ def span(rows: np.ndarray = ROWS, digest: str = "image-0", start: int = START) -
     return ImageSpan(start, None, len(rows), digest, rows)
 
 
-def write_model(model: Path, image_token_id: int | None = IMAGE_TOKEN) -> Path:
-    """The parity case's model directory; its config names the image token (a model that sees images)."""
-    model.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(DATA / "v41_engram" / name, model / name)
-    config = json.loads((DATA / "v41_engram" / "config.json").read_text())
-    if image_token_id is not None:
-        config["image_token_id"] = image_token_id
-    (model / "config.json").write_text(json.dumps(config))
-    shutil.copyfile(DATA / "v41_case0" / "model.safetensors", model / "model.safetensors")
-    return model
-
-
 @pytest.fixture(scope="module", params=["reference", "llvm"])
-def artifact(request, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("v41_images")
-    model = write_model(root / "model")
-    out = root / request.param
-    assert cli(["compile", "--model", str(model), "--target", request.param, "-o", str(out)]) == 0
-    return out
+def artifact(request, v41_case_artifacts) -> Path:
+    return v41_case_artifacts[request.param]
 
 
 @pytest.mark.parametrize("chunk", [None, 5, 1])
@@ -141,14 +124,10 @@ def test_the_engine_encodes_each_image_once_and_never_in_decode(artifact):
     assert decode_steps and all(images is None for images in decode_steps[-2:])
 
 
-@pytest.mark.parametrize("images, message", [
-    ([ImageSpan(START, None, COUNT, "x", ROWS)], "does not take images"),
-])
-def test_a_text_model_refuses_images(tmp_path, images, message):
-    model = write_model(tmp_path / "model", image_token_id=None)
-    assert cli(["compile", "--model", str(model), "--target", "reference", "-o", str(tmp_path / "art")]) == 0
-    with pytest.raises(UsageError, match=message):
-        Engine(tmp_path / "art", max_context=256).submit(PROMPT, SamplingParams(max_new_tokens=1), images=images)
+def test_a_text_model_refuses_images(serve_artifacts):
+    engine = Engine(serve_artifacts / "ref", max_context=256)
+    with pytest.raises(UsageError, match="does not take images"):
+        engine.submit([1, 2, 3], SamplingParams(max_new_tokens=1), images=[ImageSpan(0, None, 3, "x", ROWS[:3])])
 
 
 @pytest.mark.parametrize("images, message", [
@@ -218,8 +197,7 @@ def test_the_stored_reference_is_what_the_reference_computes(tmp_path):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV41ForCausalLM"):
         pytest.skip("this transformers has no DeepSeek-V4.1 model")
-    model = tmp_path / "model"
-    write_model(model, image_token_id=None)
+    model = write_case_model(tmp_path / "model")
     whole = reference_logits(model, PROMPT, ROWS, START, [len(PROMPT)])
     assert np.abs(whole - np.load(IMAGES / "logits_full.npy")).max() < 1e-6
     chunked = reference_logits(model, PROMPT, ROWS, START, CASE["self_check_chunks"])
