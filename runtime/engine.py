@@ -143,9 +143,9 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan:
             return False
+        plan = self._encode_images(plan)
         tokens, positions, seqs, logit_rows, saved, engram_rows = [], [], [], [], {}, []
         every_row = {r.rid: r.wants_every_row for r, _ in plan}
-        # Image rows before any state changes: an image the backend cannot encode fails the step.
         images = step_images([(r, r.fed, n) for r, n in plan], self.image_rows, sum(n for _, n in plan))
         for r, n in plan:
             start = len(tokens)
@@ -187,6 +187,21 @@ class Engine:
             self.speculation.propose([(r, fed_before[r.rid], n) for r, n in plan],
                                      lambda r: r.rid in self.requests and not r.finished)
         return True
+
+    def _encode_images(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """``plan`` without the requests whose image spans in the step could not be encoded (each
+        fails alone, as a callback's error does); the others' rows are encoded from here on."""
+        kept = []
+        for r, n in plan:
+            try:
+                for s in r.images:
+                    if s.start < r.fed + n and s.end > r.fed:
+                        self.image_rows.of(s)
+                kept.append((r, n))
+            except Exception as e:  # the tower refused its pixels
+                r.failure = e
+                self._finish(r)
+        return kept
 
     def _take_rows(self, r: Request, n: int, rows: np.ndarray, saved: list | None) -> None:
         """What the step computed for ``r``'s ``n`` fed positions: ``rows`` of logits."""

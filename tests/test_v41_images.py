@@ -23,7 +23,7 @@ import pytest
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.prefix_cache import BLOCK_TOKENS
-from dsv4c.runtime.request import ImageSpan
+from dsv4c.runtime.request import ImageSpan, RequestFailed
 from dsv4c.runtime.sampling import SamplingParams
 
 from v41_case import IMAGE_TOKEN, write_case_model
@@ -121,6 +121,22 @@ def test_the_engine_encodes_each_image_once_and_never_in_decode(artifact):
         assert np.abs(engine.result(rid).logits[:len(PROMPT)] - np.load(IMAGES / "logits_full.npy")).max() < TOLERANCE
     decode_steps = [images for first, images in calls if first >= len(PROMPT)]
     assert decode_steps and all(images is None for images in decode_steps)
+
+
+def test_an_image_the_tower_refuses_fails_its_request_alone(artifact):
+    engine = Engine(artifact, max_context=256)
+
+    def refuse(pixels):
+        raise UsageError("encode_image: 5 x 5 pixels are not whole patches")
+
+    engine.image_rows.encode = refuse
+    params = SamplingParams(max_new_tokens=2)
+    bad = engine.submit(PROMPT, params, images=[ImageSpan(START, np.zeros((3, 5, 5), np.float32), COUNT, "odd")])
+    good = engine.submit(PROMPT, params, images=[span()])
+    engine.run()
+    with pytest.raises(RequestFailed, match="whole patches"):
+        engine.result(bad)
+    assert len(engine.result(good).tokens) == 2
 
 
 def test_a_text_model_refuses_images(serve_artifacts):
