@@ -9,21 +9,11 @@ than probing for them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
 from typing import NamedTuple
 
 import numpy as np
 
 from dsv4c.errors import UsageError
-
-
-class StepImages(NamedTuple):
-    """A step's image inputs (the compiled step's ``image_rows`` and ``image_index``): token t
-    takes row ``index[t]`` of ``rows`` ``[I, hidden]`` in place of its embedding where that is
-    >= 0 (-1: a text token)."""
-
-    rows: np.ndarray
-    index: np.ndarray
 
 
 class Backend(ABC):
@@ -38,6 +28,9 @@ class Backend(ABC):
     # Whether speculative decoding saves and restores pool rows with :meth:`save_rows` /
     # :meth:`restore_rows` (the pool lives on a device) rather than in the KVPool's arrays.
     device_rows: bool = False
+    # Whether the artifact's vision tower can run (:meth:`encode_image`): a V4.1 model compiled
+    # with its vision_config (docs/vision.md).
+    has_vision: bool = False
 
     @abstractmethod
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
@@ -47,10 +40,6 @@ class Backend(ABC):
         ``engram_rows``: the Engram table rows of every token ``[T, L_e, C]``, for a model with
         Engram layers. ``images``: the image rows the step's tokens take, for a model that sees
         images (None: no token of the step is in an image span)."""
-
-    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
-        """The rows ``[token_count, hidden]`` an image's span takes (the artifact's vision tower)."""
-        raise UsageError("this artifact has no vision tower (encode_image); give the image spans' rows")
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
@@ -67,6 +56,12 @@ class Backend(ABC):
         previous token, and the confidence logits [R] (None: the drafter has no confidence head)."""
         raise NotImplementedError(f"{type(self).__name__} has no DSpark drafter")
 
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """One image's span rows ``[token_count, text_hidden]`` from its pixels (backends with
+        ``has_vision``; ``artifact.vision`` says what the pixels are)."""
+        raise UsageError("this artifact has no vision tower (its model has no vision_config, or its target runs "
+                         "none); images need one")
+
     def check_pool_functions(self) -> None:
         """Refuse an artifact that cannot save and restore pool rows (backends with ``device_rows``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps its pool rows on the host")
@@ -81,3 +76,12 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release what outlives the engine's own memory (other ranks' processes); nothing by default."""
+
+
+class StepImages(NamedTuple):
+    """A step's image inputs (the compiled step's ``image_rows`` and ``image_index``): token t
+    takes row ``index[t]`` of ``rows`` ``[I, hidden]`` in place of its embedding where that is
+    >= 0 (-1: a text token)."""
+
+    rows: np.ndarray
+    index: np.ndarray

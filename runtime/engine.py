@@ -137,7 +137,9 @@ class Engine:
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise UsageError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"engine's max_context ({self.max_context})")
-        check_spans(images, prompt, self.config)
+        if any(s.rows is None for s in check_spans(images, prompt, self.config)) and not self.backend.has_vision:
+            raise UsageError("this artifact has no vision tower (encode_image) to encode the images with; compile "
+                             "the model with its vision_config for a compiled target")
 
     def step(self) -> bool:
         plan = self.scheduler.plan()

@@ -104,7 +104,8 @@ class CountingEncoder:
 
 def test_the_engine_encodes_each_image_once_and_never_in_decode(artifact):
     engine = Engine(artifact, max_context=256, prefill_chunk=4)
-    counting = engine.image_rows.encode = CountingEncoder()
+    engine.backend.has_vision, counting = True, CountingEncoder()
+    engine.image_rows.encode = counting
     calls, step = [], engine.backend.step
 
     def recording(tokens, positions, seq_ids, logit_rows=None, engram_rows=None, images=None):
@@ -129,7 +130,7 @@ def test_an_image_the_tower_refuses_fails_its_request_alone(artifact):
     def refuse(pixels):
         raise UsageError("encode_image: 5 x 5 pixels are not whole patches")
 
-    engine.image_rows.encode = refuse
+    engine.backend.has_vision, engine.image_rows.encode = True, refuse
     params = SamplingParams(max_new_tokens=2)
     bad = engine.submit(PROMPT, params, images=[ImageSpan(START, np.zeros((3, 5, 5), np.float32), COUNT, "odd")])
     good = engine.submit(PROMPT, params, images=[span()])
@@ -150,6 +151,7 @@ def test_a_text_model_refuses_images(serve_artifacts):
     ([span(), span(ROWS[:3], start=START + 10)], "overlaps"),
     ([span(ROWS[:, :32])], "rows of shape"),
     ([ImageSpan(START, None, COUNT, "x")], "neither pixels nor rows"),
+    ([ImageSpan(START, np.zeros((3, 14, 14), np.float32), COUNT, "x")], "no vision tower"),
     ([span(np.concatenate([ROWS] * 4))], "outside the prompt"),
 ])
 def test_bad_image_spans_are_refused(artifact, images, message):
