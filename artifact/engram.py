@@ -12,8 +12,8 @@ lookup and gate are neural and live elsewhere). Which rows is decided here:
 * for a token at absolute position ``p`` with compressed history ``c``, look-back ``s`` (0 = the
   token itself) reads ``t_s = c[p - s]``, or the compressed pad id once the look-back is
   *blocked*: ``blocked_s = blocked_{s-1} or p < s or c[p - s] is DEAD``. DEAD marks tokens a
-  request masks out (padding, image-span tokens), so that no n-gram spans them; text-only
-  requests have none, and this module implements only the sequence-start rule ``p < s``;
+  request masks out (padding, image-span tokens), so that no n-gram spans them: a request's
+  image spans are DEAD here (:meth:`EngramTables.request_rows`' ``dead``), padding never occurs;
 * per Engram layer ``e``: ``v = t_0 * m[e, 0]``, then for n = 2 .. n_max ``v ^= t_{n-1} * m[e,
   n-1]`` and head ``j`` of that n-gram size reads row ``v mod prime[e, n-2, j] + offset[e,
   (n-2) * n_heads + j]``, where the offsets stack the heads' ranges into one table per layer.
@@ -36,6 +36,7 @@ from dsv4c.errors import ArtifactError, CheckpointError, UsageError
 # The tensors and metadata keys of an Engram hash file (EngramTables.save / .load).
 _TENSORS = {"token_map": "I32", "layer_ids": "I64", "primes": "I64", "multipliers": "I64"}
 _SIZE_KEY, _PAD_KEY = "compressed_vocab_size", "pad"
+DEAD = -1  # the compressed id of a masked-out position: no n-gram reads across it
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,8 +90,9 @@ class EngramTables:
     def row_ids(self, context: np.ndarray, context_start: int, positions) -> np.ndarray:
         """The table rows ``[T, L_e, (n_max - 1) * n_heads]`` (int64) the tokens at absolute
         ``positions`` hash to, given ``context[i]``, the compressed id at absolute position
-        ``context_start + i``. The context must cover each position and its ``n_max - 1``
-        predecessors that lie at or after the sequence start."""
+        ``context_start + i`` (:data:`DEAD` where the position is masked out). The context must
+        cover each position and its ``n_max - 1`` predecessors that lie at or after the sequence
+        start."""
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         n_layers, n_max = len(self.layer_ids), self.max_ngram_size
         if positions.size == 0:
@@ -103,19 +105,25 @@ class EngramTables:
         if read.min() < context_start or read.max() >= context_start + len(context):
             raise ValueError(f"positions {int(read.min())}..{int(read.max())} are not all in the context, which "
                              f"holds positions {context_start}..{context_start + len(context) - 1}")
-        tokens = np.full(lookback.shape, self.pad, np.int64)
-        tokens[~blocked] = context[read - context_start]
+        read_ids = np.full(lookback.shape, DEAD, np.int64)
+        read_ids[~blocked] = context[read - context_start]
+        blocked = np.logical_or.accumulate(read_ids == DEAD, axis=1)  # a DEAD look-back blocks the farther ones
+        tokens = np.where(blocked, self.pad, read_ids)
         products = tokens[:, None, :] * self.multipliers[None]  # [T, L_e, n_max]
         # v for n = 2 .. n_max: the XOR of the first n look-backs' products
         ngram_hash = np.bitwise_xor.accumulate(products, axis=2)[:, :, 1:]
         rows = ngram_hash[..., None] % self.primes[None] + self.offsets.reshape(self.primes.shape)[None]
         return rows.reshape(len(positions), n_layers, -1)
 
-    def request_rows(self, tokens, start: int, stop: int) -> np.ndarray:
+    def request_rows(self, tokens, start: int, stop: int, dead: tuple[tuple[int, int], ...] = ()) -> np.ndarray:
         """The table rows ``[stop - start, L_e, C]`` of positions ``start .. stop - 1`` of a request
-        whose token ids by position are ``tokens`` (at least ``stop`` of them)."""
+        whose token ids by position are ``tokens`` (at least ``stop`` of them); the positions of
+        each ``dead`` span ``(first, end)`` (its image spans) are DEAD."""
         first = max(0, start - (self.max_ngram_size - 1))
-        return self.row_ids(self.compress(tokens[first:stop]), first, np.arange(start, stop))
+        context = self.compress(tokens[first:stop]).astype(np.int64)
+        for a, b in dead:
+            context[max(a - first, 0):max(b - first, 0)] = DEAD
+        return self.row_ids(context, first, np.arange(start, stop))
 
     # ------------------------------------------------------------------ storage
     def save(self, path) -> None:

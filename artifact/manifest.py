@@ -254,6 +254,7 @@ class Vm:
     pool_functions: dict[str, str] | None = None  # by role; absent in artifacts built before them
     profile: VmProfile | None = None  # absent in artifacts built before the profiler
     dspark: VmDspark | None = None  # a model with a DSpark drafter only
+    image_inputs: tuple[str, ...] = ()  # a model that sees images: the prefill function's, after ``inputs``
     constants: str
 
 

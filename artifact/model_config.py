@@ -280,6 +280,9 @@ class ModelConfig:
     gate_temp: float = 1.0  # router logits are divided by it
     activation_fake_quant: bool = False  # V4.1's always-on round trips of window KV, compressed KV, index q / k
     engram: Engram | None = None
+    # V4.1 with a vision tower: the placeholder token of image spans, whose positions take the
+    # tower's rows and route with ``gate.bias_vl`` (docs/vision_text.md); None: text only.
+    image_token_id: int | None = None
 
     @property
     def family(self) -> str:
@@ -481,6 +484,8 @@ class ModelConfig:
             "engram_vocab_size": e.vocab_size, "engram_num_embeddings": list(e.num_embeddings),
             "engram_max_ngram_size": e.max_ngram_size, "engram_n_heads": e.n_heads, "engram_head_dim": e.head_dim,
             "engram_pad_id": e.pad_id, "engram_compressed_vocab_size": e.compressed_vocab_size} if e else {}))
+        if self.image_token_id is not None:
+            d["image_token_id"] = self.image_token_id
         d.update(self._format_json_fields())
         if spelling != "official":
             return d
@@ -560,7 +565,8 @@ class ModelConfig:
                 e = Engram(tuple(d["engram_layer_ids"]), d["engram_vocab_size"], tuple(d["engram_num_embeddings"]),
                            d["engram_max_ngram_size"], d["engram_n_heads"], d["engram_head_dim"], d["engram_pad_id"],
                            d["engram_compressed_vocab_size"])
-            return replace(cfg, **V41_NUMERICS, gate_temp=d["gate_temp"], engram=e)
+            return replace(cfg, **V41_NUMERICS, gate_temp=d["gate_temp"], engram=e,
+                           image_token_id=d.get("image_token_id"))
         except (KeyError, TypeError, AttributeError) as e:
             raise ArtifactError(f"{where}: the model description lacks or mangles field {e}; write it again "
                                 "with this dsv4c (recompile / re-export)") from None

@@ -16,8 +16,8 @@ from dsv4c.codegen.kernels.cpu import CPU_PASS_CONFIG
 from dsv4c.codegen.kernel_factories import KERNELS
 from dsv4c.codegen.lowering import kernel_table, replays_cuda_graphs
 from dsv4c.codegen.relax_vision import VisionEmitter, vision_kernels, vision_params
-from dsv4c.codegen.relax_step import (GEMV_MAX_ROWS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS, build_step_module,
-                                     engram_table_inputs)
+from dsv4c.codegen.relax_step import (GEMV_MAX_ROWS, IMAGE_INPUTS, MTP_INPUTS, POOL_FUNCTIONS, STEP_INPUTS,
+                                     build_step_module, engram_table_inputs)
 from dsv4c.ir.core import Program
 from dsv4c.targets import TargetInfo
 
@@ -111,6 +111,8 @@ def build_step(program: Program, plan, geometry, out_dir: Path, info: TargetInfo
           "max_step_tokens": step.max_step_tokens, "decode_max_tokens": GEMV_MAX_ROWS,
           "cuda_graph": step.cuda_graph, "pool_functions": POOL_FUNCTIONS,
           "profile": {"kernels": symbols, "calls": {name: call_runs(calls) for name, calls in step.call_families.items()}}}
+    if any(v.name == "image_index" for v in program.functions["step"].inputs):
+        vm["image_inputs"] = list(IMAGE_INPUTS)  # the prefill function's, after vm.inputs (docs/artifact.md)
     if "dspark_draft" in program.functions:  # a DSpark drafter (docs/artifact.md, "The compiled step")
         vm["dspark"] = {"draft_inputs": list(STEP_INPUTS), "draft_outputs": ["logits", "y"],
                         "markov_inputs": list(STEP_INPUTS + MTP_INPUTS), "markov_outputs": ["bias", "confidence"]}

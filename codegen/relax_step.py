@@ -44,6 +44,10 @@ STEP_INPUTS = ("tokens", "positions", "token_request", "requests", "block_table"
 # of the next positions (docs/v4.md, "Forward pass"). DSpark's Markov function takes them too:
 # rows of the last draft's y, its ``tokens`` each row's previous token.
 MTP_INPUTS = ("streams", "stream_rows")
+# A V4.1 model that sees images: the prefill function's inputs after the others (the rows of
+# the image spans the step feeds, [I, D], and each token's row of them or -1, [T]); the decode
+# function takes none.
+IMAGE_INPUTS = ("image_rows", "image_index")
 
 
 def entry_functions(program: Program, max_step_tokens: int) -> dict[str, tuple[str, bool, int]]:
@@ -198,13 +202,18 @@ class _Emitter:
             inputs["engram_rows"] = relax.Var("engram_rows", relax.TensorType([t] + list(rows_in.type.shape[1:]), I32))
             inputs.update((name, relax.Var(name, relax.TensorType(shape, dtype)))
                           for name, (shape, dtype) in engram_table_inputs(cfg).items())
+        if not self.gemv and any(v.name == "image_index" for v in fn.inputs):
+            inputs["image_rows"] = relax.Var("image_rows", relax.TensorType([tirx.Var("I", "int64"),
+                                                                            cfg.hidden_size], F32))
+            inputs["image_index"] = relax.Var("image_index", relax.TensorType([t], I32))
         self.inputs = inputs
         self.params_var = relax.Var("params", relax.TupleType(
             [relax.TensorType(list(shape), dtype) for shape, dtype in self.param_types]))
         self.pool_layout = self.geometry.tensors()
         pool_var, sizes = pool_parameter(self.pool_layout)
         self.pool_rows = sizes["main"]
-        bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens, "S": max(max_tokens, GEMV_MAX_ROWS)}
+        bounds = {"T": max_tokens, "R": max_tokens, "L": max_tokens, "S": max(max_tokens, GEMV_MAX_ROWS),
+                  "I": max_tokens}
         attrs = {"tir_var_upper_bound": bounds, "relax.force_pure": True}
         if self.gemv and self.cuda_graph:
             # Decode steps replay one CUDA graph per (tokens, requests, logit rows, context

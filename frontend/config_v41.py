@@ -4,11 +4,13 @@ reads for every family, plus V4.1's own.
 Two spellings load:
 
 * the official ``config.json``: ``model_type`` ``deepseek_v41`` with the text model under
-  ``text_config``, a ``vision_config`` (the vision tower is not compiled), and
+  ``text_config``, a ``vision_config`` (its presence makes the text model take image spans:
+  ``image_token_id`` at the top level, the transformers default when absent), and
   ``quantization_config`` at the top level (FP8 dense weights in 32 x 32 blocks, UE8M0 scales,
   FP4 routed experts);
 * the flat one transformers' ``save_pretrained`` writes (``model_type`` ``deepseek_v41_text``),
-  with the derived ``layer_types`` and ``rope_parameters`` beside the fields they come from.
+  with the derived ``layer_types`` and ``rope_parameters`` beside the fields they come from
+  (an ``image_token_id`` there: the text model takes image spans).
 
 ``compress_ratios`` may carry one trailing entry per DSpark draft layer; V4.1's drafter is not
 compiled yet, so the tail and the ``dspark_*`` fields are dropped (the checkpoint reader says so
@@ -32,9 +34,11 @@ V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 _COMPOSITE_KEYS = {"architectures", "model_type", "text_config", "vision_config", "quantization_config",
                    "image_token_id", "tie_word_embeddings", "torch_dtype", "dtype", "transformers_version",
                    "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "use_cache"}
-# V4.1 text fields that are not the text model dsv4c compiles: the vision span's router bias
-# selector, the drafter, and the cache dispatch transformers derives from the KV sources.
+# V4.1 text fields that are not the text model's fields of every family: the image spans'
+# placeholder (read into ``extra``), the drafter, and the cache dispatch transformers derives
+# from the KV sources.
 _DROPPED = {"image_token_id", "layer_types", *DSPARK_KEYS}
+IMAGE_TOKEN_ID = 129264  # the release's (transformers' DeepseekV41Config default)
 _ENGRAM_FIELDS = ("engram_vocab_size", "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads",
                   "engram_head_dim", "engram_pad_id", "engram_compressed_vocab_size")
 _DEFAULTS = {"rms_norm_eps": 1e-20, "candidate_block_size": 8, "candidate_topk_blocks": 2048,
@@ -107,7 +111,10 @@ def read_v41(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         want = ["shared_compressed_attention" if i in kv else "sliding_attention" for i in range(n)]
         if types != want:
             raise ConfigError(f"config field 'layer_types' disagrees with kv_source_layer_ids: {types!r}")
-    return fields, {k: text[k] for k in (*_ENGRAM_FIELDS, "gate_temp") if k in text}
+    extra = {k: text[k] for k in (*_ENGRAM_FIELDS, "gate_temp", "image_token_id") if k in text}
+    if "vision_config" in raw and "image_token_id" not in extra:
+        extra["image_token_id"] = raw.get("image_token_id", IMAGE_TOKEN_ID)
+    return fields, extra
 
 
 def v41_layers(fields: dict[str, Any], moe: list[str]) -> tuple[LayerSpec, ...]:
@@ -154,4 +161,8 @@ def v41_numerics(extra: dict[str, Any], fields: dict[str, Any], vocab_size: int)
                         compressed_vocab_size=_int(e, "engram_compressed_vocab_size"))
         if engram.pad_id >= vocab_size:
             raise ConfigError(f"config field 'engram_pad_id' = {engram.pad_id} is not a token id below {vocab_size}")
-    return dict(V41_NUMERICS, gate_temp=float(gate_temp), engram=engram)
+    image_token_id = extra.get("image_token_id")
+    if image_token_id is not None and (isinstance(image_token_id, bool) or not isinstance(image_token_id, int)
+                                       or not 0 <= image_token_id < vocab_size):
+        raise ConfigError(f"config field 'image_token_id' must be a token id below {vocab_size}, got {image_token_id!r}")
+    return dict(V41_NUMERICS, gate_temp=float(gate_temp), engram=engram, image_token_id=image_token_id)

@@ -61,7 +61,7 @@ def _block_tensors(cfg: ModelConfig, layer: LayerSpec, p: str) -> Iterator[Tenso
         yield TensorSpec(f"{f}gate.tid2eid", (cfg.vocab_size, cfg.n_experts_per_tok), INDEX)
     else:
         yield TensorSpec(f"{f}gate.bias", (e,), FP32)
-    if cfg.family == "v4.1":  # the router bias of image-span tokens: read, never used for text
+    if cfg.family == "v4.1":  # the router bias of image-span tokens (read where the model takes images)
         yield TensorSpec(f"{f}gate.bias_vl", (e,), FP32)
     for i in range(e):
         yield from _ffn(f"{f}experts.{i}.", d, inter, EXPERT)

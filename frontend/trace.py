@@ -217,7 +217,9 @@ class Model(DsparkFunctions, V41Functions):
                          f"{tag}.attn_out")
         return self._reduce(b, o, f"{tag}.attn_out")
 
-    def moe(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, tokens: Value) -> Value:
+    def moe(self, b: Builder, layer: LayerSpec, prefix: str, x: Value, tokens: Value,
+            images: Value | None = None) -> Value:
+        """``images``: V4.1's ``image_index``, where image-span tokens select with ``gate.bias_vl``."""
         c, tag, p = self.cfg, f"l{layer.index}", f"{prefix}ffn."
         d, inter = c.hidden_size, c.moe_intermediate_size
         e, k = c.moe_experts(layer)
@@ -230,7 +232,8 @@ class Model(DsparkFunctions, V41Functions):
             route = {"mode": "topk", "k": k, "scale": c.routed_scaling_factor}
         if c.gate_temp != 1.0:
             route["temp"] = c.gate_temp
-        weights, ids = b.emit("moe_route", [x, gate, table, tokens], route, [f"{tag}.route_w", f"{tag}.route_ids"])
+        ins = [x, gate, table, tokens] + ([] if images is None else [self._w(b, f"{p}gate.bias_vl", e), images])
+        weights, ids = b.emit("moe_route", ins, route, [f"{tag}.route_w", f"{tag}.route_ids"])
         if self.tp > 1 and self.plan.expert_parallel:  # every rank routes every token; each runs its experts' pairs
             ids = b.emit("shard_ids", [ids, b.weight(EXPERT_FIRST, i32(1))], {"size": self._local(e)},
                          f"{tag}.local_ids")

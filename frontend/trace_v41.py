@@ -11,7 +11,10 @@ and every other compressed layer attends the last top-k; window rows, compressed
 queries and keys pass through V4.1's fake-quant round trips; the router divides by ``gate_temp``.
 
 The step takes the Engram table rows of every token as an input (``engram_rows``, ``[T, L_e, C]``),
-hashed on the host from each request's tokens (``artifact.engram``).
+hashed on the host from each request's tokens (``artifact.engram``). A model that sees images
+(``image_token_id``) also takes the rows of the image spans it feeds (``image_rows``, ``[I, D]``)
+and which row each token takes (``image_index``, ``[T]``, -1 for text): those tokens' embeddings
+are the rows, and their routers select experts with ``gate.bias_vl`` (docs/vision_text.md).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dsv4c.artifact.model_config import LayerSpec
 from dsv4c.artifact.engram_tables import table_weight
 from dsv4c.ir.core import Builder, Function, Value
-from dsv4c.ir.ops import i32
+from dsv4c.ir.ops import f32, i32
 
 
 class V41Functions:
@@ -33,11 +36,15 @@ class V41Functions:
         rows = None
         if c.engram is not None:
             rows = b.input("engram_rows", i32("T", len(c.engram.layer_ids), c.engram.columns))
-        h = b.emit("hc_expand", [self._embed(b, tokens, "x")], {"hc_mult": c.hc_mult}, "h0")
+        x, images = self._embed(b, tokens, "x"), None
+        if c.image_token_id is not None:
+            images = b.input("image_index", i32("T"))
+            x = b.emit("image_splice", [x, images, b.input("image_rows", f32("I", c.hidden_size))], {}, "x_images")
+        h = b.emit("hc_expand", [x], {"hc_mult": c.hc_mult}, "h0")
         pre = None  # the first site takes stream 0
         published: dict = {"state": {}, "topk": {}, "candidates": None}
         for layer in c.layers:
-            h, pre = self.v41_block(b, layer, h, pre, tokens, pos, seq, rows, published)
+            h, pre = self.v41_block(b, layer, h, pre, tokens, pos, seq, rows, published, images)
         y = b.emit("hc_collapse", [h, pre], {}, "y")
         fn.outputs = [self.logits(b, y, ""), h]
         return fn
@@ -56,7 +63,7 @@ class V41Functions:
                       [f"{tag}.{which}_pre", f"{tag}.{which}_post", f"{tag}.{which}_comb"])
 
     def v41_block(self, b: Builder, layer: LayerSpec, h: Value, pre: Value | None, tokens: Value, pos: Value,
-                  seq: Value, rows: Value | None, published: dict):
+                  seq: Value, rows: Value | None, published: dict, images: Value | None = None):
         """One layer: returns its output streams and the ``pre`` that collapses the next site's input."""
         c, tag, p = self.cfg, f"l{layer.index}", f"layers.{layer.index}."
         if layer.engram:
@@ -74,7 +81,7 @@ class V41Functions:
         ffn_pre, post, comb = self._mix(b, h, p, "ffn", tag)
         y = b.emit("hc_collapse", [h, attn_pre], {}, f"{tag}.ffn_in")
         y = self._norm(b, y, f"{p}ffn_norm.weight", c.hidden_size, f"{tag}.ffn_x")
-        out = self.moe(b, layer, p, y, tokens)
+        out = self.moe(b, layer, p, y, tokens, images)
         return b.emit("mhc_post", [out, h, post, comb], {}, f"{tag}.h"), ffn_pre
 
     def v41_attention(self, b: Builder, layer: LayerSpec, p: str, x: Value, pos: Value, seq: Value,

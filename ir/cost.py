@@ -177,6 +177,12 @@ def _embed(node: Node, d: Decode):
     return "head", Cost(0, 4 * d.batch * (row + 1), _tensor_bytes(node.outputs, d))
 
 
+@rule("image_splice")
+def _image_splice(node: Node, d: Decode):
+    # Decode steps carry no image positions: the compiled decode step does not splice.
+    return "head", Cost()
+
+
 def _mhc_pre_cost(h: Value, fn: Value, attrs: dict, d: Decode, collapse: bool = True) -> Cost:
     t, n, dim = d.batch, h.type.shape[1], h.type.shape[2]
     mix = fn.type.shape[0]

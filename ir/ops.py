@@ -347,8 +347,10 @@ def _grouped_linear(ins, attrs):
     return [f32(x.shape[0], g, w.shape[0] // g)]
 
 
-@_op("moe_route", attrs=("mode", "k", "scale"), arity=(4,))  # optional "temp": logits divided by it (V4.1)
+@_op("moe_route", attrs=("mode", "k", "scale"), arity=(4, 6))  # optional "temp": logits divided by it (V4.1)
 def _moe_route(ins, attrs):
+    """``[y, gate, bias or tid2eid, tokens]``; a V4.1 model that sees images adds ``[bias_vl,
+    image_index]``: the tokens whose ``image_index`` is >= 0 select with ``bias_vl``."""
     y = _float(ins[0], "moe_route input", 2)
     gate = _float(ins[1], "moe_route gate", 2)
     _same(gate.shape[1], y.shape[1], "moe_route gate width")
@@ -361,6 +363,11 @@ def _moe_route(ins, attrs):
         raise IRError(f"moe_route mode {attrs['mode']!r} is not hash/topk")
     tok = _ints(ins[3], "moe_route tokens", 1)
     _same(tok.shape[0], y.shape[0], "moe_route token dim")
+    if len(ins) == 6:
+        if attrs["mode"] != "topk":
+            raise IRError("moe_route: only top-k routing takes an image bias")
+        _same(_float(ins[4], "moe_route bias_vl", 1).shape, (gate.shape[0],), "moe_route bias_vl shape")
+        _same(_ints(ins[5], "moe_route image_index", 1).shape, tok.shape, "moe_route image_index shape")
     return [f32(y.shape[0], attrs["k"]), i32(y.shape[0], attrs["k"])]
 
 
@@ -454,6 +461,16 @@ def _candidate_mask(ins, attrs):
     s = _float(ins[0], "candidate_mask scores", 2)
     _same(s.shape[0], _token_meta(ins, 1, "candidate_mask"), "candidate_mask token dim")
     return [s]
+
+
+@_op("image_splice", arity=(3,))
+def _image_splice(ins, attrs):
+    """``[x, image_index, image_rows]``: ``x`` with token t's row replaced by
+    ``image_rows[image_index[t]]`` where that is >= 0 (an image span's positions, V4.1)."""
+    x = _float(ins[0], "image_splice input", 2)
+    _same(_ints(ins[1], "image_splice image_index", 1).shape, x.shape[:1], "image_splice token dim")
+    _same(_float(ins[2], "image_splice image_rows", 2).shape[1], x.shape[1], "image_splice row width")
+    return [x]
 
 
 @_op("engram", attrs=("slot", "eps", "quant"), arity=(6,))

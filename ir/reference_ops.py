@@ -131,7 +131,8 @@ def hc_head(h, fn, base, scale, hc_mult, hc_eps, norm_eps):
 # ----------------------------------------------------------------------------- MoE
 
 
-def moe_route(y, gate, table, tokens, mode: str, k: int, scale: float, temp: float = 1.0):
+def moe_route(y, gate, table, tokens, *images, mode: str, k: int, scale: float, temp: float = 1.0):
+    """``images``: ``(bias_vl, image_index)``, the bias the tokens of image spans select with."""
     logits = linear(y, gate)
     if temp != 1.0:
         logits = (logits / F32(temp)).astype(F32)
@@ -140,7 +141,8 @@ def moe_route(y, gate, table, tokens, mode: str, k: int, scale: float, temp: flo
         ids = table[tokens].astype(np.int32)
     else:
         # The bias only selects; a stable sort makes ties pick the lower expert id.
-        ids = np.argsort(-(scores + table), axis=-1, kind="stable")[:, :k].astype(np.int32)
+        bias = table if not images else np.where(images[1][:, None] >= 0, images[0], table)
+        ids = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(scores, ids, axis=-1)
     w = w / (w.sum(axis=-1, keepdims=True) + F32(1e-20)) * F32(scale)
     return w.astype(F32), ids
@@ -387,7 +389,7 @@ def run_node(op: str, args: list[Any], attrs: dict[str, Any], ctx) -> Any:
     if op == "grouped_linear":
         return grouped_linear(*args, a["groups"])
     if op == "moe_route":
-        return moe_route(*args, a["mode"], a["k"], a["scale"], a.get("temp", 1.0))
+        return moe_route(*args, mode=a["mode"], k=a["k"], scale=a["scale"], temp=a.get("temp", 1.0))
     if op == "experts":
         return experts(*args, a["limit"])
     if op == "shared_expert":

@@ -15,7 +15,7 @@ from dsv4c.artifact import lowbit
 from dsv4c.artifact.step_requests import request_groups
 from dsv4c.ir.reference_ops import F32, KVStore, linear, mhc_mixes, rmsnorm, rope, sigmoid
 
-V41_OPS = ("mhc_mix", "hc_collapse", "v41_roundtrip", "shared_compress", "candidate_mask", "engram")
+V41_OPS = ("mhc_mix", "hc_collapse", "v41_roundtrip", "shared_compress", "candidate_mask", "engram", "image_splice")
 
 
 def hc_collapse(h, pre=None):
@@ -106,7 +106,15 @@ def engram(h, ids, table, wkv, q_weight, k_weight, *, slot, eps):
     return (h + gate[:, :, None] * value[:, None, :]).astype(F32)
 
 
+def image_splice(x, image_index, image_rows):
+    """``x`` with the rows of image-span tokens (``image_index >= 0``) taken from ``image_rows``."""
+    return np.where(image_index[:, None] >= 0, image_rows[np.maximum(image_index, 0)] if len(image_rows) else x,
+                    x).astype(F32)
+
+
 def run_v41(op: str, args: list, a: dict, ctx):
+    if op == "image_splice":
+        return image_splice(*args)
     if op == "mhc_mix":
         return mhc_mixes(*args, a["hc_mult"], a["sinkhorn_iters"], a["hc_eps"], a["norm_eps"])
     if op == "hc_collapse":

@@ -9,6 +9,7 @@ than probing for them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,10 +34,12 @@ class Backend(ABC):
 
     @abstractmethod
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
+             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None,
+             images: StepImages | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token).
         ``engram_rows``: the Engram table rows of every token ``[T, L_e, C]``, for a model with
-        Engram layers (the reference backend runs them; compiled ones do not yet)."""
+        Engram layers. ``images``: the image rows the step's tokens take, for a model that sees
+        images (None: no token of the step is in an image span)."""
 
     def draft(self, next_tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, stream_rows: np.ndarray,
               logit_rows: np.ndarray | None = None, chain: bool = False) -> np.ndarray:
@@ -73,3 +76,12 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release what outlives the engine's own memory (other ranks' processes); nothing by default."""
+
+
+class StepImages(NamedTuple):
+    """A step's image inputs (the compiled step's ``image_rows`` and ``image_index``): token t
+    takes row ``index[t]`` of ``rows`` ``[I, hidden]`` in place of its embedding where that is
+    >= 0 (-1: a text token)."""
+
+    rows: np.ndarray
+    index: np.ndarray

@@ -9,7 +9,7 @@ import numpy as np
 from dsv4c.artifact.engram_tables import table_weight
 from dsv4c.artifact.manifest import Manifest
 from dsv4c.ir.interpreter import Interpreter
-from dsv4c.runtime.backend import Backend
+from dsv4c.runtime.backend import Backend, StepImages
 from dsv4c.runtime.kv_pool import KVPool, PagedStore
 from dsv4c.runtime.weights import open_engram_tables, open_weights
 
@@ -29,9 +29,15 @@ class ReferenceBackend(Backend):
         self._block = None  # the last dspark_draft call: (positions, seq_ids, head hidden rows)
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
+             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None,
+             images: StepImages | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
         extra = {} if engram_rows is None else {"engram_rows": engram_rows}
+        if self.interpreter.program.config.image_token_id is not None:
+            if images is None:
+                images = StepImages(np.zeros((0, self.interpreter.program.config.hidden_size), np.float32),
+                                    np.full(len(tokens), -1, np.int32))
+            extra.update(image_rows=images.rows, image_index=images.index)
         logits, _ = self.interpreter.run("step", tokens=tokens, positions=positions, seq_ids=seq_ids, **extra)
         return logits if logit_rows is None else logits[logit_rows]
 

@@ -26,7 +26,7 @@ from dsv4c.artifact.vision import read_vision_manifest
 from dsv4c.artifact.safetensors_io import SafetensorsFile
 from dsv4c.errors import ArtifactError, UsageError
 from dsv4c.runtime import tvm_runtime as rt
-from dsv4c.runtime.backend import Backend
+from dsv4c.runtime.backend import Backend, StepImages
 from dsv4c.runtime.kv_pool import KVPool, aligned_empty
 from dsv4c.runtime.weights import open_engram_tables, open_weights, prefetch_rows, reads_weights
 
@@ -66,6 +66,9 @@ class TvmBackend(Backend):
         self.has_dspark = "dspark_draft_decode" in self.functions
         self.dspark_confidence = bool(manifest.model.get("dspark_confidence_head"))
         self.decode_max_tokens, self.max_step_tokens = vm.decode_max_tokens, vm.max_step_tokens
+        # A model that sees images: its prefill function also takes the step's image rows, and
+        # runs every step with an image position (the decode function takes none).
+        self.no_image_rows = np.zeros((1, manifest.model["hidden_size"]), np.float32) if vm.image_inputs else None
         self.entry_ratios = vm.entry_ratios
         # Decode steps replaying CUDA graphs cover their context's bucket (artifact.pool.context_bucket).
         self.context_buckets = vm.cuda_graph
@@ -144,14 +147,14 @@ class TvmBackend(Backend):
     # ------------------------------------------------------------------ step
     def _run(self, prefix: str, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
              logit_rows: np.ndarray | None, stream_rows: np.ndarray | None = None, chain: bool = False,
-             second: bool = False, engram_rows: np.ndarray | None = None):
+             second: bool = False, engram_rows: np.ndarray | None = None, images: StepImages | None = None):
         """Call entry function ``<prefix>decode`` or ``<prefix>prefill``; the logits of ``logit_rows``
         (``second``: and its second output, read back too)."""
         n = len(tokens)
         if n > self.max_step_tokens:
             raise UsageError(f"a step of {n} tokens exceeds the artifact's max_step_tokens ({self.max_step_tokens})")
         positions = np.asarray(positions, np.int32)
-        decode = n <= self.decode_max_tokens
+        decode = n <= self.decode_max_tokens and images is None
         inputs = step_inputs(self.pool, positions, np.asarray(seq_ids), self.entry_ratios,
                              bucketed=decode and self.context_buckets)
         rows = np.arange(n, dtype=np.int32) if logit_rows is None else np.asarray(logit_rows, np.int32)
@@ -160,7 +163,11 @@ class TvmBackend(Backend):
         self.uploaded_ints = sum(a.size for a in arrays) + len(inputs[3])
         self.last_step = {"tokens": n, "requests": len(inputs[1]), "blocks": inputs[2].shape[1], "logit_rows": len(rows)}
         name = prefix + ("decode" if decode else "prefill")
-        logits, other = self.call(name, arrays, inputs[3], stream_rows, chain, engram_rows)
+        image_inputs = {}
+        if self.no_image_rows is not None and name == "prefill":
+            image_inputs = {"image_rows": self.no_image_rows, "image_index": np.full(n, -1, np.int32)} \
+                if images is None else {"image_rows": images.rows, "image_index": images.index}
+        logits, other = self.call(name, arrays, inputs[3], stream_rows, chain, engram_rows, **image_inputs)
         logits = rt.to_numpy(logits)[:len(rows)]
         self.read_back = logits.size
         if not second:
@@ -170,14 +177,16 @@ class TvmBackend(Backend):
         return logits, other
 
     def call(self, name: str, arrays: list[np.ndarray], extents: list[int], stream_rows: np.ndarray | None = None,
-             chain: bool = False, engram_rows: np.ndarray | None = None):
+             chain: bool = False, engram_rows: np.ndarray | None = None, image_rows: np.ndarray | None = None,
+             image_index: np.ndarray | None = None):
         """One call of entry function ``name`` on the step inputs ``arrays`` (``STEP_INPUTS`` but the
         entry extents) and ``extents``; an MTP function also reads rows ``stream_rows`` of the last
         step's streams (``chain``: of the last draft's), DSpark's Markov function rows of the last
         DSpark draft's y. Its two outputs, left on the device; the streams a step or an MTP draft
         returns, and a DSpark draft's y, are kept for the next draft. Every rank of a multi-rank
         artifact makes the same calls (``runtime.tensor_parallel``). A V4.1 step with Engram layers
-        also takes each token's table rows ``engram_rows`` ``[T, L_e, C]``."""
+        also takes each token's table rows ``engram_rows`` ``[T, L_e, C]``; the prefill function of
+        a model that sees images its ``image_rows`` and ``image_index`` (``vm.image_inputs``)."""
         markov = name.startswith("dspark_markov_")
         extra = ()
         if stream_rows is not None:
@@ -187,6 +196,8 @@ class TvmBackend(Backend):
             # A decode step that replays a CUDA graph takes tables of T * C rows (codegen.relax_step).
             padded = name.endswith("decode") and self.context_buckets
             extra += self._engram_inputs(np.ascontiguousarray(engram_rows, np.int32), padded)
+        if image_index is not None:
+            extra += (self._upload(np.asarray(image_rows, np.float32)), self._upload(np.asarray(image_index, np.int32)))
         first, second = self.functions[name](*(self._upload(a) for a in arrays), rt.Shape(extents), *extra,
                                              self.params, self.pool_tensors)
         if name.startswith("dspark_draft_"):
@@ -214,9 +225,10 @@ class TvmBackend(Backend):
         return tuple(self._upload(a) for a in [remapped, *arrays])
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray,
-             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None) -> np.ndarray:
+             logit_rows: np.ndarray | None = None, engram_rows: np.ndarray | None = None,
+             images: StepImages | None = None) -> np.ndarray:
         """Run one step; the logits of ``logit_rows`` (token indices; default every token)."""
-        return self._run("", tokens, positions, seq_ids, logit_rows, engram_rows=engram_rows)
+        return self._run("", tokens, positions, seq_ids, logit_rows, engram_rows=engram_rows, images=images)
 
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
         """One image's span rows ``[token_count, text_hidden]`` (float32, prompt order: image_start,

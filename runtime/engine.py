@@ -21,10 +21,11 @@ from dsv4c.artifact.file_names import TOKENIZER
 from dsv4c.artifact.manifest import Manifest
 from dsv4c.errors import UsageError
 from dsv4c.runtime.drafter import Drafter
+from dsv4c.runtime.image_spans import ImageRows, check_spans, dead_spans, step_images
 from dsv4c.runtime.kv_pool import KVPool
 from dsv4c.runtime.loading import check_settings, check_step_tokens, load_backend, load_engram_hash, pool_rows
 from dsv4c.runtime.prefix_cache import PrefixCache
-from dsv4c.runtime.request import Request, RequestFailed, Result, TokenCallback
+from dsv4c.runtime.request import ImageSpan, Request, RequestFailed, Result, TokenCallback
 from dsv4c.runtime.sampling import SamplingParams, token_logprob
 from dsv4c.runtime.scheduler import Scheduler
 from dsv4c.runtime.speculative import SpecStats, SpeculativeDecoding
@@ -82,6 +83,7 @@ class Engine:
         self.engram = load_engram_hash(self.path, manifest, self.config)
         self.backend = load_backend(self.path, manifest, self.config, self.pool, weights, distributed_timeout,
                                     engram_memory)
+        self.image_rows = ImageRows(self.backend.encode_image, self.config.hidden_size)
         self.profiler = None
         if profile:
             from dsv4c.runtime.profile import StepProfiler
@@ -104,16 +106,20 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
-               record_logits: bool = False) -> int:
-        self.check(prompt, params, record_logits)
+               record_logits: bool = False, images: list[ImageSpan] | None = None) -> int:
+        """``images``: the prompt's image spans (a model that sees images; docs/vision_text.md):
+        their positions hold the image token and take the rows of the image."""
+        self.check(prompt, params, record_logits, images)
         rid = next(self._ids)
-        r = self.requests[rid] = Request(rid, [int(t) for t in prompt], params, on_token, record_logits)
+        r = self.requests[rid] = Request(rid, [int(t) for t in prompt], params, on_token, record_logits,
+                                         images=check_spans(images, prompt, self.config))
         r.done_sampling = params.max_new_tokens == 0
         # With nothing to sample and no logits to return, there is nothing to run.
         r.finished = r.done_sampling and not record_logits and params.prompt_logprobs is None
         return rid
 
-    def check(self, prompt: list[int], params: SamplingParams, record_logits: bool = False) -> None:
+    def check(self, prompt: list[int], params: SamplingParams, record_logits: bool = False,
+              images: list[ImageSpan] | None = None) -> None:
         """The ``UsageError`` ``submit`` would raise for this request, if any; reads no state that
         steps change, so a server can ask from another thread before it queues the request."""
         vocab = self.config.vocab_size
@@ -131,19 +137,24 @@ class Engine:
         if len(prompt) + params.max_new_tokens > self.max_context:
             raise UsageError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"engine's max_context ({self.max_context})")
+        if any(s.rows is None for s in check_spans(images, prompt, self.config)) and not self.backend.has_vision:
+            raise UsageError("this artifact has no vision tower (encode_image) to encode the images with; compile "
+                             "the model with its vision_config for a compiled target")
 
     def step(self) -> bool:
         plan = self.scheduler.plan()
         if not plan:
             return False
+        plan = self._encode_images(plan)
         tokens, positions, seqs, logit_rows, saved, engram_rows = [], [], [], [], {}, []
         every_row = {r.rid: r.wants_every_row for r, _ in plan}
+        images = step_images([(r, r.fed, n) for r, n in plan], self.image_rows, sum(n for _, n in plan))
         for r, n in plan:
             start = len(tokens)
             sequence = r.sequence + r.draft.tokens
             tokens += sequence[r.fed:r.fed + n]
             if self.engram is not None:  # hashed from the request's tokens: exact however it got here
-                engram_rows.append(self.engram.request_rows(sequence, r.fed, r.fed + n))
+                engram_rows.append(self.engram.request_rows(sequence, r.fed, r.fed + n, dead_spans(r)))
             positions += range(r.fed, r.fed + n)
             seqs += [r.rid] * n
             # Only the logits the engine uses come back: every row when recorded, verifying drafts
@@ -155,6 +166,8 @@ class Engine:
             if r.draft.tokens:
                 saved[r.rid] = self.speculation.save(r, n)
         extra = {"engram_rows": np.concatenate(engram_rows).astype(np.int32)} if engram_rows else {}
+        if images is not None:
+            extra["images"] = images
         logits = self.backend.step(np.array(tokens, np.int32), np.array(positions, np.int32),
                                    np.array(seqs, np.int32), np.array(logit_rows, np.int32), **extra)
         offset, fed_before = 0, {r.rid: r.fed for r, _ in plan}
@@ -168,12 +181,29 @@ class Engine:
                 r.failure = e
                 if not r.finished:
                     self._finish(r)
+        if images is not None:
+            self.image_rows.keep_only({s.digest for r in self.requests.values() for s in r.images if r.fed < s.end})
         if self.prefix_cache is not None:
             self.scheduler.cache_blocks(plan)
         if self.speculation is not None:
             self.speculation.propose([(r, fed_before[r.rid], n) for r, n in plan],
                                      lambda r: r.rid in self.requests and not r.finished)
         return True
+
+    def _encode_images(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """``plan`` without the requests whose image spans in the step could not be encoded (each
+        fails alone, as a callback's error does); the others' rows are encoded from here on."""
+        kept = []
+        for r, n in plan:
+            try:
+                for s in r.images:
+                    if s.start < r.fed + n and s.end > r.fed:
+                        self.image_rows.of(s)
+                kept.append((r, n))
+            except Exception as e:  # the tower refused its pixels
+                r.failure = e
+                self._finish(r)
+        return kept
 
     def _take_rows(self, r: Request, n: int, rows: np.ndarray, saved: list | None) -> None:
         """What the step computed for ``r``'s ``n`` fed positions: ``rows`` of logits."""
@@ -276,8 +306,8 @@ class Engine:
         self.scheduler.leave(rid)
 
     def generate(self, prompt: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
-                 record_logits: bool = False) -> Result:
-        rid = self.submit(prompt, params, on_token, record_logits)
+                 record_logits: bool = False, images: list[ImageSpan] | None = None) -> Result:
+        rid = self.submit(prompt, params, on_token, record_logits, images)
         self.run()
         return self.result(rid)
 

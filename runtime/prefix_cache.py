@@ -12,6 +12,10 @@ request writes only the entries of positions it feeds) and copies the last block
 request's own. The request then continues exactly as the one that computed the prefix did, so
 its logits are those of the same request run without the cache (``tests/test_prefix_cache.py``).
 
+An image span's positions all hold the same image token, so a block's key also names each image
+span it overlaps by its start, length and the image's digest: the same image at the same place
+in a later prompt hits, another image with the same tokens never does.
+
 Blocks no request holds stay cached until their rows are needed: the pool then evicts the least
 recently used block that no cached block continues (a chain is evicted from its end).
 """
@@ -27,6 +31,7 @@ import numpy as np
 
 from dsv4c.artifact.pool import ENVELOPE_TOKENS
 from dsv4c.runtime.kv_pool import KVPool, PoolExhausted
+from dsv4c.runtime.request import ImageSpan
 
 BLOCK_TOKENS = ENVELOPE_TOKENS
 
@@ -41,12 +46,16 @@ class CachedBlock:
     pins: int = 0  # admissions in progress that will share it
 
 
-def block_keys(tokens: list[int], count: int) -> list[bytes]:
-    """The hash chain of the first ``count`` whole blocks of ``tokens``."""
+def block_keys(tokens: list[int], count: int, images: tuple[ImageSpan, ...] = ()) -> list[bytes]:
+    """The hash chain of the first ``count`` whole blocks of ``tokens`` whose image spans are
+    ``images``."""
     keys, key = [], b""
     for b in range(count):
-        block = np.asarray(tokens[b * BLOCK_TOKENS:(b + 1) * BLOCK_TOKENS], np.int64)
-        key = hashlib.blake2b(key + block.tobytes(), digest_size=16).digest()
+        first, end = b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS
+        block = np.asarray(tokens[first:end], np.int64).tobytes()
+        block += "".join(f"|{s.start}:{s.token_count}:{s.digest}" for s in images
+                         if s.start < end and s.end > first).encode()
+        key = hashlib.blake2b(key + block, digest_size=16).digest()
         keys.append(key)
     return keys
 
@@ -59,11 +68,12 @@ class PrefixCache:
         self.hit_tokens = 0  # of those, tokens found cached
         pool.reclaim = self.evict_one
 
-    def lookup(self, tokens: list[int], max_blocks: int) -> list[CachedBlock]:
-        """The cached blocks ``tokens`` start with (at most ``max_blocks``), marked recently used.
-        Not counted: ``count`` does that once the request is admitted."""
+    def lookup(self, tokens: list[int], max_blocks: int, images: tuple[ImageSpan, ...] = ()) -> list[CachedBlock]:
+        """The cached blocks ``tokens`` (with image spans ``images``) start with (at most
+        ``max_blocks``), marked recently used. Not counted: ``count`` does that once the request
+        is admitted."""
         found = []
-        for key in block_keys(tokens, min(max_blocks, len(tokens) // BLOCK_TOKENS)):
+        for key in block_keys(tokens, min(max_blocks, len(tokens) // BLOCK_TOKENS), images):
             block = self.blocks.get(key)
             if block is None:
                 break
@@ -89,11 +99,12 @@ class PrefixCache:
             for block in blocks:
                 block.pins -= 1
 
-    def insert(self, tokens: list[int], index: int, envelope: int | None, slot: int) -> None:
-        """Cache block ``index`` of ``tokens``, which a request has just fed up to the block's end:
-        its envelope (shared from now on) and a copy of the request's slot. Skipped when the block
-        is cached already or no slot is free."""
-        keys = block_keys(tokens, index + 1)
+    def insert(self, tokens: list[int], index: int, envelope: int | None, slot: int,
+               images: tuple[ImageSpan, ...] = ()) -> None:
+        """Cache block ``index`` of ``tokens`` (with image spans ``images``), which a request has
+        just fed up to the block's end: its envelope (shared from now on) and a copy of the
+        request's slot. Skipped when the block is cached already or no slot is free."""
+        keys = block_keys(tokens, index + 1, images)
         key, parent = keys[-1], keys[-2] if index else None
         if key in self.blocks:
             self.blocks.move_to_end(key)

@@ -14,6 +14,27 @@ from dsv4c.runtime.speculative import SpecStats
 TokenCallback = Callable[[int, int], None]  # (request id, token id)
 
 
+@dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """An image in a prompt (a model that sees images, docs/vision_text.md): prompt positions
+    ``start .. start + token_count - 1`` hold the model's image token and take the rows the
+    artifact's ``encode_image`` makes of ``pixels`` (the processor's array). ``digest`` (the
+    processor's hash of the pixels) names the image: the engine encodes it once and the prefix
+    cache keys the span's positions on it. ``rows`` ``[token_count, hidden]``: rows made
+    elsewhere, used as they are instead of encoding ``pixels`` (tests, or a host that ran the
+    tower itself)."""
+
+    start: int
+    pixels: np.ndarray | None
+    token_count: int
+    digest: str
+    rows: np.ndarray | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.token_count
+
+
 @dataclass
 class Request:
     rid: int
@@ -31,6 +52,7 @@ class Request:
     failure: Exception | None = None  # what ended it early (the engine and other requests go on)
     draft: Draft = field(default_factory=Draft)
     spec: SpecStats = field(default_factory=SpecStats)
+    images: tuple[ImageSpan, ...] = ()  # in prompt order, never overlapping
 
     def __post_init__(self):
         self.sampler = Sampler(self.params)

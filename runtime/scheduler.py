@@ -67,7 +67,7 @@ class Scheduler:
             # At least one token is fed (its logits are sampled), and the prompt's end that the
             # drafter reads from the step (a cached slot does not hold the step's output for it).
             keep = 1 + (self.drafter.prompt_tail if self.drafter is not None else 0)
-            hit = self.prefix_cache.lookup(r.sequence, max(len(r.sequence) - keep, 0) // BLOCK_TOKENS)
+            hit = self.prefix_cache.lookup(r.sequence, max(len(r.sequence) - keep, 0) // BLOCK_TOKENS, r.images)
         shared = [b.envelope for b in hit if b.envelope is not None]
         try:
             with self.prefix_cache.pinned(hit) if hit else contextlib.nullcontext():
@@ -117,7 +117,7 @@ class Scheduler:
                 rows = self.pool.requests[r.rid]
                 index = r.fed // BLOCK_TOKENS - 1
                 envelope = rows.blocks[index] if rows.blocks else None
-                self.prefix_cache.insert(r.sequence, index, envelope, rows.slot)
+                self.prefix_cache.insert(r.sequence, index, envelope, rows.slot, r.images)
 
     def leave(self, rid: int) -> None:
         """Free request ``rid``'s pool rows, if it holds any (finished, cancelled, preempted)."""

@@ -54,6 +54,17 @@ def v41_fp8_artifacts(v41_fp8_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v41_case_artifacts(tmp_path_factory):
+    """The V4.1 parity case (tests/v41_case.py) as a model that sees images, compiled once for the
+    reference target and for llvm: the V4.1 parity tests run its text prompts (image-span inputs
+    unused), tests/test_v41_images.py its image spans."""
+    from v41_case import compile_case
+
+    return {target: compile_case(tmp_path_factory.mktemp(f"v41_case_{target}"), target, images=True)
+            for target in ("reference", "llvm")}
+
+
+@pytest.fixture(scope="session")
 def tiny_llvm(tmp_path_factory):
     """The quick start's artifact: ``dsv4c make-tiny`` then ``dsv4c compile --target llvm``,
     built once for the tests that only read it (the model directory lies beside it, ``model``)."""

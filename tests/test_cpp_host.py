@@ -41,7 +41,7 @@ from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.runtime.weights import open_weights
 
 from file_breakages import corrupt_header, flip_byte, offsets_past_the_end, truncate
-from v41_case import GREEDY as V41_GREEDY, TOKEN_IDS as V41_PROMPT, compile_case, prompt as v41_prompt
+from v41_case import GREEDY as V41_GREEDY, TOKEN_IDS as V41_PROMPT, prompt as v41_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -403,9 +403,10 @@ def test_cpp_pool_makes_the_python_pools_decisions(cpp, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
-    """The V4.1 parity case (tests/v41_case.py) compiled for llvm."""
-    return compile_case(tmp_path_factory.mktemp("v41"), "llvm")
+def v41(v41_case_artifacts):
+    """The V4.1 parity case (tests/v41_case.py) compiled for llvm, as a model that sees images:
+    the host runs its text prompts (its prefill takes no image rows)."""
+    return v41_case_artifacts["llvm"]
 
 
 def _released_size_hash() -> EngramTables:

@@ -31,7 +31,7 @@ from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
 from dsv4c.targets import target_info
 
-from v41_case import TOKEN_IDS, TOLERANCE, compile_case
+from v41_case import TOKEN_IDS, TOLERANCE
 from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here on llvm)
 from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
@@ -40,9 +40,10 @@ from v41_case import test_speculative_decoding_computes_the_plain_tokens  # noqa
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    """The parity case compiled for llvm, once."""
-    return compile_case(tmp_path_factory.mktemp("v41_llvm"), "llvm")
+def artifact(v41_case_artifacts):
+    """The parity case compiled for llvm, once for the session (as a model that sees images: text
+    prompts leave its image inputs unused)."""
+    return v41_case_artifacts["llvm"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ import pytest
 from dsv4c.runtime.engine import Engine
 from dsv4c.runtime.sampling import SamplingParams
 
-from v41_case import CASE, TOKEN_IDS, TOLERANCE, compile_case
+from v41_case import CASE, TOKEN_IDS, TOLERANCE
 from v41_case import test_a_prefix_cache_hit_is_bit_identical_to_a_miss  # noqa: F401  (run here)
 from v41_case import test_a_ragged_batch_matches_the_reference  # noqa: F401
 from v41_case import test_logits_and_greedy_tokens_match_the_reference  # noqa: F401
@@ -22,8 +22,10 @@ from v41_case import test_speculative_decoding_computes_the_plain_tokens  # noqa
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    return compile_case(tmp_path_factory.mktemp("v41"), "reference")
+def artifact(v41_case_artifacts):
+    """The parity case for the reference target, once for the session (a model that sees images:
+    text prompts leave its image inputs unused)."""
+    return v41_case_artifacts["reference"]
 
 
 def test_the_artifact_chats_in_v41s_encoding(artifact):

@@ -27,14 +27,29 @@ GREEDY = json.loads((CASE / "case.json").read_text())["greedy_tokens"]
 TOLERANCE = 1e-4
 
 
-def compile_case(root: Path, target: str, *options: str) -> Path:
-    """The case's model directory (config, tokenizer, weights) under ``root``, compiled for ``target``
-    (with the compile command's ``options``)."""
-    model = root / "case0"
+# The token tests/test_v41_images.py's prompts place image spans with (an ordinary token of the
+# case's tokenizer: its embedding is never read at a span's positions).
+IMAGE_TOKEN = json.loads((DATA / "v41_images" / "case.json").read_text())["image_token_id"]
+
+
+def write_case_model(model: Path, images: bool = False) -> Path:
+    """The case's model directory (config, tokenizer, weights); ``images``: its config names the
+    image token, a model that sees images (the weights hold every layer's ``gate.bias_vl``)."""
     model.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(DATA / "v41_engram" / name, model / name)
+    shutil.copyfile(DATA / "v41_engram" / "config.json", model / "config.json")
+    if images:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "image_token_id": IMAGE_TOKEN}, indent=2))
     shutil.copyfile(CASE / "model.safetensors", model / "model.safetensors")
+    return model
+
+
+def compile_case(root: Path, target: str, *options: str, images: bool = False) -> Path:
+    """The case's model directory under ``root`` (:func:`write_case_model`), compiled for ``target``
+    (with the compile command's ``options``)."""
+    model = write_case_model(root / "case0", images)
     out = root / "artifact"
     assert cli(["compile", "--model", str(model), "--target", target, "-o", str(out), *options]) == 0
     return out

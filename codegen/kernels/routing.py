@@ -1,4 +1,5 @@
-"""Mixture-of-experts kernels besides the matmuls: the router's scores and bias, hash routing,
+"""Mixture-of-experts kernels besides the matmuls: the router's scores and bias (V4.1's image
+bias too), hash routing,
 the chosen experts' weights, and the experts' SwiGLU activation (top-k: ``kernels.topk``)."""
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ def add_bias(n_experts: int):
         for t in T.parallel(n):
             for e in range(n_experts):
                 OUT[t, e] = X[t, e] + B[e]
+    return f
+
+
+def add_image_bias(n_experts: int):
+    """``add_bias`` with V4.1's image bias: a token with ``image_index >= 0`` (an image span's)
+    adds ``bias_vl`` instead of ``bias``."""
+    @T.prim_func
+    def f(x: T.handle, b: T.handle, b_vl: T.handle, image: T.handle, out: T.handle):
+        n = T.int32()
+        X = T.match_buffer(x, (n, n_experts), F32)
+        B = T.match_buffer(b, (n_experts,), F32)
+        B_VL = T.match_buffer(b_vl, (n_experts,), F32)
+        IMAGE = T.match_buffer(image, (n,), "int32")
+        OUT = T.match_buffer(out, (n, n_experts), F32)
+        for t in T.parallel(n):
+            for e in range(n_experts):
+                OUT[t, e] = X[t, e] + T.if_then_else(IMAGE[t] >= 0, B_VL[e], B[e])
     return f
 
 

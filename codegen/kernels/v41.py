@@ -1,6 +1,6 @@
 """DeepSeek-V4.1's kernels (docs/v41.md): the fake-quant round trips, the collapse of the streams
-with a site's ``pre``, the candidate-block mask of the two-level top-k and the Engram gather and
-gate (the index-key and Engram projections are ``matmul.linear``'s, the compressor's pool
+with a site's ``pre``, the image rows spliced in place of embeddings, the candidate-block mask
+of the two-level top-k and the Engram gather and gate (the index-key and Engram projections are ``matmul.linear``'s, the compressor's pool
 ``compressor.compress_pool``'s). Each follows its
 reference op (``ir.reference_v41``) in fp32, in the reference's order where a round trip follows."""
 
@@ -85,6 +85,22 @@ def hc_collapse(hc: int, dim: int, weighted: bool):
                         OUT[t, d] = OUT[t, d] + PRE[t, j] * H[t, j, d]
                 else:
                     OUT[t, d] = H[t, 0, d]
+    return f
+
+
+def image_splice(dim: int):
+    """``x`` with token t's row replaced by ``rows[index[t]]`` where that is >= 0 (an image
+    span's position)."""
+    @T.prim_func
+    def f(x: T.handle, index: T.handle, rows: T.handle, out: T.handle):
+        n, m = T.int32(), T.int32()
+        X = T.match_buffer(x, (n, dim), F32)
+        INDEX = T.match_buffer(index, (n,), "int32")
+        ROWS = T.match_buffer(rows, (m, dim), F32)
+        OUT = T.match_buffer(out, (n, dim), F32)
+        for t in T.parallel(n):
+            for j in range(dim):
+                OUT[t, j] = T.if_then_else(INDEX[t] >= 0, ROWS[T.max(INDEX[t], 0), j], X[t, j])
     return f
 
 

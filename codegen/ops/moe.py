@@ -23,6 +23,8 @@ class MoeRoute(OpLowering):
             out["select"] = kernel("hash_ids", ins[2][0], a["k"])
         else:
             out.update(bias=kernel("add_bias", e), select=kernel("topk_rows", a["k"]))
+            if len(node.inputs) == 6:  # V4.1 with images: bias_vl on image positions (prefill only)
+                out["image_bias"] = kernel("add_image_bias", e)
         return out
 
     def emit(self, em, node, roles, args):
@@ -34,7 +36,12 @@ class MoeRoute(OpLowering):
         if node.attrs["mode"] == "hash":
             ids = em.call(roles["select"], [em.param(node.inputs[2].name), em.inputs["tokens"]], ([t, k], I32))
         else:
-            biased = em.call(roles["bias"], [scores, em.param(node.inputs[2].name)], ([t, e], F32))
+            bias = em.param(node.inputs[2].name)
+            if "image_index" in em.inputs and len(node.inputs) == 6:
+                biased = em.call(roles["image_bias"], [scores, bias, em.param(node.inputs[4].name),
+                                                       em.inputs["image_index"]], ([t, e], F32))
+            else:  # the decode function: no token of its steps is an image span's
+                biased = em.call(roles["bias"], [scores, bias], ([t, e], F32))
             ids = em.call(roles["select"], [biased], ([t, k], I32))
         weights = em.call(roles["weights"], [scores, ids], ([t, k], F32))
         return [weights, ids]

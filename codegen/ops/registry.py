@@ -9,7 +9,8 @@ from dsv4c.codegen.ops.mhc import HcExpand, HcMean, Mhc, MhcPost
 from dsv4c.codegen.ops.misc import Add, Concat, Embed, Reshape
 from dsv4c.codegen.ops.moe import Experts, MoeRoute, SharedExpert
 from dsv4c.codegen.ops.norm import RmsNorm, RmsNormRope, Rope
-from dsv4c.codegen.ops.v41 import CandidateMask, Engram, HcCollapse, MhcMix, SharedCompress, V41Roundtrip
+from dsv4c.codegen.ops.v41 import (CandidateMask, Engram, HcCollapse, ImageSplice, MhcMix, SharedCompress,
+                                   V41Roundtrip)
 from dsv4c.codegen.ops.tensor_parallel import AllGather, AllReduce, ShardIds
 from dsv4c.errors import UsageError
 
@@ -59,6 +60,7 @@ LOWERINGS: dict[str, OpLowering] = {
     "shared_compress": SharedCompress(),
     "candidate_mask": CandidateMask(),
     "engram": Engram(),
+    "image_splice": ImageSplice(),
     **{op: Unsupported() for op in ("fp8_roundtrip", "fp4_roundtrip", "hadamard")},
 }
 

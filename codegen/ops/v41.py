@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's ops on the compiled targets (docs/v41.md): ``mhc_mix`` and ``hc_collapse``
 (the delayed mHC collapse), ``v41_roundtrip``, ``shared_compress`` (a KV source's compressor:
 its group's compressed rows and index keys, stored once in the source's envelope rows that every
-layer of the group reads), ``candidate_mask`` and ``engram`` (the step input ``engram_rows``)."""
+layer of the group reads), ``candidate_mask``, ``engram`` (the step input ``engram_rows``) and
+``image_splice`` (the prefill function's inputs ``image_rows`` and ``image_index``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,21 @@ class HcCollapse(OpLowering):
         h = em.shape(args[0])
         pre = args[1] if len(args) == 2 else em.view(args[0], [h[0], h[1]])  # unread without pre
         return [em.call(roles["main"], [args[0], pre], ([h[0], h[2]], F32))]
+
+
+class ImageSplice(OpLowering):
+    """The image rows in place of the embeddings of image-span tokens: in the prefill function,
+    which takes them; the decode function's steps have none (the runtime runs any step with an
+    image position as a prefill)."""
+
+    def kernels(self, node, cfg, plan):
+        return {"main": kernel("image_splice", input_shapes(node)[0][1])}
+
+    def emit(self, em, node, roles, args):
+        if "image_index" not in em.inputs:
+            return [args[0]]
+        shape = em.shape(args[0])
+        return [em.call(roles["main"], [args[0], em.inputs["image_index"], em.inputs["image_rows"]], (shape, F32))]
 
 
 def roundtrip(em, spec, x):

@@ -208,6 +208,15 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
     patch_size_ = vision.integer("patch_size");
     max_patches_ = vision.object("tower").integer("max_patches");
   }
+  // A V4.1 model that sees images: its prefill function takes the step's image rows and each
+  // token's row of them after vm.inputs (Python: codegen.relax_step.IMAGE_INPUTS). This host
+  // runs text prompts, so no token takes one: a zero row, and -1 per token.
+  if (vm.get("image_inputs")) {
+    std::vector<std::string> names;
+    for (const json::Value& name : vm.array("image_inputs")) names.push_back(json::as_string(name).value_or(""));
+    if (names != std::vector<std::string>{"image_rows", "image_index"}) vm.fail("image_inputs", "the image inputs");
+    takes_images_ = true;
+  }
 
   ffi::Function alloc = global("runtime.TVMTensorAllocWithScope");
   ffi::Function copy_in = global("runtime.TVMTensorCopyFromBytes");
@@ -239,6 +248,12 @@ CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& mani
     ffi::Tensor t = empty(shape, zeros.dtype);
     copy_in(t, zeros.ptr<void>(), static_cast<int64_t>(zeros.nbytes()));
     pool_tensors_.push_back(t);
+  }
+  if (takes_images_) {
+    const int64_t width = manifest.object("model").integer("hidden_size");
+    std::vector<float> zeros(static_cast<size_t>(width), 0.0f);
+    no_image_rows_ = empty({1, width}, DLDataType{kDLFloat, 32, 1});
+    copy_in(no_image_rows_, static_cast<void*>(zeros.data()), static_cast<int64_t>(zeros.size() * sizeof(float)));
   }
 }
 
@@ -364,6 +379,10 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
   if (takes_engram_rows_) {
     const bool padded = context_buckets_ && n <= decode_max_tokens_;
     for (ffi::Any& input : engram_arguments(engram_rows, padded)) arguments.push_back(std::move(input));
+  }
+  if (takes_images_ && n > decode_max_tokens_) {
+    arguments.push_back(no_image_rows_);
+    arguments.push_back(upload(std::vector<int32_t>(static_cast<size_t>(n), -1), {n}));
   }
   arguments.push_back(params_);
   arguments.push_back(pool_tensors_);

@@ -71,6 +71,8 @@ class CompiledStep {
   std::vector<int64_t> entry_ratios_;
   bool context_buckets_ = false;  // decode replays CUDA graphs: inputs cover the context's bucket
   bool takes_engram_rows_ = false;
+  bool takes_images_ = false;       // the prefill function takes image rows (vm.image_inputs)
+  tvm::ffi::Tensor no_image_rows_;  // the one zero row a text prompt's prefill passes
   bool gathers_engram_rows_ = false;  // off the CPU (or asked to): only the rows a step reads go in
   std::vector<EngramTable> engram_tables_;       // manifest "engram.tables", in host memory
   std::vector<tvm::ffi::Tensor> whole_tables_;  // their step inputs, unless gathered
