@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from dsv4c.artifact.file_names import TOKENIZER
 from dsv4c.artifact.vision import VisionGeometry
-from dsv4c.errors import ArtifactError, UsageError
+from dsv4c.errors import UsageError
 from dsv4c.runtime.request import ImageSpan
 from dsv4c.runtime.serve import dsv4_encoding, dsv41_encoding
 from dsv4c.runtime.serve.chat_output import ChatOutputParser, ToolCall
@@ -181,10 +181,6 @@ class ChatProtocol:
         self.encoding = ENCODINGS.get(model_type) if template is None else None
         # Images need a vision tower and an encoding that places them.
         self.vision = vision if self.encoding is not None and self.encoding.images else None
-        placeholder = tokenizer.token_to_id(dsv41_encoding.IMAGE_PLACEHOLDER) if tokenizer is not None else None
-        if self.vision is not None and tokenizer is not None and placeholder != self.vision.image_token_id:
-            raise ArtifactError(f"{artifact}: the tokenizer's {dsv41_encoding.IMAGE_PLACEHOLDER} is token "
-                                f"{placeholder}, the vision tower's image_token_id {self.vision.image_token_id}")
         path = Path(artifact) / TOKENIZER
         self.grammar = GrammarTokenizer(path, vocab_size, eos) if tokenizer is not None else None
         self.unshown = set(eos) | (self._unmarked_specials() if self.v4 and tokenizer is not None else set())
@@ -202,7 +198,8 @@ class ChatProtocol:
     def of(cls, engine, template: ChatTemplate | None) -> "ChatProtocol":
         """The chat of an :class:`~dsv4c.runtime.engine.Engine`'s artifact."""
         return cls(engine.path, template, engine.manifest.model.get("model_type"), engine.config.vocab_size,
-                   tuple(engine.config.eos_token_ids), engine.tokenizer, engine.manifest.vision)
+                   tuple(engine.config.eos_token_ids), engine.tokenizer,
+                   VisionGeometry.from_manifest(engine.manifest.vision) if engine.manifest.vision else None)
 
     @property
     def takes_images(self) -> bool:
@@ -252,9 +249,16 @@ class ChatProtocol:
             intake.check_count(len(urls))
         except ImageError as e:
             raise bad_request(str(e), "messages", e.code) from None
-        ids = self.tokenizer.encode(self.prompt_text(messages, options), add_special_tokens=False).ids
+        # The template (or the V4-family encoding) writes the special tokens (BOS, role markers) itself.
+        text = self.prompt_text(messages, options)
         if not urls:
-            return ChatPrompt(ids)
+            return ChatPrompt(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        # Each image's placeholder (typed ones are escaped: these are the image parts') is the image
+        # token, as the release's tokenizer splits the text at that special token; the text between
+        # is tokenized as it would be there, whichever tokens a tokenizer has.
+        pieces = [self.tokenizer.encode(piece, add_special_tokens=False).ids
+                  for piece in text.split(dsv41_encoding.IMAGE_PLACEHOLDER)]
+        ids = pieces[0] + [t for piece in pieces[1:] for t in (self.vision.image_token_id, *piece)]
         processed = []
         for where, url in urls:
             try:

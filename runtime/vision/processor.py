@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
+from dsv4c.artifact.vision import VisionGeometry
 from dsv4c.runtime.vision.intake import to_rgb
 
 PAD_COLOR = (127, 127, 127)
-SPAN_MARKERS = 2  # image_start and image_end
 
 
 @dataclass(frozen=True)
@@ -36,19 +36,7 @@ class ProcessedImage:
     digest: str  # sha256 of the pixels' shape and bytes: the same picture, the same digest
 
 
-def _grid(height: int, width: int, patch: int, ratio: int) -> tuple[int, int]:
-    """Image tokens down and across for a ``height`` x ``width`` pixel array (patches of
-    ``patch`` pixels, ``ratio`` x ``ratio`` patches a token, the last row and column partial)."""
-    return math.ceil(height // patch / ratio), math.ceil(width // patch / ratio)
-
-
-def span_length(rows: int, columns: int) -> int:
-    """Prompt positions of a span of ``rows`` x ``columns`` image tokens: a newline ends each
-    row, ``image_start`` and ``image_end`` frame it."""
-    return rows * (columns + 1) + SPAN_MARKERS
-
-
-def target_size(width: int, height: int, geometry) -> tuple[int, int]:
+def target_size(width: int, height: int, geometry: VisionGeometry) -> tuple[int, int]:
     """The pixel size (width, height) a ``width`` x ``height`` picture is padded into."""
     patch, ratio, budget = geometry.patch_size, geometry.downsample_ratio, geometry.max_image_tokens
     w, h = width, height
@@ -58,22 +46,23 @@ def target_size(width: int, height: int, geometry) -> tuple[int, int]:
         scale = math.sqrt(geometry.min_pixels / (w * h))
         w, h = int(w * scale), int(h * scale)
     best_w, best_h = math.ceil(w / patch) * patch, math.ceil(h / patch) * patch
-    if span_length(*_grid(best_h, best_w, patch, ratio)) <= budget:
+    if geometry.token_count(best_h, best_w) <= budget:
         return best_w, best_h
     # The largest grid of whole cells whose span fits: columns c and rows c * h / w solve
-    # rows * (c + 1) + 2 = budget; a sliver too thin for one cell across gets one cell and the rest along it.
+    # rows * (c + 1) + 2 = budget (the 2: image_start and image_end); a sliver too thin for one
+    # cell across gets one cell and the rest along it.
     aspect, cell = h / w, patch * ratio
-    max_w = math.sqrt((budget - SPAN_MARKERS) / aspect + 0.25) - 0.5
+    max_w = math.sqrt((budget - 2) / aspect + 0.25) - 0.5
     max_h = max_w * aspect
     if max_w < 1:
-        return cell, (budget - SPAN_MARKERS) // 2 * cell
+        return cell, (budget - 2) // 2 * cell
     if max_h < 1:
-        return (budget - SPAN_MARKERS - 1) * cell, cell
+        return (budget - 3) * cell, cell
     scale = min(math.floor(max_w) * cell / w, math.floor(max_h) * cell / h)
     return math.floor(w * scale / patch) * patch, math.floor(h * scale / patch) * patch
 
 
-def preprocess(image: Image.Image, geometry) -> ProcessedImage:
+def preprocess(image: Image.Image, geometry: VisionGeometry) -> ProcessedImage:
     """``image`` (any mode; the server's intake has applied its EXIF orientation) as the pixels
     ``encode_image`` takes, the positions its span fills, and its digest."""
     image = to_rgb(image)
@@ -83,9 +72,8 @@ def preprocess(image: Image.Image, geometry) -> ProcessedImage:
     mean = np.asarray(geometry.image_mean, dtype=np.float32).reshape(3, 1, 1)
     std = np.asarray(geometry.image_std, dtype=np.float32).reshape(3, 1, 1)
     pixels = np.ascontiguousarray((pixels - mean) / std, dtype=np.float32)
-    rows, columns = _grid(*pixels.shape[1:], geometry.patch_size, geometry.downsample_ratio)
     digest = hashlib.sha256(repr(pixels.shape).encode() + pixels.tobytes()).hexdigest()
-    return ProcessedImage(pixels, span_length(rows, columns), digest)
+    return ProcessedImage(pixels, geometry.token_count(*pixels.shape[1:]), digest)
 
 
 def expand_image_placeholders(token_ids: list[int], images: list[ProcessedImage],
