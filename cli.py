@@ -320,7 +320,7 @@ def _cmd_generate(args) -> int:
     text_prompt = args.prompt if messages is None else json.dumps(messages)
     prompt_bound = len(args.token_ids) if args.token_ids is not None else len(text_prompt) + 1024
     if messages is not None and (images := count_image_parts(messages)):
-        prompt_bound += images * getattr(read_manifest(args.artifact).vision, "max_image_tokens", 0)
+        prompt_bound += images * (read_manifest(args.artifact).vision or {}).get("max_image_tokens", 0)
     if args.stats and args.speculative is None:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp (or dspark)")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,

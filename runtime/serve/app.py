@@ -41,7 +41,8 @@ from dsv4c.runtime.vision.intake import ImageIntake
 Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
 T = TypeVar("T")
 # Bodies larger than this are parsed on a worker thread: parsing 1 MB of JSON (and checking its
-# token ids) takes tens of milliseconds, which would stall every stream on the event loop.
+# token ids) takes tens of milliseconds, which would stall every stream on the event loop. So are
+# bodies with images, however small: a file's image is decoded and resized while it is parsed.
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
@@ -109,7 +110,7 @@ class Server:
         def check() -> T:
             return parse(self.check_model(parse_json_object(raw)))
 
-        return await asyncio.to_thread(check) if len(raw) > PARSE_ON_LOOP_BYTES else check()
+        return await asyncio.to_thread(check) if len(raw) > PARSE_ON_LOOP_BYTES or b"image_url" in raw else check()
 
     # ------------------------------------------------------------------ prompts and text
     def needs_tokenizer(self, what: str, param: str) -> None:
