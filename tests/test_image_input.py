@@ -68,16 +68,16 @@ def reference_target(width: int, height: int, g) -> tuple[int, int]:
 
     if tokens(w, h) <= budget:
         return w, h
-    ratio, cell = height / width, p * r
-    # columns c with rows c * ratio: rows * (c + 1) + 2 = budget, c = sqrt((budget - 2) / ratio + 1/4) - 1/2
-    cols = math.sqrt((budget - 2) / ratio + 0.25) - 0.5
-    rows = cols * ratio
-    if cols < 1:
-        return cell, (budget - 2) // 2 * cell
-    if rows < 1:
-        return (budget - 3) * cell, cell
-    s = min(math.floor(cols) * cell / width, math.floor(rows) * cell / height)
-    return math.floor(width * s / p) * p, math.floor(height * s / p) * p
+    # The real column count c whose grid (c * aspect rows, a newline each, start and end) fills
+    # the budget: aspect * c * (c + 1) + 2 = budget.
+    aspect, cell = height / width, p * r
+    c = math.sqrt((budget - 2) / aspect + 0.25) - 0.5
+    if c < 1 or c * aspect < 1:  # not one whole cell across (or down): one cell, the rest of the budget along
+        across = c < 1
+        along = ((budget - 2) // 2 if across else budget - 3) * cell
+        return (cell, along) if across else (along, cell)
+    s = min(math.floor(c) * cell / width, math.floor(c * aspect) * cell / height)
+    return tuple(math.floor(side * s / p) * p for side in (width, height))
 
 
 def reference_pixels(raw: bytes, g) -> np.ndarray:

@@ -64,6 +64,7 @@ def release_prompt(artifact, messages, pictures: list[bytes]) -> list[int]:
     placeholder repeated by the processor's token count."""
     geometry = VisionGeometry.from_manifest(read_manifest(artifact).vision)
     spec = json.loads((artifact / TOKENIZER).read_text())
+    spec["model"]["vocab"][IMAGE_PLACEHOLDER] = geometry.image_token_id
     spec["added_tokens"].append({"id": geometry.image_token_id, "content": IMAGE_PLACEHOLDER, "single_word": False,
                                  "lstrip": False, "rstrip": False, "normalized": False, "special": True})
     ids = Tokenizer.from_str(json.dumps(spec)).encode(encode_chat(messages), add_special_tokens=False).ids
