@@ -184,7 +184,7 @@ BAD_IMAGES = {
     "not an image": (b"hello, world", "invalid_image_format", "not an image"),
     "truncated png": (encoded(noise((64, 64)))[:-200], "invalid_image_format", "truncated or corrupt"),
     "truncated jpeg": (encoded(noise((64, 64)), "JPEG")[:1500], "invalid_image_format", "truncated or corrupt"),
-    "zero-sized": (_png(0, 16), "invalid_image_format", "not an image"),
+    "zero-sized": (_png(0, 16), "invalid_image_format", "a zero size"),
     # Its header says 30000 x 30000 and no pixel data follows: refused from the header alone.
     "decompression bomb": (_png(30000, 30000, zlib.compress(b"\0" * 100)), "image_too_large", "--max-image-pixels"),
     "just over the limit": (encoded(Image.new("L", (1001, 1000))), "image_too_large", "1,001,000 pixels"),

@@ -152,8 +152,8 @@ def decode_image(source: BinaryIO, max_pixels: int) -> Image.Image:
     """The RGB picture in ``source``: checked from its header (format, size, frames) before its
     pixels are decoded, then decoded, turned upright by its EXIF orientation and converted."""
     Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow's own guard: it refuses beyond twice this in any case
-    unreadable = ImageError(f"not an image in a format this server reads ({', '.join(ACCEPTED_FORMATS)})",
-                            "invalid_image_format")
+    unreadable = ImageError(f"not an image in a format this server reads ({', '.join(ACCEPTED_FORMATS)}), or its "
+                            "header is malformed (a zero size, ...)", "invalid_image_format")
     too_large = f"more pixels than this server takes ({max_pixels:,}, --max-image-pixels)"
     try:
         image = Image.open(source, formats=ACCEPTED_FORMATS)
@@ -161,9 +161,7 @@ def decode_image(source: BinaryIO, max_pixels: int) -> Image.Image:
         raise ImageError(f"the image has {too_large}", "image_too_large") from None
     except Exception:  # UnidentifiedImageError, or whatever a plugin meets in a malformed header
         raise unreadable from None
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise ImageError(f"the image is {width} x {height} pixels: empty", "invalid_image_format")
+    width, height = image.size  # Pillow opens no image with a side of 0
     if width * height > max_pixels:
         raise ImageError(f"the image is {width} x {height} = {width * height:,} pixels, {too_large}",
                          "image_too_large")
