@@ -282,7 +282,8 @@ def _image_args(p: argparse.ArgumentParser, files: str) -> None:
     p.add_argument("--allowed-image-dir", metavar="DIR", help=f"image files (file:// URLs) are read only from under "
                    f"DIR, symlinks resolved (default: {files})")
     p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
-                   help=f"images with more pixels are refused, from their header (default {DEFAULT_MAX_IMAGE_PIXELS:,})")
+                   help=f"images with more pixels are refused, from their header "
+                        f"(default {DEFAULT_MAX_IMAGE_PIXELS:,})")
     p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
                    help=f"requests with more images are refused (default {DEFAULT_MAX_IMAGES})")
 

@@ -85,8 +85,8 @@ def served(v41_vision_artifact, images):
         yield server
 
 
-def test_a_chat_with_two_images_prompts_the_release_encoding_and_generates_generates_tokens(
-        v41_vision_artifact, images, served, tmp_path):
+def test_a_chat_with_two_images_prompts_the_release_encoding_and_generates_as_generate_does(
+        v41_vision_artifact, images, served, tmp_path, capsys):
     root, first, other = images
     messages = _conversation(first, f"file://{root}/second.jpg")
     expected = release_prompt(v41_vision_artifact, messages, [first, (root / "second.jpg").read_bytes()])
@@ -112,6 +112,12 @@ def test_a_chat_with_two_images_prompts_the_release_encoding_and_generates_gener
     rows = np.load(logits)
     greedy = rows[len(expected) - 1:].argmax(-1).tolist()
     assert len(rows) >= len(expected) and greedy[:len(streamed)] == streamed
+    # A bad image there is one error line, as from the server a 400.
+    conversation.write_text(json.dumps(_conversation(first, "https://example.com/b.png")))
+    assert cli(["generate", str(v41_vision_artifact), "--messages", str(conversation), "--max-new-tokens", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("dsv4c: error: --messages: messages[0].content[3]: "
+                                               "'https://example.com/b.png': remote URLs are not fetched; send the "
+                                               "image itself as a data URL (data:image/png;base64,...)")
 
     # The next turn repeats the prompt's first block, the first image's span in it: a cache hit.
     before = served.metrics()
@@ -130,7 +136,7 @@ def test_bad_images_are_400s_and_the_server_goes_on(served, images, tmp_path):
     (tmp_path / "outside.png").write_bytes(first)
     gif = io.BytesIO()
     Image.new("RGB", (4, 4)).save(gif, "GIF", save_all=True, append_images=[Image.new("RGB", (4, 4), (9, 9, 9))])
-    cases = [("https://example.com/a.png", "invalid_image_url", "fetches no URLs"),
+    cases = [("https://example.com/a.png", "invalid_image_url", "are not fetched"),
              (f"file://{tmp_path}/outside.png", "invalid_image_url", "not under the directory"),
              (f"file://{root}/../{tmp_path.name}/outside.png", "invalid_image_url", "not under the directory"),
              (f"data:image/gif;base64,{base64.b64encode(gif.getvalue()).decode()}", "invalid_image_format", "animated"),

@@ -75,8 +75,8 @@ class ImageIntake:
 
     def check_count(self, count: int) -> None:
         if count > self.max_images:
-            raise ImageError(f"{count} images in one request, more than this server takes "
-                             f"({self.max_images}, --max-images-per-request)", "too_many_images")
+            raise ImageError(f"{count} images in one request, more than allowed ({self.max_images}, "
+                             "--max-images-per-request)", "too_many_images")
 
     def load(self, url: str) -> Image.Image:
         """The image ``url`` names, decoded to RGB (an :class:`ImageError` for any problem)."""
@@ -89,8 +89,8 @@ class ImageIntake:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme in ("http", "https"):
-            raise ImageError(f"{_shown(url)}: this server fetches no URLs; send the image in the request as a "
-                             "data URL (data:image/png;base64,...)", "invalid_image_url")
+            raise ImageError(f"{_shown(url)}: remote URLs are not fetched; send the image itself as a data URL "
+                             "(data:image/png;base64,...)", "invalid_image_url")
         if scheme == "file":
             if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
                 raise ImageError(f"{_shown(url)}: a file URL names a local path: file:///PATH", "invalid_image_url")
@@ -152,9 +152,9 @@ def decode_image(source: BinaryIO, max_pixels: int) -> Image.Image:
     """The RGB picture in ``source``: checked from its header (format, size, frames) before its
     pixels are decoded, then decoded, turned upright by its EXIF orientation and converted."""
     Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow's own guard: it refuses beyond twice this in any case
-    unreadable = ImageError(f"not an image in a format this server reads ({', '.join(ACCEPTED_FORMATS)}), or its "
+    unreadable = ImageError(f"not an image in a format dsv4c reads ({', '.join(ACCEPTED_FORMATS)}), or its "
                             "header is malformed (a zero size, ...)", "invalid_image_format")
-    too_large = f"more pixels than this server takes ({max_pixels:,}, --max-image-pixels)"
+    too_large = f"more pixels than allowed ({max_pixels:,}, --max-image-pixels)"
     try:
         image = Image.open(source, formats=ACCEPTED_FORMATS)
     except Image.DecompressionBombError:
