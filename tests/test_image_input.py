@@ -10,6 +10,7 @@ import math
 import os
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,6 +197,7 @@ BAD_IMAGES = {
 
 
 @pytest.mark.parametrize("name", sorted(BAD_IMAGES))
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's, before our refusal
 def test_every_bad_image_is_an_image_error(name):
     raw, code, fragment = BAD_IMAGES[name]
     with pytest.raises(ImageError, match=fragment) as e:
@@ -233,7 +235,7 @@ def test_urls_the_server_refuses():
         assert e.value.code == "invalid_image_url"
 
 
-def test_files_only_under_the_allowed_directory(tmp_path):
+def test_files_only_under_the_allowed_directory(tmp_path, monkeypatch):
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     (allowed / "sub").mkdir(parents=True)
     outside.mkdir()
@@ -259,6 +261,8 @@ def test_files_only_under_the_allowed_directory(tmp_path):
     # `dsv4c generate --messages`: paths relative to the messages file.
     beside = ImageIntake(allowed_dir=tmp_path, relative_to=allowed / "sub")
     assert beside.load("a b.png").size == (3, 2) and beside.load("../../outside/secret.png").size == (3, 2)
+    monkeypatch.chdir(allowed)  # `--messages sub/chat.json`
+    assert ImageIntake(allowed_dir=Path("/"), relative_to=Path("sub")).load("a b.png").size == (3, 2)
     with pytest.raises(UsageError, match="not a directory"):
         ImageIntake(allowed_dir=tmp_path / "nope")
 

@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 class ImageError(UsageError):
     """An image a request cannot use; ``code`` is the OpenAI error code the server answers with."""
 
-    def __init__(self, message: str, code: str = "invalid_image"):
+    def __init__(self, message: str, code: str):
         super().__init__(message)
         self.code = code
 
@@ -98,13 +98,13 @@ class ImageIntake:
         if scheme or self.relative_to is None:
             raise ImageError(f"{_shown(url)}: an image URL must be a data URL (data:image/png;base64,...) or a "
                              "file:// URL under the server's --allowed-image-dir", "invalid_image_url")
-        return self._open_file(Path(self.relative_to) / url, url)
+        return self._open_file(Path(self.relative_to).absolute() / url, url)
 
     def _open_file(self, path: Path, url: str) -> BinaryIO:
         if self.allowed_dir is None:
             raise ImageError(f"{_shown(url)}: this server reads no image files (start it with "
                              "--allowed-image-dir DIR to allow those under DIR)", "invalid_image_url")
-        outside = ImageError(f"{_shown(url)}: not under the directory this server reads images from "
+        outside = ImageError(f"{_shown(url)}: not under the directory images are read from "
                              "(--allowed-image-dir)", "invalid_image_url")
         if not path.is_absolute() or not path.resolve().is_relative_to(self.allowed_dir):
             raise outside
