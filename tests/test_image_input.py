@@ -217,6 +217,10 @@ def test_modes_convert_as_the_release_converts_them():
     assert upright.size == (24, 40)
     still = intake.load(data_url(encoded(Image.new("RGB", (5, 3), (0, 0, 255)), "GIF"), "image/gif"))
     assert still.size == (5, 3)
+    # A camera's JPEG with a second picture (MPO) is its first picture, not an animation.
+    photo = encoded(Image.new("RGB", (8, 6), (200, 0, 0)), "MPO", save_all=True,
+                    append_images=[Image.new("RGB", (4, 4), (0, 0, 200))])
+    assert intake.load(data_url(photo, "image/jpeg")).size == (8, 6)
 
 
 # --------------------------------------------------------------------------- where images come from

@@ -166,7 +166,9 @@ def decode_image(source: BinaryIO, max_pixels: int) -> Image.Image:
         raise ImageError(f"the image is {width} x {height} = {width * height:,} pixels, {too_large}",
                          "image_too_large")
     try:
-        animated = getattr(image, "is_animated", False)
+        # A JPEG with more pictures (MPO: cameras add previews, depth or stereo views) is a still
+        # photo: its first picture is the photo.
+        animated = image.format != "MPO" and getattr(image, "is_animated", False)
     except Exception:
         raise unreadable from None
     if animated:
