@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import dsv4c
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine, RequestFailed
+from dsv4c.runtime.request import ImageSpan
 from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
 from dsv4c.runtime.serve.chat import ChatOptions, ChatPrompt, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
@@ -151,7 +152,8 @@ class Server:
             raise bad_request(str(e)) from None
 
     async def _open(self, endpoint: Endpoint, prompts: list[list[int]], opts: GenerationOptions,
-                    echo_texts: list[str] | None, chat: ChatOptions | None, images: tuple = ()) -> list[Choice]:
+                    echo_texts: list[str] | None, chat: ChatOptions | None,
+                    images: tuple[ImageSpan, ...] = ()) -> list[Choice]:
         """One generation per prompt and choice, all accepted by the engine, or none and the error.
         A chat choice has its own output parser and its own constraint (both keep state). A request
         that could never be admitted is a 400 before it takes a place: a 503 would have its client
@@ -202,7 +204,7 @@ class Server:
 
     async def generate(self, request: Request, endpoint: Endpoint, prompts: list[list[int]],
                        opts: GenerationOptions, echo_texts: list[str] | None = None,
-                       chat: ChatOptions | None = None, images: tuple = ()) -> Response:
+                       chat: ChatOptions | None = None, images: tuple[ImageSpan, ...] = ()) -> Response:
         """Run every prompt ``opts.n`` times and answer with all the choices (streamed or not);
         ``echo_texts``: each prompt's text, put before its output; ``chat``: a chat request's
         conversation options (its output parsing and constrained decoding); ``images``: the
