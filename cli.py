@@ -276,6 +276,25 @@ def _distributed_args(p: argparse.ArgumentParser) -> None:
                         "an error (default 60)")
 
 
+def _image_args(p: argparse.ArgumentParser, files: str) -> None:
+    from dsv4c.runtime.vision.intake import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
+
+    p.add_argument("--allowed-image-dir", metavar="DIR", help=f"image files (file:// URLs) are read only from under "
+                   f"DIR, symlinks resolved (default: {files})")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                   help=f"images with more pixels are refused, from their header "
+                        f"(default {DEFAULT_MAX_IMAGE_PIXELS:,})")
+    p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
+                   help=f"requests with more images are refused (default {DEFAULT_MAX_IMAGES})")
+
+
+def _image_intake(args, relative_to: Path | None = None, allowed_dir: Path | None = None):
+    from dsv4c.runtime.vision.intake import ImageIntake
+
+    return ImageIntake(args.max_image_pixels, args.max_images_per_request,
+                       args.allowed_image_dir or allowed_dir, relative_to)
+
+
 def _engine_ranks(args) -> dict:
     return {"tensor_parallel": args.tensor_parallel, "distributed_timeout": args.distributed_timeout}
 
@@ -283,21 +302,26 @@ def _engine_ranks(args) -> dict:
 def _cmd_generate(args) -> int:
     import numpy as np
 
+    from dsv4c.artifact.manifest import read_manifest
     from dsv4c.errors import UsageError
     from dsv4c.runtime.engine import Engine
     from dsv4c.runtime.sampling import SamplingParams
+    from dsv4c.runtime.serve.chat import count_image_parts, messages_prompt, read_messages
 
     if args.greedy and (args.temperature is not None or args.top_p is not None):
         raise UsageError("--greedy cannot be combined with --temperature / --top-p")
     temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
     if temperature == 0 and args.top_p is not None:
         raise UsageError("--top-p needs --temperature > 0")
-    # Size the pool for this request: a text prompt has at most one token per character (+ specials).
-    messages = _read_messages(args.messages) if args.messages is not None else None
+    # Size the pool for this request: a text prompt has at most one token per character (+ specials),
+    # an image at most its span's positions.
+    messages = read_messages(args.messages) if args.messages is not None else None
     if args.thinking and messages is None:
         raise UsageError("--thinking goes with --messages")
     text_prompt = args.prompt if messages is None else json.dumps(messages)
     prompt_bound = len(args.token_ids) if args.token_ids is not None else len(text_prompt) + 1024
+    if messages is not None and (images := count_image_parts(messages)):
+        prompt_bound += images * (read_manifest(args.artifact).vision or {}).get("max_image_tokens", 0)
     if args.stats and args.speculative is None:
         raise UsageError("--stats reports speculative decoding; add --speculative mtp (or dspark)")
     engine = Engine(args.artifact, prefill_chunk=args.prefill_chunk,
@@ -305,8 +329,11 @@ def _cmd_generate(args) -> int:
                     **_speculative_kwargs(args), weights=args.weights, engram_memory=args.engram_memory,
                     profile=args.profile, kv_cache_memory=args.kv_cache_memory,
                     prefix_caching=args.prefix_caching, **_engine_ranks(args))
+    images = ()
     if messages is not None:
-        prompt = _chat_prompt(engine, messages, args.thinking)
+        intake = _image_intake(args, relative_to=Path(args.messages).parent, allowed_dir=Path("/"))
+        chat_prompt = messages_prompt(engine, messages, args.thinking, intake)
+        prompt, images = chat_prompt.token_ids, chat_prompt.images
     else:
         prompt = args.token_ids if args.token_ids is not None else engine.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
@@ -322,7 +349,8 @@ def _cmd_generate(args) -> int:
             sys.stdout.write(engine.decode(streamed)[len(before):])
             sys.stdout.flush()
 
-    result = engine.generate(prompt, params, on_token=on_token, record_logits=args.logits_out is not None)
+    result = engine.generate(prompt, params, on_token=on_token, record_logits=args.logits_out is not None,
+                             images=images)
     if args.token_ids is None:
         sys.stdout.write("\n")
     else:
@@ -342,37 +370,6 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _read_messages(path: str) -> list[dict]:
-    from dsv4c.errors import UsageError
-
-    try:
-        messages = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--messages {path}: {e}") from None
-    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                            for m in messages)):
-        raise UsageError(f"--messages {path}: not a JSON list of messages with a 'role' each")
-    return messages
-
-
-def _chat_prompt(engine, messages: list[dict], thinking: bool) -> list[int]:
-    """The prompt `dsv4c serve` makes of a chat request with these messages."""
-    from dsv4c.errors import UsageError
-    from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol
-    from dsv4c.runtime.serve.protocol import APIError, chat_request
-    from dsv4c.runtime.serve.text import ChatTemplate
-
-    if engine.tokenizer is None:
-        raise UsageError(f"{engine.path} has no tokenizer.json; --messages needs one")
-    chat = ChatProtocol.of(engine, ChatTemplate.from_artifact(engine.path))
-    try:
-        checked, _ = chat_request({"messages": messages})
-        text = chat.prompt_text(checked, ChatOptions(template_kwargs={"thinking": thinking}))
-    except APIError as e:
-        raise UsageError(f"--messages: {e.message}") from None
-    return engine.tokenizer.encode(text, add_special_tokens=False).ids
-
-
 def _cmd_serve(args) -> int:
     from dsv4c.runtime.serve.app import RequestLimits, serve
 
@@ -384,7 +381,7 @@ def _cmd_serve(args) -> int:
                  prefix_caching=args.prefix_caching, **_engine_ranks(args),
                  limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
                                                                          ("body_timeout", args.request_body_timeout)]
-                                         if value is not None}))
+                                         if value is not None}), images=_image_intake(args))
 
 
 def _cmd_verify(args) -> int:
@@ -460,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--token-ids", type=_token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--messages", metavar="FILE.json",
                      help="a conversation (a JSON list of OpenAI chat messages) encoded as `dsv4c serve` encodes "
-                          "chat requests: the artifact's chat template, else DeepSeek-V4's encoding")
+                          "chat requests: the artifact's chat template, else DeepSeek-V4's encoding; image parts' "
+                          "URLs may be paths relative to FILE")
     p.add_argument("--thinking", action="store_true", help="with --messages: V4's thinking mode")
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
@@ -482,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="time the compiled step's kernels by op family and print them on stderr beside the cost "
                         "model's prediction at this machine's measured bandwidth and matmul rate")
+    _image_args(p, "any file, paths relative to the --messages file")
     p.set_defaults(run=_cmd_generate)
 
     p = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API")
@@ -505,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt)")
     p.add_argument("--request-body-timeout", type=float,
                    help="seconds a request body gets to arrive in full; slower ones get 408 (default 30)")
+    _image_args(p, "none: images come as data: URLs")
     _speculative_args(p)
     _pool_args(p)
     _weights_arg(p)

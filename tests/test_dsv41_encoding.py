@@ -185,7 +185,7 @@ def _chat(model_type):
 
     from dsv4c.runtime.serve.chat import ChatProtocol
 
-    engine = SimpleNamespace(path="/nowhere", manifest=SimpleNamespace(model={"model_type": model_type}),
+    engine = SimpleNamespace(path="/nowhere", manifest=SimpleNamespace(model={"model_type": model_type}, vision=None),
                              config=SimpleNamespace(vocab_size=16, eos_token_ids=[1]), tokenizer=None)
     return ChatProtocol.of(engine, None)
 

@@ -24,8 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import dsv4c
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine, RequestFailed
+from dsv4c.runtime.request import ImageSpan
 from dsv4c.runtime.sampling import LogitsProcessor, SamplingParams
-from dsv4c.runtime.serve.chat import ChatOptions, ChatProtocol, chat_options
+from dsv4c.runtime.serve.chat import ChatOptions, ChatPrompt, ChatProtocol, chat_options
 from dsv4c.runtime.serve.engine_loop import EngineLoop, EngineStopped, Generation, QueueFull, ServerMetrics
 from dsv4c.runtime.serve.openapi import (CHAT_ANSWER, COMPLETION_ANSWER, DETOKENIZE_ANSWER, TOKENIZE_ANSWER, Bounds,
                                          request_body, require_api_key, responses)
@@ -36,11 +37,13 @@ from dsv4c.runtime.serve.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
 from dsv4c.runtime.serve.transport import (CountResponses, EventStream, HTTPServer, RequestLimits, client_gone,
                                            listen, read_body, sse)
+from dsv4c.runtime.vision.intake import ImageIntake
 
 Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
 T = TypeVar("T")
 # Bodies larger than this are parsed on a worker thread: parsing 1 MB of JSON (and checking its
-# token ids) takes tens of milliseconds, which would stall every stream on the event loop.
+# token ids) takes tens of milliseconds, which would stall every stream on the event loop. So are
+# bodies with images, however small: a file's image is decoded and resized while it is parsed.
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
@@ -82,8 +85,8 @@ class Server:
 
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int,
                  served_model_name: str | None = None, limits: RequestLimits = RequestLimits(),
-                 on_engine_failure=lambda: None):
-        self.engine, self.limits = engine, limits
+                 on_engine_failure=lambda: None, images: ImageIntake = ImageIntake()):
+        self.engine, self.limits, self.images = engine, limits, images
         self.chat = ChatProtocol.of(engine, chat_template)
         self.model = served_model_name or engine.manifest.model_name
         self.created = int(time.time())
@@ -108,7 +111,7 @@ class Server:
         def check() -> T:
             return parse(self.check_model(parse_json_object(raw)))
 
-        return await asyncio.to_thread(check) if len(raw) > PARSE_ON_LOOP_BYTES else check()
+        return await asyncio.to_thread(check) if len(raw) > PARSE_ON_LOOP_BYTES or b"image_url" in raw else check()
 
     # ------------------------------------------------------------------ prompts and text
     def needs_tokenizer(self, what: str, param: str) -> None:
@@ -121,10 +124,9 @@ class Server:
         self.needs_tokenizer("it takes no text: send 'prompt' as a list of token ids", "prompt")
         return self.engine.encode(prompt)
 
-    def chat_prompt(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> list[int]:
+    def chat_prompt(self, messages: list[dict], options: ChatOptions = ChatOptions()) -> ChatPrompt:
         self.needs_tokenizer("it cannot chat: use /v1/completions with token ids", "messages")
-        # The template (or V4's encoding) writes the special tokens (BOS, role markers) itself.
-        return self.engine.tokenizer.encode(self.chat.prompt_text(messages, options), add_special_tokens=False).ids
+        return self.chat.prompt(messages, options, self.images)
 
     def checked_ids(self, ids: list[int], name: str) -> list[int]:
         """Token ids from a request, each in this model's vocabulary (or a 400 naming the first that is not)."""
@@ -150,7 +152,8 @@ class Server:
             raise bad_request(str(e)) from None
 
     async def _open(self, endpoint: Endpoint, prompts: list[list[int]], opts: GenerationOptions,
-                    echo_texts: list[str] | None, chat: ChatOptions | None) -> list[Choice]:
+                    echo_texts: list[str] | None, chat: ChatOptions | None,
+                    images: tuple[ImageSpan, ...] = ()) -> list[Choice]:
         """One generation per prompt and choice, all accepted by the engine, or none and the error.
         A chat choice has its own output parser and its own constraint (both keep state). A request
         that could never be admitted is a 400 before it takes a place: a 503 would have its client
@@ -178,10 +181,10 @@ class Server:
                         decode = self.chat.decode_output if self.chat.v4 else decode
                     params = self._params(opts, prompt, _choice_seed(seed, index), constraint)
                     if j == 0:  # what the engine would refuse (a prompt's choices differ only in their seeds)
-                        self.engine.check(prompt, params)
+                        self.engine.check(prompt, params, images=images)
                     planned.append((i, index, prompt, params, endpoint, decode))
             for i, index, prompt, params, endpoint, decode in planned:
-                gen = self.loop.open(prompt, params)
+                gen = self.loop.open(prompt, params, images)
                 text = TextAssembler(decode, opts.stop) if self.engine.tokenizer else None
                 choices.append(Choice(index, prompt, gen, text, echo_texts[i] if echo_texts else None, endpoint))
             for c in choices:
@@ -201,11 +204,12 @@ class Server:
 
     async def generate(self, request: Request, endpoint: Endpoint, prompts: list[list[int]],
                        opts: GenerationOptions, echo_texts: list[str] | None = None,
-                       chat: ChatOptions | None = None) -> Response:
+                       chat: ChatOptions | None = None, images: tuple[ImageSpan, ...] = ()) -> Response:
         """Run every prompt ``opts.n`` times and answer with all the choices (streamed or not);
         ``echo_texts``: each prompt's text, put before its output; ``chat``: a chat request's
-        conversation options (its output parsing and constrained decoding)."""
-        choices = await self._open(endpoint, prompts, opts, echo_texts, chat)
+        conversation options (its output parsing and constrained decoding); ``images``: the
+        prompts' image spans (a chat request's one prompt)."""
+        choices = await self._open(endpoint, prompts, opts, echo_texts, chat, images)
         head = {"id": f"{endpoint.id_prefix}{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model}
         prompt_tokens = sum(map(len, prompts))
 
@@ -340,7 +344,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     # /openapi.json and /docs (Swagger UI) describe every endpoint, open to all (as vLLM's).
     app = FastAPI(title="dsv4c", version=dsv4c.__version__, lifespan=lifespan, redoc_url=None)
-    bounds = Bounds(server.engine.config.vocab_size, server.engine.max_context, server.loop.capacity)
+    bounds = Bounds(server.engine.config.vocab_size, server.engine.max_context, server.loop.capacity,
+                    server.chat.takes_images)
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
@@ -406,11 +411,12 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
              responses=responses(CHAT_ANSWER, streams=True))
     async def chat_completions(request: Request):
         def prepare(body: dict):
-            (messages, opts), options = chat_request(body), chat_options(body)
+            (messages, opts), options = chat_request(body, server.chat.takes_images), chat_options(body)
             return server.chat_prompt(messages, options), opts, options
 
         prompt, opts, options = await server.parse(request, prepare)
-        return await server.generate(request, ChatCompletions, [prompt], opts, chat=options)
+        return await server.generate(request, ChatCompletions, [prompt.token_ids], opts, chat=options,
+                                     images=prompt.images)
 
     # vLLM's tokenizer endpoints (outside /v1, as there), behind the same key.
     tokens = APIRouter(dependencies=[Depends(check_api_key)])
@@ -420,9 +426,9 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
                  responses=responses(TOKENIZE_ANSWER))
     async def tokenize(request: Request):
         def prepare(body: dict) -> list[int]:
-            asked = tokenize_request(body)
-            if asked.messages is not None:
-                return server.chat_prompt(asked.messages, chat_options(body))
+            asked = tokenize_request(body, server.chat.takes_images)
+            if asked.messages is not None:  # each image counts the positions of its span
+                return server.chat_prompt(asked.messages, chat_options(body)).token_ids
             if isinstance(asked.prompt, str):
                 server.needs_tokenizer("it takes no text", "prompt")
                 return server.engine.tokenizer.encode(asked.prompt, add_special_tokens=asked.add_special_tokens).ids
@@ -468,13 +474,15 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           weights: str = "auto", served_model_name: str | None = None,
           limits: RequestLimits = RequestLimits(), kv_cache_memory: int | None = None,
           prefix_caching: bool = True, tensor_parallel: int | None = None,
-          distributed_timeout: float | None = None, draft_confidence: float = 0.0, engram_memory: str = "map") -> int:
+          distributed_timeout: float | None = None, draft_confidence: float = 0.0, engram_memory: str = "map",
+          images: ImageIntake = ImageIntake()) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
     fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
     ``speculative="mtp"`` (``"dspark"``): every request decodes speculatively with the model's MTP
     layer (DSpark drafter; ``Engine``); ``engram_memory`` as ``Engine``'s. ``served_model_name``: the
-    name requests must give as ``model`` (default: the artifact's model name)."""
+    name requests must give as ``model`` (default: the artifact's model name). ``images``: where
+    chat images may come from and their limits (a model with a vision tower)."""
     if max_requests < 1 or max_context < 1 or max_waiting < 0 or shutdown_timeout < 0:
         raise UsageError("--max-requests and --max-context must be positive, --max-waiting and "
                          "--shutdown-timeout >= 0")
@@ -490,7 +498,7 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
         http.should_exit = True
 
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name, limits,
-                    on_engine_failure=engine_failed)
+                    on_engine_failure=engine_failed, images=images)
     sock = listen(host, port)
     # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
     # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed

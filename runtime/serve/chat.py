@@ -3,6 +3,10 @@ Jinja template when it has one, else the DeepSeek V4 family's own encoding: V4's
 the artifact's ``model_type``), its tool and structured-output options, and how the answer is
 shaped (reasoning, content and tool calls parsed from the model's output).
 
+A V4.1 model with a vision tower takes images too (docs/vision_serving.md): each image part of
+a message becomes the encoding's ``<｜deepseek_image｜>``, expanded to the positions of the
+image's span, whose pixels go with the prompt to the engine.
+
 Options beyond OpenAI's: ``chat_template_kwargs`` (``{"thinking": true}`` turns thinking mode
 on, as in vLLM; with a Jinja template, they are the template's variables),
 ``add_generation_prompt`` (default true) and ``reasoning_effort`` (V4: ``high`` or ``max``;
@@ -10,6 +14,7 @@ V4.1: ``low``, ``high``, ``xhigh``, ``max`` or an integer budget in [1, 100]).""
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -17,12 +22,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dsv4c.artifact.file_names import TOKENIZER
+from dsv4c.artifact.vision import VisionGeometry
+from dsv4c.errors import UsageError
+from dsv4c.runtime.request import ImageSpan
 from dsv4c.runtime.serve import dsv4_encoding, dsv41_encoding
 from dsv4c.runtime.serve.chat_output import ChatOutputParser, ToolCall
 from dsv4c.runtime.serve.constrained import GrammarTokenizer, response_format_grammar, tool_call_grammar
 from dsv4c.runtime.serve.dsml import THINK_END, THINK_START, V4_DSML, V41_DSML, Dsml
-from dsv4c.runtime.serve.protocol import ChatCompletions, bad_request
+from dsv4c.runtime.serve.protocol import APIError, ChatCompletions, bad_request, chat_request, image_urls
 from dsv4c.runtime.serve.text import ChatTemplate
+from dsv4c.runtime.vision.intake import ImageError, ImageIntake
+from dsv4c.runtime.vision.processor import expand_image_placeholders, preprocess
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; it also keeps names safe inside DSML
 V4_TEMPLATE_KWARGS = {"thinking"}
@@ -36,11 +46,20 @@ class DeepSeekEncoding:
     name: str
     encode_chat: Callable[..., str]
     dsml: Dsml
+    images: bool = False  # whether it writes a placeholder for each image part
 
 
 ENCODINGS = {"deepseek_v4": DeepSeekEncoding("V4", dsv4_encoding.encode_chat, V4_DSML),
-             "deepseek_v41": DeepSeekEncoding("V4.1", dsv41_encoding.encode_chat, V41_DSML)}
+             "deepseek_v41": DeepSeekEncoding("V4.1", dsv41_encoding.encode_chat, V41_DSML, images=True)}
 ENCODINGS["deepseek_v41_text"] = ENCODINGS["deepseek_v41"]  # how an artifact's manifest spells V4.1's text model
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat request runs: its prompt tokens (each image's span expanded) and its images."""
+
+    token_ids: list[int]
+    images: tuple[ImageSpan, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,10 +175,12 @@ class ChatProtocol:
     """One server's chat: its Jinja template or its V4-family encoding, and its grammar tokenizer."""
 
     def __init__(self, artifact: Path, template: ChatTemplate | None, model_type: str, vocab_size: int,
-                 eos: tuple[int, ...], tokenizer=None):
+                 eos: tuple[int, ...], tokenizer=None, vision: VisionGeometry | None = None):
         self.template, self.tokenizer = template, tokenizer
         # A template, when the model ships one, wins; V4 and V4.1 checkpoints ship none.
         self.encoding = ENCODINGS.get(model_type) if template is None else None
+        # Images need a vision tower and an encoding that places them.
+        self.vision = vision if self.encoding is not None and self.encoding.images else None
         path = Path(artifact) / TOKENIZER
         self.grammar = GrammarTokenizer(path, vocab_size, eos) if tokenizer is not None else None
         self.unshown = set(eos) | (self._unmarked_specials() if self.v4 and tokenizer is not None else set())
@@ -177,7 +198,12 @@ class ChatProtocol:
     def of(cls, engine, template: ChatTemplate | None) -> "ChatProtocol":
         """The chat of an :class:`~dsv4c.runtime.engine.Engine`'s artifact."""
         return cls(engine.path, template, engine.manifest.model.get("model_type"), engine.config.vocab_size,
-                   tuple(engine.config.eos_token_ids), engine.tokenizer)
+                   tuple(engine.config.eos_token_ids), engine.tokenizer,
+                   VisionGeometry.from_manifest(engine.manifest.vision) if engine.manifest.vision else None)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
 
     @property
     def v4(self) -> bool:
@@ -187,7 +213,9 @@ class ChatProtocol:
     @property
     def summary(self) -> str:
         """For the server's banner."""
-        return ", chat (template)" if self.template else f", chat ({self.encoding.name} encoding)" if self.v4 else ""
+        if not self.v4:
+            return ", chat (template)" if self.template else ""
+        return f", chat ({self.encoding.name} encoding{', images' if self.takes_images else ''})"
 
     def decode_output(self, ids: list[int]) -> str:
         """Generated text as the V4-family output parser reads it: the special tokens of its markers
@@ -211,6 +239,35 @@ class ChatProtocol:
         return self.encoding.encode_chat(messages, tools=tools, response_format=options.response_format,
                                          thinking=options.thinking, reasoning_effort=options.reasoning_effort,
                                          add_generation_prompt=options.add_generation_prompt)
+
+    def prompt(self, messages: list[dict], options: ChatOptions, intake: ImageIntake) -> ChatPrompt:
+        """The prompt of checked ``messages`` (the model must have a tokenizer) with its images,
+        each read as ``intake`` allows, decoded and processed: what chat completions, /tokenize and
+        ``dsv4c generate --messages`` run. A bad image is a 400 naming its part."""
+        urls = image_urls(messages)
+        try:
+            intake.check_count(len(urls))
+        except ImageError as e:
+            raise bad_request(str(e), "messages", e.code) from None
+        # The template (or the V4-family encoding) writes the special tokens (BOS, role markers) itself.
+        text = self.prompt_text(messages, options)
+        if not urls:
+            return ChatPrompt(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        # Each image's placeholder (typed ones are escaped: these are the image parts') is the image
+        # token, as the release's tokenizer splits the text at that special token; the text between
+        # is tokenized as it would be there, whichever tokens a tokenizer has.
+        pieces = [self.tokenizer.encode(piece, add_special_tokens=False).ids
+                  for piece in text.split(dsv41_encoding.IMAGE_PLACEHOLDER)]
+        ids = pieces[0] + [t for piece in pieces[1:] for t in (self.vision.image_token_id, *piece)]
+        processed = []
+        for where, url in urls:
+            try:
+                processed.append(preprocess(intake.load(url), self.vision))
+            except ImageError as e:
+                raise bad_request(f"{where}: {e}", "messages", e.code) from None
+        ids, starts = expand_image_placeholders(ids, processed, self.vision.image_token_id)
+        return ChatPrompt(ids, tuple(ImageSpan(start, p.pixels, p.token_count, p.digest)
+                                     for start, p in zip(starts, processed)))
 
     def constraint(self, options: ChatOptions):
         """The request's logits processor, or None when nothing constrains its answer."""
@@ -238,6 +295,37 @@ class ChatProtocol:
             return ChatCompletions
         return V4ChatCompletions(options.thinking, options.tool_choice != "none", self.encoding.dsml,
                                  stream_calls=options.forced)
+
+
+def read_messages(path: str | Path) -> list[dict]:
+    """``dsv4c generate --messages FILE``: a JSON list of OpenAI chat messages."""
+    try:
+        messages = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--messages {path}: {e}") from None
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                            for m in messages)):
+        raise UsageError(f"--messages {path}: not a JSON list of messages with a 'role' each")
+    return messages
+
+
+def count_image_parts(messages: list[dict]) -> int:
+    """The image parts of unchecked ``messages`` (what a prompt must make room for)."""
+    return sum(isinstance(part, dict) and part.get("type") == "image_url" for m in messages
+               if isinstance(m.get("content"), list) for part in m["content"])
+
+
+def messages_prompt(engine, messages: list[dict], thinking: bool, intake: ImageIntake) -> ChatPrompt:
+    """The prompt ``dsv4c serve`` makes of a chat request with these messages and its images,
+    by the same path (``dsv4c generate --messages``)."""
+    if engine.tokenizer is None:
+        raise UsageError(f"{engine.path} has no tokenizer.json; --messages needs one")
+    chat = ChatProtocol.of(engine, ChatTemplate.from_artifact(engine.path))
+    try:
+        checked, _ = chat_request({"messages": messages}, chat.takes_images)
+        return chat.prompt(checked, ChatOptions(template_kwargs={"thinking": thinking}), intake)
+    except APIError as e:
+        raise UsageError(f"--messages: {e.message}") from None
 
 
 class V4ChatCompletions(ChatCompletions):

@@ -13,7 +13,8 @@
   ``high`` (50, the default), ``xhigh`` (75) or ``max`` (100).
 * A message's content may be a list of parts, joined by a blank line; an image part
   (``image_url`` or ``image``) is the placeholder ``<｜deepseek_image｜>``, where the vision
-  encoder's rows go (``dsv4c serve`` refuses image parts with a 400 until it runs vision).
+  encoder's rows go (``dsv4c serve`` takes ``image_url`` parts for an artifact with a vision
+  tower and expands each placeholder to the image's span: docs/vision_serving.md).
 
 A placeholder typed in the request's text is text, never an image. The tokenizer turns an
 added token's spelling into that token wherever it occurs in the prompt text, so text that

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from dsv4c.errors import UsageError
 from dsv4c.runtime.engine import Engine, RequestFailed
 from dsv4c.runtime.kv_pool import KVPool
+from dsv4c.runtime.request import ImageSpan
 from dsv4c.runtime.sampling import SamplingParams, TokenLogprob
 
 
@@ -98,8 +99,9 @@ class Update:
 class Generation:
     """One request, shared by its HTTP handler (event loop) and the engine thread."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
-        self.prompt, self.params = prompt, params
+    def __init__(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 images: tuple[ImageSpan, ...] = ()):
+        self.prompt, self.params, self.images = prompt, params, images
         self.arrival = time.perf_counter()
         self.submitted = loop.create_future()  # None once in the engine, or the UsageError that refused it
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
@@ -151,13 +153,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def open(self, prompt: list[int], params: SamplingParams) -> Generation:
+    def open(self, prompt: list[int], params: SamplingParams, images: tuple[ImageSpan, ...] = ()) -> Generation:
         if not self.alive:
             raise EngineStopped(f"the engine is not running ({self.failure!r})" if self.failure
                                 else "the server is shutting down")
         if self.open_count >= self.capacity:
             raise QueueFull(f"{self.open_count} requests are running or waiting, the most this server queues")
-        gen = Generation(prompt, params, self._event_loop)
+        gen = Generation(prompt, params, self._event_loop, images)
         self.open_count += 1
         self._post("submit", gen)
         return gen
@@ -228,7 +230,7 @@ class EngineLoop:
                     self._fresh.pop(gen, None)
             elif not gen.closed:
                 try:
-                    gen.rid = self.engine.submit(gen.prompt, gen.params, on_token=self._on_token)
+                    gen.rid = self.engine.submit(gen.prompt, gen.params, on_token=self._on_token, images=gen.images)
                 except UsageError as e:
                     self._event_loop.call_soon_threadsafe(self._resolve, gen.submitted, e)
                     continue

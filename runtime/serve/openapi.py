@@ -1,6 +1,7 @@
 """``/openapi.json`` (and ``/docs``): each endpoint's request body from the field specs the request
 parsers check with (:mod:`.protocol`'s, and :data:`.chat.CHAT_OPTIONS_SCHEMA`), bounded by the
-served model (its vocabulary, ``--max-context``, the places of ``--max-requests`` + ``--max-waiting``),
+served model (its vocabulary, ``--max-context``, the places of ``--max-requests`` + ``--max-waiting``,
+image parts when it has a vision tower),
 and the shapes of its answers and of OpenAI's errors."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4c.runtime.serve.chat import CHAT_OPTIONS_SCHEMA
-from dsv4c.runtime.serve.protocol import LABELS, MAX_CHOICES, NEUTRAL, TOKEN_ID, Spec
+from dsv4c.runtime.serve.protocol import LABELS, MAX_CHOICES, NEUTRAL, TOKEN_ID, Spec, messages_schema
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Bounds:
     vocab_size: int
     max_context: int
     places: int  # running + waiting: the most choices a request may have
+    vision: bool = False  # whether chat messages may hold image parts
 
 
 def _bounded(schema: Any, bounds: Bounds) -> Any:
@@ -44,6 +46,8 @@ def request_body(fields: dict[str, Spec], required: list[str], bounds: Bounds, c
     if chat_options:
         properties |= CHAT_OPTIONS_SCHEMA
     properties |= {name: _bounded({**spec.schema, **limits.get(name, {})}, bounds) for name, spec in fields.items()}
+    if "messages" in fields:
+        properties["messages"] = messages_schema(bounds.vision)
     nullable = {name: {"anyOf": [schema, {"type": "null"}]} if name not in (*required, *one_of) else schema
                 for name, schema in properties.items()}
     schema = {"type": "object", "required": required, "properties": nullable, "additionalProperties": False}

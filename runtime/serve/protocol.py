@@ -163,15 +163,29 @@ COMMON = {
 PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, TOKEN_IDS.schema,
                            {"type": "array", "minItems": 1, "items": {"type": "string"}},
                            {"type": "array", "minItems": 1, "items": {**TOKEN_IDS.schema, "minItems": 1}}]}
-MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["role"], "properties": {
+IMAGE_DETAILS = ("auto", "low", "high")  # accepted and ignored: the model's processor decides the resolution
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+IMAGE_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
+    "type": {"const": "image_url"},
+    "image_url": {"type": "object", "required": ["url"], "properties": {
+        "url": {"type": "string", "description": "data:image/...;base64,... or a file:// URL under the server's "
+                                                 "--allowed-image-dir; the server fetches no http(s) URL"},
+        "detail": {"enum": [*IMAGE_DETAILS, None], "description": "accepted and ignored"}},
+        "additionalProperties": False}}}
+
+
+def messages_schema(vision: bool) -> dict[str, Any]:
+    """``messages`` as /openapi.json shows it: with image parts for a ``vision`` model."""
+    part = {"anyOf": [TEXT_PART, IMAGE_PART]} if vision else TEXT_PART
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}}
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": part}]}}}}
+
+
 # The fields of each endpoint (beyond NEUTRAL and LABELS; chat's conversation options: runtime.serve.chat).
 COMPLETION = {**COMMON, "prompt": Spec(None, "", PROMPT_SCHEMA), "logprobs": LOGPROBS_COUNT, "echo": BOOL}
-CHAT = {**COMMON, "messages": Spec(None, "", MESSAGES_SCHEMA), "max_completion_tokens": COUNT,
+CHAT = {**COMMON, "messages": Spec(None, "", messages_schema(False)), "max_completion_tokens": COUNT,
         "logprobs": BOOL, "top_logprobs": LOGPROBS_COUNT}
 TOKENIZE = {**COMMON, "prompt": Spec(None, "", {"anyOf": PROMPT_SCHEMA["anyOf"][:2]}),
             "messages": CHAT["messages"], "add_special_tokens": BOOL}
@@ -244,26 +258,42 @@ def completion_request(body: dict) -> tuple[list[str | list[int]], GenerationOpt
     return prompts, opts
 
 
-def _message_text(content, i: int, joiner: str) -> str:
+def _image_url(part: dict, where: str) -> str:
+    """The URL of an image part, checked for OpenAI's shape."""
+    image = part.get("image_url")
+    if not (isinstance(image, dict) and isinstance(image.get("url"), str)
+            and set(image) <= {"url", "detail"} and image.get("detail") in (*IMAGE_DETAILS, None)):
+        raise bad_request(f"{where}: an image part is {{\"type\": \"image_url\", \"image_url\": {{\"url\": URL}}}} "
+                          f"(and \"detail\": one of {', '.join(IMAGE_DETAILS)}), got {_show(part)}", "messages")
+    return image["url"]
+
+
+def _message_text(content, i: int, joiner: str, vision: bool) -> str:
+    """A message's text: its text parts joined (image parts, which a vision model takes, left out)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
+            if vision and part.get("type") == "image_url":
+                _image_url(part, f"messages[{i}].content[{j}]")
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                  "are supported", "messages")
+                kinds = ('text parts ({"type": "text", "text": ...}) and images ({"type": "image_url", ...})' if vision
+                         else 'this model has no vision tower, so only text parts ({"type": "text", "text": ...})')
+                raise bad_request(f"messages[{i}].content: {kinds} are supported", "messages")
             parts.append(part["text"])
         return joiner.join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts, got {_show(content)}",
                       "messages")
 
 
-def chat_messages(body: dict) -> list[dict[str, Any]]:
+def chat_messages(body: dict, vision: bool = False) -> list[dict[str, Any]]:
     """The request's ``messages``, each with its content as plain text (a list of parts also kept
-    as ``content_parts``: DeepSeek-V4.1's encoding joins them its own way)."""
+    as ``content_parts``: DeepSeek-V4.1's encoding joins them its own way, images included).
+    ``vision``: whether the model takes image parts (else they are refused)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request(f"'messages' must be a non-empty list of messages, got {_show(messages)}", "messages")
@@ -275,14 +305,23 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
         # joins them; other messages' parts run on as written.
         joiner = "\n\n" if m["role"] == "tool" else ""
         parts = {"content_parts": m["content"]} if isinstance(m.get("content"), list) else {}
-        rendered.append({**m, "content": _message_text(m.get("content"), i, joiner), **parts})
+        rendered.append({**m, "content": _message_text(m.get("content"), i, joiner, vision), **parts})
     return rendered
 
 
-def chat_request(body: dict) -> tuple[list[dict[str, Any]], GenerationOptions]:
-    """``POST /v1/chat/completions``: the messages (content as plain text) and the options."""
+def image_urls(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The image parts of checked ``messages`` (:func:`chat_messages`), in prompt order: where
+    each is (``messages[i].content[j]``) and its URL."""
+    return [(f"messages[{i}].content[{j}]", part["image_url"]["url"])
+            for i, m in enumerate(messages) for j, part in enumerate(m.get("content_parts", ()))
+            if part.get("type") == "image_url"]
+
+
+def chat_request(body: dict, vision: bool = False) -> tuple[list[dict[str, Any]], GenerationOptions]:
+    """``POST /v1/chat/completions``: the messages (content as plain text; image parts for a
+    ``vision`` model) and the options."""
     _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL}, CHAT)
-    rendered = chat_messages(body)
+    rendered = chat_messages(body, vision)
     max_tokens = _field(body, "max_completion_tokens", COUNT, _field(body, "max_tokens", COUNT))
     logprobs = _field(body, "logprobs", BOOL, False)
     top = _field(body, "top_logprobs", LOGPROBS_COUNT)
@@ -298,7 +337,7 @@ class TokenizeRequest:
     add_special_tokens: bool  # for a text prompt: BOS and the like, as completions add them
 
 
-def tokenize_request(body: dict) -> TokenizeRequest:
+def tokenize_request(body: dict, vision: bool = False) -> TokenizeRequest:
     """``POST /tokenize`` (vLLM's): a ``prompt`` (text or token ids) or chat ``messages``, one of them."""
     # With messages, the conversation options (tools, chat_template_kwargs, ...) shape the prompt.
     _check_options({k: v for k, v in body.items() if k not in CHAT_PROTOCOL or "messages" not in body},
@@ -307,7 +346,7 @@ def tokenize_request(body: dict) -> TokenizeRequest:
         raise bad_request("give either 'prompt' (text or token ids) or 'messages'", "prompt", "missing_field")
     special = _field(body, "add_special_tokens", BOOL, True)
     if "messages" in body:
-        return TokenizeRequest(None, chat_messages(body), special)
+        return TokenizeRequest(None, chat_messages(body, vision), special)
     prompt = body["prompt"]
     if not (isinstance(prompt, str) or _is_token_ids(prompt)):
         raise bad_request(f"'prompt' must be a string or a list of token ids, got {_show(prompt)}", "prompt")
