@@ -13,8 +13,8 @@ saw them, the accounting.
 
 Then (``--standard-seconds``, default 60) the same concurrency for a minute measured by
 guidellm (a standard LLM load tool: its figures compare with other servers'), if its command is
-found (``--guidellm``, default ``guidellm`` on PATH), with the artifact's tokenizer as its
-processor.
+found (``--guidellm``, default ``guidellm`` on PATH; it pulls in torch, so it may live in a
+virtual environment of its own), offline, with the artifact's tokenizer.
 
     python bench/serve_soak.py [--artifact ART] [--minutes 10] [--clients 16] [--standard-seconds 60]
 
@@ -202,21 +202,42 @@ def soak(args, proc: subprocess.Popen, host: str, port: int, vocab: int) -> None
     print(f"server: {m['dsv4c_generation_tokens_total']:.0f} tokens generated, engine up {m['dsv4c_engine_up']:.0f}")
 
 
-def standard_tool(args, artifact: Path, host: str, port: int) -> None:
-    """guidellm at the soak's concurrency for ``--standard-seconds``, streaming, the artifact's tokenizer."""
+def standard_tool(args, artifact: Path, host: str, port: int, vocab: int) -> None:
+    """guidellm at the soak's concurrency for ``--standard-seconds``: streamed chat completions of
+    48-token prompts (random ids as the artifact's tokenizer writes them) and 32 new tokens, the
+    artifact's tokenizer as guidellm's, nothing from the network."""
+    from tokenizers import Tokenizer
+
     tool = shutil.which(args.guidellm) or (args.guidellm if Path(args.guidellm).is_file() else None)
     if tool is None:
         print(f"guidellm: not found ({args.guidellm}); skipped")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "guidellm.json"
-        cmd = [tool, "benchmark", "--target", f"http://{host}:{port}", "--processor", str(artifact),
-               "--profile", "concurrent", "--rate", str(args.clients), "--max-seconds", str(args.standard_seconds),
-               "--data", "prompt_tokens=48,output_tokens=32", "--output-path", str(out)]
+        tmp = Path(tmp)
+        # transformers reads special tokens as strings: a config that spells one as an object
+        # ({"content": ...}, as the tests' does) gets its content.
+        config = json.loads((artifact / "tokenizer_config.json").read_text())
+        (tmp / "tokenizer").mkdir()
+        shutil.copy(artifact / "tokenizer.json", tmp / "tokenizer")
+        (tmp / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+            {k: v["content"] if isinstance(v, dict) and "content" in v else v for k, v in config.items()
+             if k != "chat_template"}))
+        tok, rng = Tokenizer.from_file(str(artifact / "tokenizer.json")), random.Random(0)
+        with open(tmp / "prompts.jsonl", "w") as f:
+            for _ in range(4000):
+                text = tok.decode([rng.randrange(6, vocab) for _ in range(48)])
+                f.write(json.dumps({"prompt": text, "prompt_tokens_count": 48, "output_tokens_count": 32}) + "\n")
+        backend = {"kind": "openai_http", "target": f"http://{host}:{port}"}
+        cmd = [tool, "run", "--backend", json.dumps(backend), "--profile", f"kind=concurrent,streams={args.clients}",
+               "--constraint", f"kind=max_duration,seconds={args.standard_seconds}",
+               "--tokenizer", f"kind=huggingface_auto,model={tmp / 'tokenizer'}",
+               "--data", f"kind=json_file,path={tmp / 'prompts.jsonl'}", "--disable-progress"]
         print("$ " + " ".join(cmd), flush=True)
-        run = subprocess.run(cmd, capture_output=True, text=True,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-        print("\n".join(run.stdout.splitlines()[-40:]))
+        offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **offline}, cwd=tmp)
+        out = run.stdout
+        print(out[out.find("Request Latency Statistics"):].rstrip() if "Request Latency Statistics" in out
+              else out[-3000:])
         if run.returncode != 0:
             print(f"guidellm failed (status {run.returncode}): {run.stderr.strip().splitlines()[-5:]}")
 
@@ -240,7 +261,7 @@ def main() -> None:
         try:
             soak(args, proc, host, port, vocab)
             if args.standard_seconds > 0:
-                standard_tool(args, args.artifact, host, port)
+                standard_tool(args, args.artifact, host, port, vocab)
         finally:
             proc.send_signal(signal.SIGTERM)
             print(f"server exit status {proc.wait(120)}")

@@ -299,10 +299,13 @@ class Server:
             extra = {"usage": usage_counts} if opts.include_usage else {}
             return sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
 
+        def so_far(generated: int) -> dict | None:  # vLLM's continuous_usage_stats: the usage in every chunk
+            return usage(prompt_tokens, generated) if opts.continuous_usage else None
+
         for c in choices:
             opening = c.endpoint.opening_chunk_choice(c.index)
             if opening is not None:
-                yield chunk([opening])
+                yield chunk([opening], so_far(0))
         pieces: asyncio.Queue[tuple[Choice, Piece | APIError | None]] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
@@ -328,7 +331,7 @@ class Server:
                     logprobs = self._logprobs(endpoint, opts, piece.scored, offsets[c.index])
                     offsets[c.index] += sum(len(self.token_text(t)) for t, _ in piece.scored)
                     yield chunk([c.endpoint.chunk_choice(c.index, piece.text, piece.token_ids, piece.finish,
-                                                         logprobs)])
+                                                         logprobs)], so_far(generated))
         finally:
             for p in pumps:
                 p.cancel()
