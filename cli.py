@@ -521,14 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive-timeout", type=float, metavar="SECONDS",
                    help="an idle kept-alive connection is closed after this long (default 5)")
     p.add_argument("--max-connections", type=int,
-                   help="connections open at once; one more is answered 503 and closed before it is read "
-                        "(default 1000)")
+                   help="connections open at once; one more gets 503 before a byte of it is read (default 1000)")
     p.add_argument("--verify", action="store_true",
                    help="check every artifact file against its sha256 before the engine starts (reads every byte)")
     p.add_argument("--no-background-verify", dest="background_verify", action="store_false",
-                   help="without --verify: skip the check of the weight files' sha256 that runs on a low-priority "
-                        "thread once the server is ready (a mismatch turns /health to 503 and stops the server "
-                        "with status 1)")
+                   help="without --verify: skip the weight files' sha256 check a low-priority thread runs once the "
+                        "server is ready (a mismatch turns /health to 503 and exits with status 1)")
     _speculative_args(p)
     _pool_args(p)
     _weights_arg(p)

@@ -184,9 +184,17 @@ def soak(args, proc: subprocess.Popen, host: str, port: int, vocab: int) -> None
           f"{samples[-1][1] / 2**20:.0f} MiB at the end, at most {max(r for _, r in samples) / 2**20:.0f} MiB; "
           f"growth after the first minute {100 * (samples[-1][1] - base) / base:+.1f}% (target < 5%), "
           f"{len(samples)} samples")
+    late = [(t, rss) for t, rss in samples if t >= 60]
+    if len(late) >= 3:  # a leak keeps its slope; a warm-up's flattens
+        half = len(late) // 2
+        slopes = [np.polyfit([t / 60 for t, _ in part], [r / 2**20 for _, r in part], 1)[0]
+                  for part in (late[:half + 1], late[half:])]
+        print(f"RSS slope after the first minute: {slopes[0]:+.2f} MiB/min in the first half, "
+              f"{slopes[1]:+.2f} MiB/min in the second")
+    print("RSS samples (MiB): " + " ".join(f"{rss / 2**20:.1f}" for _, rss in samples))
     gaps = np.concatenate(state.gaps) if state.gaps else np.zeros(1)
-    print(f"inter-token latency p50 {1e3 * np.percentile(gaps, 50):.2f} ms, p99 {1e3 * np.percentile(gaps, 99):.2f} ms; "
-          f"time to first token p50 {1e3 * np.percentile(state.first, 50):.1f} ms, "
+    print(f"inter-token latency p50 {1e3 * np.percentile(gaps, 50):.2f} ms, "
+          f"p99 {1e3 * np.percentile(gaps, 99):.2f} ms; time to first token p50 {1e3 * np.percentile(state.first, 50):.1f} ms, "
           f"p99 {1e3 * np.percentile(state.first, 99):.1f} ms (clients' clocks)")
     counted = {e: sum(v for k, v in m.items() if k.startswith(f'dsv4c_http_requests_total{{endpoint="{e}"'))
                for e in state.sent}

@@ -1,6 +1,7 @@
 """`dsv4c serve`'s limits below the application, through raw sockets: request line and header bytes
 (431), the header timeout (idle and trickling connections), the keep-alive timeout and the cap on
-open connections (503 before a byte is read); the server answers as before afterwards."""
+open connections (503 before a byte is read); the server answers as before afterwards. And what
+load tools ask of a stream: vLLM's ``continuous_usage_stats`` (guidellm sends it)."""
 
 import json
 import select
@@ -112,3 +113,15 @@ def test_connections_over_the_cap_get_503_before_they_send_anything(api):
     time.sleep(0.1)
     still_answers(api)
     assert api.metrics()["dsv4c_engine_up"] == 1
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api):
+    body = {"prompt": [7, 8, 9], "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{api.url}/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    generated = 0
+    for chunk in chunks[:-1]:
+        generated += len(chunk["choices"][0]["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated}
+    assert generated == 3 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
