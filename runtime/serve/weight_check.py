@@ -11,9 +11,10 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from prometheus_client import Gauge
+
 from dsv4c.artifact.manifest import Manifest, check_large_files
 from dsv4c.errors import ArtifactError
-from prometheus_client import Gauge
 
 # Between a mismatch (``/health`` answers 503 and names the file) and the start of the graceful
 # shutdown (which closes the listening socket): a health check or client of that moment gets the
@@ -22,17 +23,16 @@ UNHEALTHY_SECONDS = 1.0
 
 
 class WeightCheck:
-    """The state of the weights' sha256 check: ``verified`` (``--verify`` hashed every file before the
-    engine started, or the background check has finished), ``failure`` (the one-line error naming
-    the file), both mirrored by the ``dsv4c_weights_verified`` gauge."""
+    """The state of the weights' sha256 check: the ``dsv4c_weights_verified`` gauge (1 once every file
+    matched: ``verified`` when ``--verify`` hashed them before the engine started, else when the
+    background check ends) and ``failure``, the one-line error naming the file that did not."""
 
     def __init__(self, gauge: Gauge, verified: bool):
         self.gauge, self.failure = gauge, None
-        self.verified = verified
         gauge.set(int(verified))
 
     def start(self, directory: Path, manifest: Manifest, event_loop: asyncio.AbstractEventLoop,
-              on_mismatch: Callable[[], None]) -> threading.Thread:
+              on_mismatch: Callable[[], None]) -> None:
         """Hash the large files on a thread of their own; ``on_mismatch`` is called on ``event_loop``
         ``UNHEALTHY_SECONDS`` after a mismatch was found and logged."""
         def run() -> None:
@@ -41,15 +41,12 @@ class WeightCheck:
                 os.nice(19)
             try:
                 check_large_files(directory, manifest)
-            except ArtifactError as e:
-                self.failure = str(e)
+            except (ArtifactError, OSError) as e:  # OSError: a file removed or unreadable since the load
+                self.failure = str(e) if isinstance(e, ArtifactError) else f"{directory}: unreadable weight file: {e}"
                 print(f"dsv4c serve: the background weight check failed: {e}; stopping the server",
                       file=sys.stderr, flush=True)
                 event_loop.call_soon_threadsafe(event_loop.call_later, UNHEALTHY_SECONDS, on_mismatch)
                 return
-            self.verified = True
             self.gauge.set(1)
 
-        thread = threading.Thread(target=run, name="dsv4c-weight-check", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=run, name="dsv4c-weight-check", daemon=True).start()
