@@ -370,8 +370,13 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _given(**values) -> dict:
+    """The options given on the command line (the others keep their defaults, which live with their code)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def _cmd_serve(args) -> int:
-    from dsv4c.runtime.serve.app import RequestLimits, serve
+    from dsv4c.runtime.serve.app import ConnectionLimits, RequestLimits, serve
 
     return serve(args.artifact, host=args.host, port=args.port, max_requests=args.max_requests,
                  max_context=args.max_context, max_waiting=args.max_waiting, api_key=args.api_key,
@@ -379,9 +384,13 @@ def _cmd_serve(args) -> int:
                  engram_memory=args.engram_memory,
                  served_model_name=args.served_model_name, kv_cache_memory=args.kv_cache_memory,
                  prefix_caching=args.prefix_caching, **_engine_ranks(args),
-                 limits=RequestLimits(**{name: value for name, value in [("max_bytes", args.max_request_bytes),
-                                                                         ("body_timeout", args.request_body_timeout)]
-                                         if value is not None}), images=_image_intake(args))
+                 limits=RequestLimits(**_given(max_bytes=args.max_request_bytes,
+                                               body_timeout=args.request_body_timeout)),
+                 connection_limits=ConnectionLimits(**_given(
+                     max_header_bytes=args.max_header_bytes, header_timeout=args.header_timeout,
+                     keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)),
+                 verify=args.verify, background_verify=args.background_verify,
+                 images=_image_intake(args))
 
 
 def _cmd_verify(args) -> int:
@@ -505,6 +514,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-body-timeout", type=float,
                    help="seconds a request body gets to arrive in full; slower ones get 408 (default 30)")
     _image_args(p, "none: images come as data: URLs")
+    p.add_argument("--max-header-bytes", type=_parse_bytes,
+                   help="a larger request line and headers get 431 and the connection closes (default 64KiB)")
+    p.add_argument("--header-timeout", type=float, metavar="SECONDS",
+                   help="a connection whose request line and headers have not all arrived this long after it opened "
+                        "(or, kept alive, after its next request began) is closed (default 10)")
+    p.add_argument("--keep-alive-timeout", type=float, metavar="SECONDS",
+                   help="an idle kept-alive connection is closed after this long (default 5)")
+    p.add_argument("--max-connections", type=int,
+                   help="connections open at once; one more gets 503 before a byte of it is read (default 1000)")
+    p.add_argument("--verify", action="store_true",
+                   help="check every artifact file against its sha256 before the engine starts (reads every byte)")
+    p.add_argument("--no-background-verify", dest="background_verify", action="store_false",
+                   help="without --verify: skip the weight files' sha256 check a low-priority thread runs once the "
+                        "server is ready (a mismatch turns /health to 503 and exits with status 1)")
     _speculative_args(p)
     _pool_args(p)
     _weights_arg(p)

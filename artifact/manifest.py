@@ -26,8 +26,9 @@ that every file is there with its recorded size, and the sha256 of every file bu
 shards and Engram tables (:func:`read_manifest`: the library, the program, constants and
 tokenizer files, milliseconds; the loaders then check each shard's and table's header); the
 runtime then checks that this host can run the target. Hashing every byte is :func:`verify_artifact`, run on request
-(``dsv4c verify``, ``generate --verify``). Any mismatch is an :class:`ArtifactError` with a
-one-line message naming the file or the key.
+(``dsv4c verify``, ``generate --verify``, ``serve --verify``, with a progress bar on a terminal);
+:func:`check_large_files` hashes the files a load skipped (``serve``'s background check). Any
+mismatch is an :class:`ArtifactError` with a one-line message naming the file or the key.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ from dsv4c.errors import ArtifactError
 FORMAT_VERSION = 5
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Path, hashed: Callable[[int], Any] = lambda _n: None) -> str:
+    """The file's sha256; ``hashed`` is called with each chunk's size (a progress bar's update)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)  # hashlib releases the GIL for large updates: files hash in parallel
+            hashed(len(chunk))
     return h.hexdigest()
 
 
@@ -115,10 +118,11 @@ def _held_partial(out: Path) -> tuple[Path, int | None]:
         os.close(fd)
 
 
-def _hash_all(paths: list[Path]) -> list[str]:
-    """sha256 of each file, several files at a time."""
-    with ThreadPoolExecutor(max(1, min(len(paths), os.cpu_count() or 1))) as pool:
-        return list(pool.map(sha256_of, paths))
+def _hash_all(paths: list[Path], workers: int | None = None,
+              hashed: Callable[[int], Any] = lambda _n: None) -> list[str]:
+    """sha256 of each file, ``workers`` files at a time (default: one per CPU)."""
+    with ThreadPoolExecutor(max(1, min(len(paths), workers or os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda p: sha256_of(p, hashed), paths))
 
 
 @contextmanager
@@ -346,15 +350,25 @@ def read_manifest(directory: str | os.PathLike, verify: bool = False) -> Manifes
     # constants, tokenizer files): hashed at every load, in milliseconds, so a damaged library is
     # named here rather than failing inside TVM. The large files keep the size and header checks
     # unless ``verify``.
-    large = () if verify else {*manifest.weight_files(), *manifest.engram_table_files()}
-    _check_hashes(d, {name: entry for name, entry in manifest.files.items() if name not in large})
+    large = () if verify else _large_files(manifest)
+    _check_hashes(d, {name: entry for name, entry in manifest.files.items() if name not in large}, progress=verify)
     return manifest
 
 
-def _check_hashes(d: Path, files: dict[str, FileRecord]) -> None:
-    """Each file's sha256 against the manifest's, several files at a time, in name order."""
+def _large_files(manifest: Manifest) -> set[str]:
+    return {*manifest.weight_files(), *manifest.engram_table_files()}
+
+
+def _check_hashes(d: Path, files: dict[str, FileRecord], workers: int | None = None, progress: bool = False) -> None:
+    """Each file's sha256 against the manifest's, ``workers`` files at a time, in name order;
+    ``progress``: a bar of the bytes hashed on stderr (on a terminal, once it takes a second)."""
+    from tqdm import tqdm
+
     names = sorted(files)
-    for name, digest in zip(names, _hash_all([d / n for n in names])):
+    with tqdm(total=sum(files[n].bytes for n in names), desc="checking sha256", unit="B", unit_scale=True,
+              unit_divisor=1024, leave=False, delay=1.0, disable=None if progress else True) as bar:
+        digests = _hash_all([d / n for n in names], workers, bar.update)
+    for name, digest in zip(names, digests):
         if digest != files[name].sha256:
             raise ArtifactError(f"{d}: {name} does not match its sha256 in the manifest (modified or corrupt)")
 
@@ -365,3 +379,10 @@ def verify_artifact(directory: str | os.PathLike) -> tuple[Manifest, int]:
     does not match."""
     manifest = read_manifest(directory, verify=True)
     return manifest, sum(entry.bytes for entry in manifest.files.values())
+
+
+def check_large_files(directory: str | os.PathLike, manifest: Manifest) -> None:
+    """Hash the files :func:`read_manifest` does not (the weight shards and Engram tables), one at a
+    time, against ``manifest`` (as read from ``directory``); after both, every file is checked.
+    Raises :class:`ArtifactError` naming the first file that does not match."""
+    _check_hashes(Path(directory), {name: manifest.files[name] for name in _large_files(manifest)}, workers=1)

@@ -35,8 +35,9 @@ from dsv4c.runtime.serve.protocol import (CHAT, COMPLETION, DETOKENIZE, TOKENIZE
                                           check_token_ids, completion_request, detokenize_request, parse_json_object,
                                           tokenize_request, usage)
 from dsv4c.runtime.serve.text import ChatTemplate, TextAssembler
-from dsv4c.runtime.serve.transport import (CountResponses, EventStream, HTTPServer, RequestLimits, client_gone,
-                                           listen, read_body, sse)
+from dsv4c.runtime.serve.transport import (ConnectionLimits, CountResponses, EventStream, HTTPServer, RequestLimits,
+                                           client_gone, limited_protocol, listen, read_body, sse)
+from dsv4c.runtime.serve.weight_check import WeightCheck
 from dsv4c.runtime.vision.intake import ImageIntake
 
 Endpoint = type[Completions] | type[ChatCompletions] | ChatCompletions
@@ -68,6 +69,7 @@ class Choice:
     text: TextAssembler | None
     echo: str | None  # the prompt's text when it comes first in the output (completions' echo)
     endpoint: Endpoint  # shapes its output (V4's chat parses it, with a parser of its own)
+    finished: bool = False  # its last piece, with a finish reason, has been produced
 
 
 @dataclass
@@ -85,13 +87,16 @@ class Server:
 
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None, max_waiting: int,
                  served_model_name: str | None = None, limits: RequestLimits = RequestLimits(),
-                 on_engine_failure=lambda: None, images: ImageIntake = ImageIntake()):
+                 on_engine_failure=lambda: None, weights_verified: bool = False,
+                 images: ImageIntake = ImageIntake()):
+        """``weights_verified``: the engine hashed every artifact file as it loaded (``--verify``)."""
         self.engine, self.limits, self.images = engine, limits, images
         self.chat = ChatProtocol.of(engine, chat_template)
         self.model = served_model_name or engine.manifest.model_name
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.speculation.num_draft_tokens if engine.speculation is not None else 0)
         self.loop = EngineLoop(engine, self.metrics, max_waiting, on_engine_failure)
+        self.weights = WeightCheck(self.metrics.weights_verified, weights_verified)
         self.eos = tuple(engine.config.eos_token_ids)
 
     def check_model(self, body: dict) -> dict:
@@ -214,6 +219,7 @@ class Server:
         prompt_tokens = sum(map(len, prompts))
 
         def close_all():
+            self.metrics.unfinished.inc(sum(not c.finished for c in choices))
             for c in choices:
                 self.loop.close(c.gen)
 
@@ -267,6 +273,7 @@ class Server:
                 text += c.text.flush() if c.text is not None else ""
             if finish is not None:
                 self.metrics.finished.labels(finish).inc()
+                c.finished = True
             yield Piece(text, update.tokens, scored, finish)
             if finish is not None:
                 return
@@ -297,10 +304,13 @@ class Server:
             extra = {"usage": usage_counts} if opts.include_usage else {}
             return sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
 
+        def so_far(generated: int) -> dict | None:  # vLLM's continuous_usage_stats: the usage in every chunk
+            return usage(prompt_tokens, generated) if opts.continuous_usage else None
+
         for c in choices:
             opening = c.endpoint.opening_chunk_choice(c.index)
             if opening is not None:
-                yield chunk([opening])
+                yield chunk([opening], so_far(0))
         pieces: asyncio.Queue[tuple[Choice, Piece | APIError | None]] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
@@ -326,7 +336,7 @@ class Server:
                     logprobs = self._logprobs(endpoint, opts, piece.scored, offsets[c.index])
                     offsets[c.index] += sum(len(self.token_text(t)) for t, _ in piece.scored)
                     yield chunk([c.endpoint.chunk_choice(c.index, piece.text, piece.token_ids, piece.finish,
-                                                         logprobs)])
+                                                         logprobs)], so_far(generated))
         finally:
             for p in pumps:
                 p.cancel()
@@ -335,10 +345,13 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-def create_app(server: Server, api_key: str | None = None) -> CountResponses:
+def create_app(server: Server, api_key: str | None = None,
+               check_weights: Callable[[asyncio.AbstractEventLoop], None] = lambda _loop: None) -> CountResponses:
+    """``check_weights``: started once the server is ready (the background weight check)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         server.loop.start(asyncio.get_running_loop())
+        check_weights(asyncio.get_running_loop())
         yield
         server.loop.stop()
 
@@ -371,6 +384,8 @@ def create_app(server: Server, api_key: str | None = None) -> CountResponses:
 
     @app.get("/health")
     async def health():
+        if server.weights.failure is not None:
+            raise APIError(503, server.weights.failure, "server_error", "weights_corrupt")
         if not server.loop.alive:
             raise APIError(503, "the engine loop is not running", "server_error", "engine_stopped")
         return {"status": "ok"}
@@ -475,10 +490,14 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           limits: RequestLimits = RequestLimits(), kv_cache_memory: int | None = None,
           prefix_caching: bool = True, tensor_parallel: int | None = None,
           distributed_timeout: float | None = None, draft_confidence: float = 0.0, engram_memory: str = "map",
-          images: ImageIntake = ImageIntake()) -> int:
+          connection_limits: ConnectionLimits = ConnectionLimits(), verify: bool = False,
+          background_verify: bool = True, images: ImageIntake = ImageIntake()) -> int:
     """Run the server until SIGINT / SIGTERM; then stop accepting, let running requests finish for up
     to ``shutdown_timeout`` seconds, end the rest with an error answer and return 0. If the engine
     fails (a bug), the server stops the same way and returns 1, so that a supervisor restarts it.
+    ``verify`` hashes every artifact file before the engine starts; without it (and unless not
+    ``background_verify``) a thread hashes the weight files once the server is ready, and a
+    mismatch stops the server the same way, with status 1 (:mod:`.weight_check`).
     ``speculative="mtp"`` (``"dspark"``): every request decodes speculatively with the model's MTP
     layer (DSpark drafter; ``Engine``); ``engram_memory`` as ``Engine``'s. ``served_model_name``: the
     name requests must give as ``model`` (default: the artifact's model name). ``images``: where
@@ -488,23 +507,36 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
                          "--shutdown-timeout >= 0")
     if limits.max_bytes < 1 or not limits.body_timeout > 0:
         raise UsageError("--max-request-bytes and --request-body-timeout must be positive")
-    engine = Engine(artifact, max_requests=max_requests, max_context=max_context, speculative=speculative,
-                    num_draft_tokens=num_draft_tokens, weights=weights, kv_cache_memory=kv_cache_memory,
-                    prefix_caching=prefix_caching, tensor_parallel=tensor_parallel,
+    connection_limits.check()
+    engine = Engine(artifact, max_requests=max_requests, max_context=max_context, verify=verify,
+                    speculative=speculative, num_draft_tokens=num_draft_tokens, weights=weights,
+                    kv_cache_memory=kv_cache_memory, prefix_caching=prefix_caching, tensor_parallel=tensor_parallel,
                     distributed_timeout=distributed_timeout, draft_confidence=draft_confidence,
                     engram_memory=engram_memory)
 
-    def engine_failed():
+    def stop_serving():
         http.should_exit = True
 
     server = Server(engine, ChatTemplate.from_artifact(engine.path), max_waiting, served_model_name, limits,
-                    on_engine_failure=engine_failed, images=images)
+                    on_engine_failure=stop_serving, weights_verified=verify, images=images)
+
+    def check_weights(event_loop: asyncio.AbstractEventLoop) -> None:
+        if not verify and background_verify:
+            server.weights.start(engine.path, engine.manifest, event_loop, stop_serving)
+
     sock = listen(host, port)
-    # uvicorn picks uvloop and httptools (the serve extra installs both): the event loop thread
-    # shares the GIL with the engine thread, and with asyncio + h11 its per-token work slowed
-    # the engine's steps by ~20% on 8 streams; with them the overhead is within a few percent.
-    config = uvicorn.Config(create_app(server, api_key), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_SECONDS)
+
+    def refused(status: int) -> None:  # answered below the application (transport.LimitedProtocol)
+        server.metrics.requests.labels("connection", str(status)).inc()
+
+    # uvicorn picks uvloop, and runs httptools under LimitedProtocol (the serve extra installs both):
+    # the event loop thread shares the GIL with the engine thread, and with asyncio + h11 its
+    # per-token work slowed the engine's steps by ~20% on 8 streams; with them the overhead is
+    # within a few percent.
+    config = uvicorn.Config(create_app(server, api_key, check_weights), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_SECONDS,
+                            http=limited_protocol(connection_limits, refused),
+                            timeout_keep_alive=connection_limits.keep_alive_timeout)
     http = HTTPServer(config, server.loop.abort, shutdown_timeout)
 
     # uvicorn handles SIGINT / SIGTERM while it runs, then restores these handlers and raises the
@@ -527,6 +559,9 @@ def serve(artifact: str, host: str = "127.0.0.1", port: int = 8000, max_requests
           f"{f', draft confidence {draft_confidence}' if draft_confidence else ''})", flush=True)
     http.run(sockets=[sock])
     engine.close()
+    if server.weights.failure is not None:
+        print("dsv4c serve: stopped because a weight file does not match its sha256", file=sys.stderr, flush=True)
+        return 1
     if server.loop.failure is not None:
         print(f"dsv4c serve: stopped because the engine failed ({server.loop.failure!r})", file=sys.stderr,
               flush=True)

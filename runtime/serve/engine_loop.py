@@ -77,6 +77,11 @@ class ServerMetrics:
         self.finished = Counter("dsv4c_choices_finished", "Choices generated to their end, by finish reason "
                                 "(stop: EOS or a stop string; length: max_tokens or the context)",
                                 ["finish_reason"], registry=r)
+        self.unfinished = Counter("dsv4c_choices_unfinished", "Choices that ended without a finish reason (client "
+                                  "gone, request failed, server shutting down)", registry=r)
+        self.weights_verified = Gauge("dsv4c_weights_verified", "1 once every artifact file matched its sha256 "
+                                      "(serve --verify, or the background check); 0 before and after a mismatch",
+                                      registry=r)
 
 
 class QueueFull(Exception):

@@ -60,6 +60,7 @@ class GenerationOptions:
     n: int = 1  # choices per prompt
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k most likely alternatives
     echo: bool = False  # completions: the prompt comes first in the text (and its tokens in logprobs)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: the usage so far in every chunk
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -153,9 +154,10 @@ COMMON = {
     "stop": Spec(lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
                  "a string or a list of strings", {"anyOf": [{"type": "string", "minLength": 1}, STRINGS]}),
     "stream": BOOL,
-    "stream_options": Spec(lambda v: isinstance(v, dict) and set(v) <= {"include_usage"},
+    "stream_options": Spec(lambda v: isinstance(v, dict) and set(v) <= {"include_usage", "continuous_usage_stats"},
                            'an object like {"include_usage": true}',
-                           {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}},
+                           {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]},
+                                                             "continuous_usage_stats": {"type": ["boolean", "null"]}},
                             "additionalProperties": False}),
     "ignore_eos": BOOL,
     "n": _int_spec(1, MAX_CHOICES),
@@ -225,10 +227,11 @@ def _generation_options(body: dict, max_tokens: int | None, logprobs: int | None
     stream = _field(body, "stream", BOOL, False)
     stream_options = _field(body, "stream_options", COMMON["stream_options"], {})
     include_usage = _field(stream_options, "include_usage", BOOL, False)
+    continuous_usage = include_usage and _field(stream_options, "continuous_usage_stats", BOOL, False)
     ignore_eos = _field(body, "ignore_eos", BOOL, False)
     n = _field(body, "n", COMMON["n"], 1)
     return GenerationOptions(max_tokens, float(temperature), float(top_p), seed, stop, stream, include_usage,
-                             ignore_eos, n, logprobs, echo)
+                             ignore_eos, n, logprobs, echo, continuous_usage)
 
 
 def _prompts(prompt) -> list[str | list[int]]:
