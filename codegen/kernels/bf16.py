@@ -72,3 +72,11 @@ def dot(acc, x_pair, w_pairs):
     """acc (float32 x 16) plus, in each lane, the sum of its two BF16 products (vdpbf16ps)."""
     return T.call_pure_extern(f"{F32}x{DOT_LANES}", DOT_FUNCTION, acc, tirx.reinterpret(f"int32x{DOT_LANES}", x_pair),
                               tirx.reinterpret(f"int32x{DOT_LANES}", w_pairs))
+
+
+def bf16_matmuls(cpu: str, dot: bool) -> str:
+    """What the matmuls of a bf16-numerics build for LLVM CPU ``cpu`` run (``dsv4c inspect``):
+    ``dot``, whether that CPU has AVX512-BF16."""
+    how = f"vdpbf16ps (AVX512-BF16 on {cpu})" if dot else \
+        f"fp32 FMAs on BF16-rounded activations ({cpu} has no AVX512-BF16: the same products, no vdpbf16ps)"
+    return f"prefill GEMMs in bf16 by {how}; decode GEMVs fp32"
