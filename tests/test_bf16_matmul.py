@@ -134,7 +134,7 @@ def test_plan_and_lowering_choose_bf16_for_the_prefill_gemms_only():
 
 # The budget docs/numerics.md states for the tiny model (random weights): the bf16 artifact's
 # prefill logits against the exact artifact's, over 2 prompts of 96 positions.
-TINY_TOP1 = 0.95
+TINY_TOP1 = 0.9
 TINY_MEAN_KL = 5e-3
 
 
