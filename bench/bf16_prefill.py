@@ -34,11 +34,13 @@ from matmul import cpu_model  # noqa: E402
 NUMERICS = ("exact", "bf16")
 PEAK_ACCUMULATORS = 12  # independent chains: more than two pipes x the dot / FMA latency
 PEAK_STEPS = 1 << 20
+PEAK_REPEATS = 50
 
 
 def peak_gflop_s(kind: str) -> float:
     """GFLOP/s of a loop of ``kind`` ("fma" or "dot") instructions on every thread of TVM's pool
-    (TVM_NUM_THREADS), best of 5."""
+    (TVM_NUM_THREADS), best of PEAK_REPEATS runs of a few milliseconds (a loaded machine leaves
+    some of them alone)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -75,7 +77,7 @@ def peak_gflop_s(kind: str) -> float:
     out = tvm.runtime.tensor(np.zeros((threads, acc_n, lanes), np.float32))
     seed = tvm.runtime.tensor(np.full((2, lanes), 0x3F803F80 if kind == "dot" else 0x3F800000, np.uint32))
     times = []
-    for _ in range(6):
+    for _ in range(PEAK_REPEATS + 1):
         t = time.perf_counter()
         kernel(out, seed)
         times.append(time.perf_counter() - t)
