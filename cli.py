@@ -81,7 +81,7 @@ def _cmd_inspect(args) -> int:
         if args.model in COST_ONLY_PRESETS:  # no pool geometry to report: it never compiles
             print(json.dumps(cost.to_json(), indent=2) if args.json else "\n".join(format_cost(cost)))
             return 0
-    engram_bytes = None
+    engram_bytes, manifest = None, None
     if (Path(args.model) / MANIFEST).is_file():  # an artifact: its model as compiled, its tables' files
         from dsv4c.artifact.directory import open_artifact
 
@@ -102,6 +102,8 @@ def _cmd_inspect(args) -> int:
         flash = resolve_model("flash")
         flash_geometry = PoolGeometry.build(flash, plan_for(flash, args.target, args.numerics, args.kv_cache_dtype))
         report["flash_bytes_per_token"] = flash_geometry.summary()["bytes_per_token"]
+    if args.numerics == "bf16":  # how this CPU (or the artifact's) runs the bf16 matmuls
+        report["matmul_compute"] = _bf16_matmuls(manifest)
     if cfg.engram is not None:  # tables gathered a few rows a token, apart from the weights
         report["engram_bytes"] = cfg.engram.table_bytes if engram_bytes is None else engram_bytes
     weights = stored_weights(cfg, plan)  # the Engram tables are not among them
@@ -138,6 +140,8 @@ def _cmd_inspect(args) -> int:
         rows.append(("bytes per token, V4-Flash beside it", f"{report['flash_bytes_per_token']:,.1f}"))
     if "engram_bytes" in report:
         rows.append(("Engram tables", f"{report['engram_bytes'] / gib:,.2f} GiB"))
+    if "matmul_compute" in report:
+        rows.append(("matmul compute", report["matmul_compute"]))
     rows.append(("window rows per request", f"{geometry.window_rows_per_request:,} "
                  f"({report['window_bytes_per_request'] / mib:,.2f} MiB)"))
     rows.append(("compressor state per request", f"{geometry.state_bytes_per_request / mib:,.2f} MiB"))
@@ -165,6 +169,17 @@ def _cmd_inspect(args) -> int:
     if cost is not None:
         print("\n".join(format_cost(cost)))
     return 0
+
+
+def _bf16_matmuls(manifest) -> str:
+    """How the bf16 matmuls run: on the CPU an artifact was built for, else on this machine's."""
+    from dsv4c.codegen.kernels.bf16 import bf16_matmuls
+    from dsv4c.targets import host_cpu, host_cpu_flags
+
+    if manifest is not None:
+        return bf16_matmuls(manifest.kernels.mcpu, "avx512_bf16" in (manifest.kernels.cpu_features or ()))
+    host = host_cpu_flags()
+    return bf16_matmuls(host_cpu(), host is not None and "avx512_bf16" in host.flags)
 
 
 def _cmd_compile(args) -> int:
@@ -406,6 +421,8 @@ KV_HELP = ("KV pool row format: fp8 (FP8 NoPE + BF16 rope rows, FP8 or FP4 index
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dsv4c.artifact.quant import NUMERICS
+
     from dsv4c.passes.quant_plan import KV_CACHE_DTYPES
 
     parser = argparse.ArgumentParser(prog="dsv4c", description="Ahead-of-time compiler for DeepSeek-V4 models.")
@@ -419,15 +436,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trace", help="print the traced IR of a model")
     p.add_argument("--model", required=True, help="model directory, config.json, or preset (pro, flash, tiny)")
-    p.add_argument("--numerics", choices=("exact", "qat"), default="exact",
-                   help="exact: fp32 like transformers; qat: the official FP8/FP4 round trips")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact",
+                   help="exact: fp32 like transformers; qat: the official FP8/FP4 round trips; bf16: exact's "
+                        "graph, its CPU prefill GEMMs on BF16-rounded activations (docs/numerics.md)")
     p.set_defaults(run=_cmd_trace)
 
     p = sub.add_parser("compile", help="compile a model into an artifact for a target")
     p.add_argument("--model", required=True, help="model directory, or preset (pro, flash, tiny)")
     p.add_argument("--target", required=True, choices=TARGETS)
     p.add_argument("-o", "--output", required=True, help="artifact directory to create")
-    p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--no-weights", action="store_true", help="compile the structure only (no weights file)")
     p.add_argument("--draft-model", metavar="DIR",
                    help="take the DSpark drafter (its dspark_* config fields and mtp.* tensors) from this checkpoint")
@@ -453,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, help="output format: onnx")
     p.add_argument("--after-passes", action="store_true", help="export after the target's pass pipeline")
     p.add_argument("--target", help="target whose pipeline --after-passes runs (default llvm)")
-    p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--with-weights", action="store_true",
                    help="also write the model directory's weights as ONNX external data (<output>.data)")
     p.add_argument("-o", "--output", required=True, help="the .onnx file to write")
@@ -542,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model directory, config.json, preset (pro, flash, tiny), or an artifact "
                                  "(its model, target and numerics as compiled)")
     p.add_argument("--target", default="llvm", choices=COMPILED_TARGETS)
-    p.add_argument("--numerics", choices=("exact", "qat"), default="exact")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_HELP)
     p.add_argument("--memory", type=_parse_bytes,
                    help="memory of each device, e.g. 141GiB: what is left beside its weights holds the pool; "

@@ -35,6 +35,16 @@ from dsv4c.artifact.safetensors_io import STORAGE_DTYPES
 from dsv4c.errors import UsageError
 
 FP8_BLOCK_SIZES = (128, 32)  # square FP8 weight blocks: V4's, V4.1's dense weights'
+
+# The numerics a compile chooses (``--numerics``; the plan and the manifest record it): exact and
+# qat are traced graphs (``frontend.trace``); bf16 runs exact's graph whose CPU GEMMs multiply
+# activations rounded to BF16 by the weights (``WeightQuant.compute`` "bf16", docs/numerics.md).
+NUMERICS = ("exact", "qat", "bf16")
+
+
+def traced_numerics(numerics: str) -> str:
+    """The numerics of the graph a compile in ``numerics`` traces."""
+    return "exact" if numerics == "bf16" else numerics
 FP4_GROUP = 32
 
 
@@ -228,9 +238,10 @@ class WeightQuant:
     storage: str  # fp8 / fp8_fnuz / fp4 / bf16 / fp32 / int
     block: tuple[int, int] | None  # quantization block (rows, cols); None when unquantized
     scale: str | None  # e8m0 / fp32 / None
-    # What the matmul kernels multiply: fp32 on CPUs (decoded values, fp32 sums); on GPUs fp16,
-    # the tensor-core GEMMs' operands (prefill; fp32 sums), where decode's GEMVs multiply the
-    # decoded fp32 values; int32 ids are not multiplied.
+    # What the matmul kernels multiply: fp32 on CPUs (decoded values, fp32 sums), or bf16 in the
+    # bf16 numerics (the prefill GEMMs: BF16-rounded activations, fp32 sums; decode's GEMVs stay
+    # fp32); on GPUs fp16, the tensor-core GEMMs' operands (prefill; fp32 sums), where decode's
+    # GEMVs multiply the decoded fp32 values; int32 ids are not multiplied.
     compute: str
 
     @property
@@ -281,7 +292,15 @@ class QuantPlan:
     def format_of(self, quant: str) -> WeightFormat:
         """The format of a dense (not routed-expert) weight the IR marks ``quant`` (the checkpoint's
         own format, ``frontend.trace``): FP8 blocks are the dense kind's, BF16 / fp32 their own."""
-        return self.weight_format("dense" if isinstance(WEIGHT_FORMATS.get(quant), Fp8Blocks) else quant)
+        return self.weight_format(self._dense_kind(quant))
+
+    def compute_of(self, quant: str) -> str:
+        """What the matmuls of a dense weight the IR marks ``quant`` multiply in (``WeightQuant.compute``)."""
+        return self.weights[self._dense_kind(quant)].compute
+
+    @staticmethod
+    def _dense_kind(quant: str) -> str:
+        return "dense" if isinstance(WEIGHT_FORMATS.get(quant), Fp8Blocks) else quant
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -153,8 +153,9 @@ def main() -> None:
               f"{ceiling:>10.1f}{ceiling / read:>7.2f}x")
     del cases
 
-    print(f"\nGEMM, {args.rows} rows (prefill): GFLOP/s vs torch fp32 matmul (weights dequantized)")
-    print(f"{'kernel':<34}{'ms':>9}{'GFLOP/s':>9}{'torch':>9}{'ratio':>8}")
+    print(f"\nGEMM, {args.rows} rows (prefill): GFLOP/s vs torch fp32 matmul (weights dequantized); the bf16 "
+          "compute mode (x rounded to BF16) beside, vs the exact kernel")
+    print(f"{'kernel':<34}{'ms':>9}{'GFLOP/s':>9}{'torch':>9}{'ratio':>8}{'bf16 ms':>9}{'GFLOP/s':>9}{'vs exact':>9}")
     gemm = [("fp8_b128", 4096, 4096), ("fp4_g32 experts", 2048, 4096), ("fp32", 4096, 1024), ("bf16", 8192, 4096)]
     rows = -(-args.rows // GEMM_ROWS) * GEMM_ROWS
     for name, out_dim, in_dim in gemm[:2] if args.quick else gemm:
@@ -166,21 +167,25 @@ def main() -> None:
             parts = _weights(rng, out_dim, in_dim, quant, (experts,))
             offsets = np.minimum(np.arange(experts + 1) * m, m * experts).astype(np.int32)
             xs = np.tile(x, (experts, 1))
-            kernel = _compile(expert_linear(out_dim, in_dim, quant, experts))
+            kernels = [_compile(expert_linear(out_dim, in_dim, quant, experts, False, compute))
+                       for compute in ("fp32", "bf16")]
             tensors = [tvm.runtime.tensor(a) for a in (xs, offsets, *parts, np.zeros((m * experts, out_dim), np.float32))]
             flops = 2 * m * experts * out_dim * in_dim
         else:
             parts = _weights(rng, out_dim, in_dim, quant)
-            kernel = _compile(linear(out_dim, in_dim, quant, False))
+            # fp32 weights have no bf16 kernel: they would not widen exactly
+            kernels = [_compile(linear(out_dim, in_dim, quant, False, 0, compute))
+                       for compute in (("fp32", "bf16") if quant != "fp32" else ("fp32",))]
             tensors = [tvm.runtime.tensor(a) for a in (x.reshape(-1, GEMM_ROWS, in_dim), *parts,
                                                        np.zeros((m // GEMM_ROWS, GEMM_ROWS, out_dim), np.float32))]
             flops = 2 * m * out_dim * in_dim
-        t_ours = _best(lambda: kernel(*tensors), args.repeat)
+        t_ours, *t_bf16 = (_best(lambda: kernel(*tensors), args.repeat) for kernel in kernels)
         xt = torch.from_numpy(x)
         wt = torch.from_numpy(rng.standard_normal((in_dim, out_dim), np.float32))
         t_torch = _best(lambda: xt @ wt, args.repeat) * (experts or 1)
         ours, ref = flops / t_ours / 1e9, flops / t_torch / 1e9
-        print(f"{name:<34}{t_ours * 1e3:>9.1f}{ours:>9.1f}{ref:>9.1f}{ours / ref:>7.2f}x")
+        bf16 = f"{t_bf16[0] * 1e3:>9.1f}{flops / t_bf16[0] / 1e9:>9.1f}{t_ours / t_bf16[0]:>8.2f}x" if t_bf16 else ""
+        print(f"{name:<34}{t_ours * 1e3:>9.1f}{ours:>9.1f}{ref:>9.1f}{ours / ref:>7.2f}x{bf16}")
 
 
 if __name__ == "__main__":

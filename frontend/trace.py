@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 
 from dsv4c.artifact.model_config import HASH_MOE, LayerSpec, ModelConfig
-from dsv4c.artifact.quant import checkpoint_quants
+from dsv4c.artifact.quant import checkpoint_quants, traced_numerics
 from dsv4c.artifact.sharding import EXPERT_FIRST, VOCAB_FIRST, ShardingPlan
 from dsv4c.errors import UnsupportedModelError, UsageError
 from dsv4c.frontend.trace_dspark import DsparkFunctions
@@ -321,7 +321,8 @@ def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_pa
     ``tensor_parallel`` > 1 the program each rank runs (see the module docstring)."""
     from dsv4c.ir.verify import verify
 
-    model = Model(cfg, numerics, tensor_parallel, expert_parallel)
+    # bf16 numerics trace exact's graph (only the compiled matmuls differ, artifact.quant.NUMERICS).
+    model = Model(cfg, traced_numerics(numerics), tensor_parallel, expert_parallel)
     functions = {"step": model.step()}
     if mtp and cfg.dspark is not None:
         if model.traces_dspark:
@@ -333,7 +334,7 @@ def trace(cfg: ModelConfig, numerics: str = "exact", mtp: bool = True, tensor_pa
         for i in range(len(cfg.mtp_layers)):
             f = model.mtp(i)
             functions[f.name] = f
-    program = Program(cfg, functions, numerics)
+    program = Program(cfg, functions, model.numerics)
     verify(program)
     return program
 

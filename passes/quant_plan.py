@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dsv4c.artifact.model_config import ModelConfig
 from dsv4c.artifact.pool_rows import FP4_PRESHUFFLED, MAIN_FP8_LAYOUT, ROW_MAJOR, index_row_bytes_of, main_row_bytes
-from dsv4c.artifact.quant import PoolLayout, QuantPlan, WeightQuant, checkpoint_quants, dense_format, expert_format
+from dsv4c.artifact.quant import (NUMERICS, PoolLayout, QuantPlan, WeightQuant, checkpoint_quants, dense_format,
+                                  expert_format)
 from dsv4c.errors import UsageError
 from dsv4c.targets import target_info
 
@@ -21,16 +22,24 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise UsageError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     cpu = not info.gpu
+    if numerics not in NUMERICS:
+        raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    if numerics == "bf16" and not (cpu and info.compiled):
+        raise UsageError(f"bf16 numerics are the llvm target's compiled GEMMs; {target} does not build them")
     # The kernels multiply decoded fp32 values on CPUs; GPU tensor cores take fp16 operands (the
     # MMA / MFMA GEMMs of kernels.gpu_matmul, gfx950 included: its FP4 math is not used for weights).
     compute = "fp32" if cpu else "fp16"
     quants = checkpoint_quants(cfg.weights)
+
+    def stored(fmt):  # bf16 numerics: FP8, FP4 and BF16 weights widen to BF16 exactly, fp32 ones do not
+        return WeightQuant.of(fmt, "bf16" if numerics == "bf16" and fmt.name != "fp32" else compute)
+
     # FP8 blocks keep their block size (fnuz bits with doubled scales on gfx942), FP4 experts their
     # groups, BF16 its bits; other experts are stored fp32 (artifact.quant.dense_format / expert_format).
     weights = {
-        "dense": WeightQuant.of(dense_format(quants["dense"], info.fp8_format), compute),
-        "expert": WeightQuant.of(expert_format(quants["expert"]), compute),
-        "bf16": WeightQuant.of(dense_format(quants["bf16"]), compute),
+        "dense": stored(dense_format(quants["dense"], info.fp8_format)),
+        "expert": stored(expert_format(quants["expert"])),
+        "bf16": stored(dense_format(quants["bf16"])),
         "fp32": WeightQuant("fp32", None, None, "fp32"),  # mHC, sinks, router bias, norms: fp32 everywhere
         "index": WeightQuant("int", None, None, "int32"),
     }
@@ -44,7 +53,7 @@ def plan_for(cfg: ModelConfig, target: str, numerics: str = "exact", kv_cache_dt
     if kv_cache_dtype == "auto":
         # The CPU pool follows the numerics: fp32 rows reproduce transformers exactly, the
         # official FP8 / FP4 rows reproduce the QAT reference exactly. GPUs keep low-bit rows.
-        kv_cache_dtype = "fp32" if cpu and numerics == "exact" else "fp8"
+        kv_cache_dtype = "fp32" if cpu and numerics in ("exact", "bf16") else "fp8"
     if kv_cache_dtype == "fp32":  # full-precision rows on any target (parity, debugging)
         main = index = "fp32"
     else:

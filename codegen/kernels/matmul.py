@@ -9,6 +9,7 @@ import math
 from tvm import te
 from tvm.script import tirx as T
 
+from dsv4c.codegen.kernels.bf16 import DOT_IR, DOT_LANES, dot, has_bf16_dot, pair, rounded, rounded_pairs
 from dsv4c.codegen.kernels.codecs import F32, raw_e4m3_slot
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_target, cpu_vector
 from dsv4c.codegen.kernels.formats import TirFp8Blocks, boosted, column_tile, tir_format
@@ -23,6 +24,7 @@ X_CHUNK_BYTES = 256 * 1024
 PANEL_FLOATS = 4096  # a decoded weight panel (columns x k block): 16 KiB, L1-resident
 SCALED_PANEL_COLUMNS = 16  # a scaled format's panel: 16 columns by 256 inputs (see _matmul_loops)
 SCALED_ROWS = 6  # rows of a scaled format's register tile (see register_tile)
+DOT_SCALED_PANEL_COLUMNS = 32  # a scaled format's panel in the bf16 mode on AVX512-BF16 (see _matmul_loops)
 # How far ahead (bytes) the decode loop prefetches the weight tile it streams, where a CPU (an
 # LLVM CPU name: what the kernels are built for) was measured to differ from its format's
 # distance (``TirFormat.prefetch_bytes``). Zen 4 streams BF16 at the rate of a plain streaming
@@ -56,7 +58,7 @@ def register_tile(tile: int, scaled: bool) -> tuple[int, int]:
 
 
 def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, columns=T.vectorized, cpu: bool = True,
-                  group_major_x: bool = False):
+                  group_major_x: bool = False, compute: str = "fp32"):
     """The CPU matmul's loops over a range of rows of x [P, (G,) I] (``group_major_x``: x [G, P, I])
     -> y [P, (G,) O] for one column
     tile ``a`` of weight ``w`` (a group or an expert: the parts' leading index), shared by
@@ -79,9 +81,17 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     sums go to y; scaled, each group's sum is added to the output's total, which it keeps beside
     the sums over the k block's groups (from y, zero in the first block) and then writes to y.
 
+    ``compute`` "bf16" (FP8, FP4 and BF16 weights): the panel loop multiplies x rounded to BF16
+    by the weights (exactly BF16 values), summed in fp32 the same way (``kernels.bf16``): with
+    vdpbf16ps where the CPU has AVX512-BF16 and the panel is whole vectors (``pairs``: the panel
+    and the chunk's x held as BF16 pairs of consecutive inputs), else with fp32 FMAs on the
+    rounded x. The direct loop (decode steps) stays exact.
+
     GPU builds (not ``cpu``) run the direct loop on weight values (``TirFormat.value``): their
     float32 arithmetic may flush the raw codes' subnormals."""
     fmt = tir_format(quant)
+    if compute not in ("fp32", "bf16") or (compute == "bf16" and not (cpu and fmt.decoded)):
+        raise ValueError(f"matmul: no {compute} compute for {quant} weights on this target")
     tile = column_tile(out_dim)
     scaled = cpu and fmt.scaled
     packed = fmt.inputs_per_word > 1  # FP4: a word of eight codes
@@ -97,13 +107,21 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     # Scaled formats take narrow panels of many inputs: the micro-kernel writes its totals to y
     # once per k block, and 16 x 256 ran 1.1-1.4x faster than 32 x 128 for FP8 and FP4 on Zen 4
     # (AVX-512 and x86-64-v3 code alike, except FP8 on AVX2: even), single-threaded A/Bs.
-    pw = math.gcd(tile, SCALED_PANEL_COLUMNS) if scaled else tile
+    lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
+    bf16 = compute == "bf16"
+    # bf16 by vdpbf16ps: its panel holds BF16 pairs, half the bytes of fp32, so twice the values
+    # fit; scaled formats take panels of DOT_SCALED_PANEL_COLUMNS.
+    dot_pairs = bf16 and columns is T.vectorized and lanes == DOT_LANES and group % 2 == 0 and has_bf16_dot()
+    pw = math.gcd(tile, DOT_SCALED_PANEL_COLUMNS if dot_pairs else SCALED_PANEL_COLUMNS) if scaled else tile
+    panel_values = PANEL_FLOATS * (2 if dot_pairs else 1)
     kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
-              if in_dim % b == 0 and b * pw <= max(PANEL_FLOATS, pw * group) and (not scaled or b % group == 0))
+              if in_dim % b == 0 and b * pw <= max(panel_values, pw * group) and (not scaled or b % group == 0))
     rb, cols = register_tile(pw, scaled) if columns is T.vectorized else (1, 1)
     chunk_rows = max(rb, X_CHUNK_BYTES // (4 * kc) // rb * rb)  # see X_CHUNK_BYTES
     half = rb // 2
-    lanes = cpu_vector()[0] if cpu and columns is T.vectorized else tile
+    pairs = dot_pairs and pw % DOT_LANES == 0 and kc % 2 == 0
+    x_value = rounded if bf16 else (lambda x: x)  # noqa: E731  (the FMA micro-kernel's x)
+    x_vector = math.gcd(kc, 32)  # inputs of x rounded into pairs at once
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
     # a little faster, streamed and in cache (bench/RESULTS.md; the decode shares the vector
     # pipes with the FMAs, which the table does not remove).
@@ -243,7 +261,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
         return panel[ki, pc] if fmt.decoded else fmt.raw(parts, (w,), a, k, pb * pw + pc)
 
     @T.macro
-    def micro(X, panel, parts, Y, w, g, a, row, pb, cs, kb, R):
+    def micro(X, xb, panel, parts, Y, w, g, a, row, first, pb, cs, kb, R):
         acc = T.alloc_buffer((R, cols), F32, scope="local", annotations=ON_STACK)
         scales = T.alloc_buffer((cols,) if scaled else (1,), F32, scope="local", annotations=ON_STACK)
         # Scaled formats: each output's total so far (zero before the first group, then y) beside
@@ -262,11 +280,20 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 for r in T.unroll(R):
                     for c in T.vectorized(cols):
                         acc[r, c] = Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)]
-            for ki in range(group if scaled else kc):
-                for r in T.unroll(R):
-                    for c in T.vectorized(cols):
-                        acc[r, c] = acc[r, c] + X[x_index(row + r, g, kb * kc + kg * group + ki)] * \
-                            weight(panel, parts, w, a, kb * kc + kg * group + ki, kg * group + ki, pb, cs * cols + c)
+            if pairs:  # two inputs a vdpbf16ps: the chunk's rounded x (rows from first) by the panel's pairs
+                for k2 in range((group if scaled else kc) // 2):
+                    for r in T.unroll(R):
+                        for v in T.unroll(cols // DOT_LANES):
+                            acc[r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)] = dot(
+                                acc[r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)],
+                                T.Broadcast(xb[row - first + r, kg * (group // 2) + k2], DOT_LANES),
+                                panel[kg * (group // 2) + k2, T.Ramp(cs * cols + v * DOT_LANES, 1, DOT_LANES)])
+            else:
+                for ki in range(group if scaled else kc):
+                    for r in T.unroll(R):
+                        for c in T.vectorized(cols):
+                            acc[r, c] = acc[r, c] + x_value(X[x_index(row + r, g, kb * kc + kg * group + ki)]) * \
+                                weight(panel, parts, w, a, kb * kc + kg * group + ki, kg * group + ki, pb, cs * cols + c)
             if scaled:
                 # The group's scales, once for all rows.
                 for c in T.vectorized(cols):
@@ -285,10 +312,25 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
 
     @T.macro
     def panel_chunk(X, parts, Y, w, g, a, first, count):
-        panel = T.alloc_buffer((kc, pw) if fmt.decoded else (1, 1), F32, scope="local", annotations=ON_STACK)
+        panel = T.alloc_buffer((kc // 2, pw) if pairs else ((kc, pw) if fmt.decoded else (1, 1)),
+                               "uint32" if pairs else F32, scope="local", annotations=ON_STACK)
+        # pairs: the chunk's x k block rounded to BF16 pairs once for all the tile's panels.
+        xb = T.alloc_buffer((chunk_rows, kc // 2) if pairs else (1, 1), "uint32", scope="local", annotations=ON_STACK)
         for kb in range(in_dim // kc):
+            if pairs:
+                for r in range(count):
+                    for kv in range(kc // x_vector):
+                        xb[r, T.Ramp(kv * (x_vector // 2), 1, x_vector // 2)] = rounded_pairs(
+                            X[x_index(first + r, g, T.Ramp(kb * kc + kv * x_vector, 1, x_vector))], x_vector)
             for pb in range(tile // pw):
-                if fmt.decoded:
+                if pairs:
+                    for k2 in range(kc // 2):  # vectors of 16 columns: the FP4 table decodes so
+                        for v in T.unroll(pw // DOT_LANES):
+                            for c in T.vectorized(DOT_LANES):
+                                panel[k2, v * DOT_LANES + c] = pair(
+                                    panel_value(decode(parts, (w,), a, kb * kc + 2 * k2, pb * pw + v * DOT_LANES + c)),
+                                    panel_value(decode(parts, (w,), a, kb * kc + 2 * k2 + 1, pb * pw + v * DOT_LANES + c)))
+                elif fmt.decoded:
                     for ki in range(kc):
                         for c in T.vectorized(pw):
                             panel[ki, c] = panel_value(decode(parts, (w,), a, kb * kc + ki, pb * pw + c))
@@ -296,25 +338,35 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                 # block's x (rows x k block) stays in L1 across the panel's column strips.
                 for b in range(count // rb):
                     for cs in range(pw // cols):
-                        micro(X, panel, parts, Y, w, g, a, first + b * rb, pb, cs, kb, rb)
+                        micro(X, xb, panel, parts, Y, w, g, a, first + b * rb, first, pb, cs, kb, rb)
                 if half > 0:
                     if count % rb >= half:
                         for cs in range(pw // cols):
-                            micro(X, panel, parts, Y, w, g, a, first + count // rb * rb, pb, cs, kb, half)
+                            micro(X, xb, panel, parts, Y, w, g, a, first + count // rb * rb, first, pb, cs, kb, half)
                     for r in range(count % rb % half):
                         for cs in range(pw // cols):
-                            micro(X, panel, parts, Y, w, g, a, first + count - count % rb % half + r, pb, cs, kb, 1)
+                            micro(X, xb, panel, parts, Y, w, g, a, first + count - count % rb % half + r, first, pb, cs,
+                                  kb, 1)
 
     @T.macro
-    def panel_rows(X, parts, Y, w, g, a, first, count):
+    def chunks(X, parts, Y, w, g, a, first, count):
         # Chunks of rows whose x k block stays in L2 across the tile's panels.
         for rc in range((count + chunk_rows - 1) // chunk_rows):
             panel_chunk(X, parts, Y, w, g, a, first + rc * chunk_rows, T.min(chunk_rows, count - rc * chunk_rows))
 
+    @T.macro
+    def panel_rows(X, parts, Y, w, g, a, first, count):
+        if pairs:  # the vdpbf16ps function linked into the kernel's module
+            with T.attr(0, "pragma_import_llvm", DOT_IR):
+                chunks(X, parts, Y, w, g, a, first, count)
+        else:
+            chunks(X, parts, Y, w, g, a, first, count)
+
     return direct_rows, panel_rows
 
 
-def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, *, schedule: bool = True):
+def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, compute: str = "fp32", *,
+           schedule: bool = True):
     """y = x @ W.T with the weight stored in column tiles [O / tile, I, tile]: fp32; FP8 e4m3 (or
     e4m3fnuz) codes with their 128x128 block scales expanded per column and tiled the same way,
     [O / tile, ceil(I/128), tile] (a vector of columns then reads a vector of scales); FP4; or
@@ -329,9 +381,10 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, *
     The CPU kernel (``schedule``) runs ``_matmul_loops`` in parallel over (group, column tile):
     the direct loop for GEMV, the panel loop for GEMM. ``schedule=False`` gives the GEMM's compute
     definition, which GPU targets schedule where it does not tile onto tensor cores (their
-    GEMVs are ``kernels.gpu_gemv``'s)."""
+    GEMVs are ``kernels.gpu_gemv``'s). ``compute``: "fp32", or "bf16" (CPU GEMMs, see
+    ``_matmul_loops``)."""
     if schedule:
-        return _cpu_linear(out_dim, in_dim, quant, gemv, groups)
+        return _cpu_linear(out_dim, in_dim, quant, gemv, groups, compute)
     if gemv:
         raise ValueError("linear: GPU targets build decode GEMVs with kernels.gpu_gemv, not a compute definition")
     n = te.var("B")
@@ -354,10 +407,10 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, *
     return te.create_prim_func([x] + args + [y])
 
 
-def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
+def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, compute: str):
     g = max(groups, 1)
     tiles = out_dim // column_tile(out_dim)
-    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv)
+    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv, compute=compute)
     run = direct_rows if gemv else panel_rows
     lead = (groups,) if groups else ()
     outer = (lambda n: (n,)) if gemv else (lambda n: (n, GEMM_ROWS))  # noqa: E731
@@ -397,7 +450,8 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int):
     return f
 
 
-def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode: bool = False, *, max_lanes: int = 0):
+def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode: bool = False, compute: str = "fp32", *,
+                  max_lanes: int = 0):
     """y[p] = x[p] @ W[e].T for the rows p of each expert e's group, offsets[e] <= p <
     offsets[e + 1] (rows sorted by expert, see step_kernels.moe_group); weights stacked
     [E, O / tile, I, tile] in any ``linear`` format. One kernel for decode and prefill, in
@@ -408,12 +462,13 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
     function's kernel: the CPU's is this one either way, GPU targets build
     ``kernels.gpu_gemv``'s for it (and tensor-core GEMMs, ``kernels.gpu_matmul``, for
     prefill's). GPU builds of this kernel (``max_lanes``: shapes that do not tile) run the
-    direct loop, with column vectors of at most ``max_lanes``."""
+    direct loop, with column vectors of at most ``max_lanes``. ``compute`` "bf16": the panel
+    loop's (groups of more than GEMV_ROWS rows) as ``linear``'s."""
     tile = column_tile(out_dim)
     tiles = out_dim // tile
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
     cpu = not max_lanes
-    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu)
+    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu, compute=compute)
 
     @T.macro
     def body(X, OFF, parts, Y, job):  # expert job % E, column tile job // E

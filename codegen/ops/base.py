@@ -49,10 +49,24 @@ def dense_quant(node, plan: QuantPlan) -> str:
     return plan.format_of(node.attrs["quant"]).name
 
 
-def matmul_kernels(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0) -> dict[str, KernelSpec]:
-    """A weight's two matmul kernels: GEMV for decode-sized steps, GEMM (8-row blocks) for prefill."""
+def dense_compute(node, plan: QuantPlan) -> str:
+    """What a node's dense weights are multiplied in: the plan's entry (``WeightQuant.compute``)."""
+    return plan.compute_of(node.attrs["quant"])
+
+
+def gemm_compute(compute: str) -> tuple:
+    """The compute argument of a CPU GEMM kernel (``linear``, ``expert_linear``) in ``compute``:
+    bf16 spelled out, fp32 the factories' default, left out so exact kernels keep their symbols
+    (GPU targets' fp16 is their own GEMMs', not an argument)."""
+    return ("bf16",) if compute == "bf16" else ()
+
+
+def matmul_kernels(prefix: str, out_dim: int, in_dim: int, quant: str, groups: int = 0,
+                   compute: str = "fp32") -> dict[str, KernelSpec]:
+    """A weight's two matmul kernels: GEMV for decode-sized steps (fp32 in every numerics), GEMM
+    (8-row blocks) for prefill, multiplying in ``compute``."""
     return {f"{prefix}gemv": kernel("linear", out_dim, in_dim, quant, True, groups),
-            f"{prefix}gemm": kernel("linear", out_dim, in_dim, quant, False, groups)}
+            f"{prefix}gemm": kernel("linear", out_dim, in_dim, quant, False, groups, *gemm_compute(compute))}
 
 
 def weight_quant(matmul: KernelSpec) -> str:

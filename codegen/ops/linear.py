@@ -7,7 +7,8 @@ from math import prod
 
 from tvm import relax, tirx
 
-from dsv4c.codegen.ops.base import F32, OpLowering, dense_quant, input_shapes, kernel, matmul_kernels
+from dsv4c.codegen.ops.base import (F32, OpLowering, dense_compute, dense_quant, input_shapes, kernel,
+                                    matmul_kernels)
 
 
 class Linear(OpLowering):
@@ -16,7 +17,7 @@ class Linear(OpLowering):
     weights, weight_role = slice(1, 2), "gemv"
 
     def kernels(self, node, cfg, plan):
-        return matmul_kernels("", *input_shapes(node)[1], dense_quant(node, plan))
+        return matmul_kernels("", *input_shapes(node)[1], dense_quant(node, plan), 0, dense_compute(node, plan))
 
     def emit(self, em, node, roles, args):
         x, w = args[0], node.inputs[1]
@@ -65,7 +66,8 @@ class GroupedLinear(OpLowering):
 
     def kernels(self, node, cfg, plan):
         g, rows_in = node.attrs["groups"], input_shapes(node)[1]
-        return matmul_kernels("", rows_in[0] // g, rows_in[1], dense_quant(node, plan), g if g > 1 else 0)
+        return matmul_kernels("", rows_in[0] // g, rows_in[1], dense_quant(node, plan), g if g > 1 else 0,
+                              dense_compute(node, plan))
 
     def emit(self, em, node, roles, args):
         x, w = args[0], node.inputs[1]

@@ -3,8 +3,8 @@ experts) and ``shared_expert``."""
 
 from __future__ import annotations
 
-from dsv4c.codegen.ops.base import (F32, I32, OpLowering, dense_quant, input_shapes, kernel,
-                                    matmul_kernels)
+from dsv4c.codegen.ops.base import (F32, I32, OpLowering, dense_compute, dense_quant, gemm_compute, input_shapes,
+                                    kernel, matmul_kernels)
 
 
 class MoeRoute(OpLowering):
@@ -60,10 +60,14 @@ class Experts(OpLowering):
         ins = input_shapes(node)
         e, inter, d = ins[3]
         q, k = self.weight_format(node, plan).name, ins[2][1]
+        # The prefill kernels' (up, down) compute: spelled out after decode=False in bf16 numerics only.
+        bf16 = gemm_compute(plan.weights["expert"].compute)
+        prefill = (False, *bf16) if bf16 else ()
         # The decode function's expert matmuls are kernels of their own on GPU targets (a GEMV
         # streaming the weights, kernels.gpu_gemv); the CPU builds one kernel for both.
         return {"group": kernel("moe_group", k, e), "act": kernel("swiglu", inter, node.attrs["limit"]),
-                "up": kernel("expert_linear", inter, d, q, e), "down": kernel("expert_linear", d, inter, q, e),
+                "up": kernel("expert_linear", inter, d, q, e, *prefill),
+                "down": kernel("expert_linear", d, inter, q, e, *prefill),
                 "up_gemv": kernel("expert_linear", inter, d, q, e, True),
                 "down_gemv": kernel("expert_linear", d, inter, q, e, True), "combine": kernel("moe_combine", d, k)}
 
@@ -93,9 +97,9 @@ class SharedExpert(OpLowering):
 
     def kernels(self, node, cfg, plan):
         inter, d = input_shapes(node)[1]
-        q = dense_quant(node, plan)
-        return {**matmul_kernels("up_", inter, d, q), "act": kernel("swiglu", inter, node.attrs["limit"]),
-                **matmul_kernels("down_", d, inter, q)}
+        q, compute = dense_quant(node, plan), dense_compute(node, plan)
+        return {**matmul_kernels("up_", inter, d, q, 0, compute), "act": kernel("swiglu", inter, node.attrs["limit"]),
+                **matmul_kernels("down_", d, inter, q, 0, compute)}
 
     def emit(self, em, node, roles, args):
         y = args[0]

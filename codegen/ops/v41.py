@@ -14,7 +14,8 @@ from tvm import relax, tirx
 from dsv4c.artifact.engram_tables import table_format, table_inputs
 from dsv4c.codegen.kernels.v41 import ROUNDTRIP_BLOCK
 from dsv4c.codegen.ops.attention import main_planes, pool_envelope, store_kernel, store_pool_rows
-from dsv4c.codegen.ops.base import F32, I32, OpLowering, dense_quant, input_shapes, kernel, matmul_kernels
+from dsv4c.codegen.ops.base import (F32, I32, OpLowering, dense_compute, dense_quant, input_shapes, kernel,
+                                    matmul_kernels)
 from dsv4c.codegen.ops.norm import rope_call, rope_table
 
 
@@ -97,7 +98,7 @@ class SharedCompress(OpLowering):
         if a["fake_quant"] and d % ROUNDTRIP_BLOCK["fp4_e4m3_b16"] == 0:
             out["quant"] = kernel("v41_roundtrip", d, "fp4_e4m3_b16")
         if a["index_keys"]:
-            out.update(matmul_kernels("key_", di, d, dense_quant(node, plan)),
+            out.update(matmul_kernels("key_", di, d, dense_quant(node, plan), 0, dense_compute(node, plan)),
                        key_norm=kernel("rmsnorm", di, a["eps"], True),
                        key_rope=kernel("rope", 1, di, a["rope_dim"], False),
                        key_store=store_kernel(cfg, plan, "index", di))
@@ -168,7 +169,7 @@ class Engram(OpLowering):
     def kernels(self, node, cfg, plan):
         h, ids, table, wkv = input_shapes(node)[:4]
         return {"gather": kernel("engram_gather", table[1], ids[2], ids[1], node.attrs["slot"], table_format(cfg)),
-                **matmul_kernels("project_", wkv[0], wkv[1], dense_quant(node, plan)),
+                **matmul_kernels("project_", wkv[0], wkv[1], dense_quant(node, plan), 0, dense_compute(node, plan)),
                 "gate": kernel("engram_gate", h[1], h[2], node.attrs["eps"])}
 
     def emit(self, em, node, roles, args):
