@@ -7,8 +7,9 @@ weights, and the bench compiles a whole model around it; the text model is v41-t
 5120). Both run one image of ``--size`` pixels (default 546 x 546: the release's min_pixels
 image, 39 x 39 patches, a 13 x 13 token grid, 184 span tokens), float32, on every core torch and
 TVM take by default. Reported: the best of ``--repeats`` runs each, their ratio, image tokens per
-second, and the 32-block time scaled from the whole run by 32 / ``--layers`` (an upper bound:
-the patch embedding and the aligner do not grow with the blocks).
+second, the 32-block time scaled from the whole run by 32 / ``--layers`` (an upper bound:
+the patch embedding and the aligner do not grow with the blocks), and one more call's time by
+kernel.
 
     PYTHONPATH=.. python bench/vision_encode.py [--layers 4] [--size 546] [--repeats 3]
 """
@@ -33,6 +34,27 @@ RELEASE_TOWER = {"model_type": "deepseek_v41_vision", "hidden_size": 1024, "inte
                  "max_image_tokens": 1024, "min_pixels": 295936}
 RELEASE_TEXT_HIDDEN = 5120
 RELEASE_LAYERS = 32
+
+
+def kernel_times(backend, pixels: np.ndarray) -> dict[str, float]:
+    """Seconds of one encode_image call by the symbol the VM called (kernels and builtins),
+    largest first; the instrument is removed afterwards."""
+    spent: dict[str, float] = {}
+    start = [0.0]
+
+    def instrument(_func, symbol, before, _ret, *_args):
+        if before:
+            start[0] = time.perf_counter()
+        else:
+            spent[symbol] = spent.get(symbol, 0.0) + time.perf_counter() - start[0]
+        return 0
+
+    backend.vm.set_instrument(instrument)
+    try:
+        backend.encode_image(pixels)
+    finally:
+        backend.vm.set_instrument(lambda *_: 0)
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -62,6 +84,7 @@ def main() -> None:
         rows = backend.encode_image(pixels)
         ours = best_of(lambda: backend.encode_image(pixels), args.repeats)
         torch.set_grad_enabled(False)
+        by_kernel = kernel_times(backend, pixels)
         reference = best_of(lambda: reference_rows(weights, geometry, tower, pixels, torch.float32), args.repeats)
         error = float(np.abs(rows - reference_rows(weights, geometry, tower, pixels)).max())
 
@@ -72,6 +95,9 @@ def main() -> None:
           f"compile {compile_seconds:.0f} s; max |rows - float64 reference| {error:.2e}")
     print(f"encode_image {ours * 1e3:.0f} ms, eager PyTorch {reference * 1e3:.0f} ms: "
           f"{reference / ours:.2f}x; {tokens / ours:.0f} image tokens/s (torch {tokens / reference:.0f})")
+    total = sum(by_kernel.values())
+    print("one encode_image call by kernel (the VM's instrument, summed over calls): " + ", ".join(
+        f"{symbol} {seconds * 1e3:.0f} ms ({seconds / total:.0%})" for symbol, seconds in list(by_kernel.items())[:10]))
     scale = RELEASE_LAYERS / args.layers
     print(f"32 blocks, scaled (an upper bound): encode_image {ours * scale:.2f} s, {tokens / ours / scale:.0f} "
           f"image tokens/s; eager PyTorch {reference * scale:.2f} s")

@@ -6,7 +6,8 @@ The tower's matmuls, norms, biases, SwiGLU and residual adds are the text model'
 Each kernel's outermost loop runs over independent rows, so GPU targets bind it to threads as
 they do the text model's row kernels (``codegen.gpu``); the loops over a thread's small arrays
 (a head's accumulator, a block's scores, the rope's angles) are unrolled, so a GPU keeps them in
-registers rather than local memory. The image's patch grid (rows gh, columns
+registers rather than local memory. The attention has a CPU kernel of its own (blocks of
+queries sharing each key block, in vectors), which GPU builds do not take. The image's patch grid (rows gh, columns
 gw) comes from the buffers' shapes: the entry function views its tensors as grids.
 """
 
@@ -19,7 +20,12 @@ from tvm.script import tirx as T
 from dsv4c.codegen.kernels.codecs import F32, NEG_INF, vector_exp
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_vector
 
-ATTENTION_KEY_BLOCK = 16  # keys scored together before the running softmax is rescaled
+# Keys a CPU attention task scores together before its running softmax is rescaled (two 16-lane
+# vectors per query: 32 ran faster than 16, whose per-block max, exp and sum cost more per key),
+# and the multiple the rope pads the transposed keys to. A GPU thread takes blocks of 16 (its
+# scores in registers).
+ATTENTION_KEY_BLOCK = 32
+GPU_KEY_BLOCK = 16
 
 
 def vision_patches(patch: int):
@@ -105,8 +111,9 @@ def padded_keys(n):
 def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
     """Dense bidirectional attention of one image: every patch attends to every patch, softmax
     scaled by 1 / sqrt(head_dim), no mask, no sink. The rope's qv [2, n, heads, head_dim] and kt
-    [heads, head_dim, padded_keys(n)] -> [n, heads * head_dim]. Keys go in blocks of
-    ATTENTION_KEY_BLOCK with a running max per query (its sum and output rescaled once per block).
+    [heads, head_dim, padded_keys(n)] -> [n, heads * head_dim]. Keys go in blocks (ATTENTION_KEY_BLOCK;
+    a GPU thread's GPU_KEY_BLOCK) with a running max per query: its sum and output are rescaled
+    once per block, when the block raises the max.
 
     CPUs: in parallel over (block of queries, head), FlashAttention's loop: each block of keys is
     read once for the task's queries, their scores a vector per query (kt's column block, an FMA
@@ -150,10 +157,11 @@ def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
                     for b in T.vectorized(kb):
                         score[i, b] = T.if_then_else(blk * kb + b < n, score[i, b], T.float32(NEG_INF))
                     run[i, 2] = T.max(run[i, 0], _lane_tree(score[i, T.Ramp(0, 1, kb)], kb, T.max))
-                    run[i, 1] = run[i, 1] * vector_exp(run[i, 0] - run[i, 2])
-                    for j in T.vectorized(head_dim):
-                        acc[i, j] = acc[i, j] * vector_exp(run[i, 0] - run[i, 2])
-                    run[i, 0] = run[i, 2]
+                    if run[i, 2] > run[i, 0]:  # a new max: rescale what was summed so far
+                        run[i, 1] = run[i, 1] * vector_exp(run[i, 0] - run[i, 2])
+                        for j in T.vectorized(head_dim):
+                            acc[i, j] = acc[i, j] * vector_exp(run[i, 0] - run[i, 2])
+                        run[i, 0] = run[i, 2]
                     for b in T.vectorized(kb):
                         score[i, b] = T.if_then_else(blk * kb + b < n, vector_exp(score[i, b] - run[i, 0]),
                                                      T.float32(0))
@@ -181,15 +189,16 @@ def _lane_tree(vector, lanes: int, op):
 
 def _query_block() -> int:
     """Queries a CPU task scores together: their scores of a key block (ATTENTION_KEY_BLOCK
-    lanes each) in a quarter of the vector registers. AVX-512: 8 queries of one register each."""
+    lanes each) in half of the vector registers. AVX-512: 8 queries of two registers each (4 or
+    12 ran slower, bench/RESULTS.md)."""
     lanes, registers = cpu_vector()
-    return max(1, registers // 4 * lanes // ATTENTION_KEY_BLOCK)
+    return max(1, registers // 2 * lanes // ATTENTION_KEY_BLOCK)
 
 
 def _attention_per_query(heads: int, head_dim: int):
     """vision_attention on GPU threads: one (query, head) a thread, its keys in blocks of
-    ATTENTION_KEY_BLOCK whose kb scores are kb independent chains."""
-    kb = ATTENTION_KEY_BLOCK
+    GPU_KEY_BLOCK (which divides ATTENTION_KEY_BLOCK) whose kb scores are kb independent chains."""
+    kb = GPU_KEY_BLOCK
     scale = 1 / math.sqrt(head_dim)
 
     @T.prim_func
