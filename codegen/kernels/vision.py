@@ -120,10 +120,7 @@ def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
     per channel), the weighted sums a vector chain over the head's channels. GPU builds
     (``max_lanes``, ``codegen.gpu``) take a thread per (query, head) instead, its arrays small
     enough for registers."""
-    if max_lanes:
-        return _attention_per_query(heads, head_dim)
-    kb, qb = ATTENTION_KEY_BLOCK, _query_block()
-    scale = 1 / math.sqrt(head_dim)
+    qb, attend = (1, _per_query_task(heads, head_dim)) if max_lanes else _blocked_task(heads, head_dim)
 
     @T.prim_func
     def f(qv: T.handle, kt: T.handle, out: T.handle):
@@ -133,49 +130,63 @@ def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
         KT = T.match_buffer(kt, (heads, head_dim, keys), F32)
         OUT = T.match_buffer(out, (n, heads * head_dim), F32)
         for job in T.parallel((n + qb - 1) // qb * heads):
-            q = T.alloc_buffer((qb, head_dim), F32, scope="local", annotations=ON_STACK)  # scaled
-            acc = T.alloc_buffer((qb, head_dim), F32, scope="local", annotations=ON_STACK)
-            score = T.alloc_buffer((qb, kb), F32, scope="local", annotations=ON_STACK)  # then weights
-            run = T.alloc_buffer((qb, 3), F32, scope="local", annotations=ON_STACK)  # max, sum, factor
-            for i in range(qb):
-                for j in T.vectorized(head_dim):
-                    q[i, j] = QV[0, T.min(job // heads * qb + i, n - 1), job % heads, j] * T.float32(scale)
-                    acc[i, j] = T.float32(0)
-                run[i, 0] = T.float32(NEG_INF)
-                run[i, 1] = T.float32(0)
-            for blk in range(keys // kb):
-                # Every query's scores of the block together: qb vector chains, one kt row read
-                # per channel for all of them.
-                for i in T.unroll(qb):
-                    for b in T.vectorized(kb):
-                        score[i, b] = T.float32(0)
-                for j in T.unroll(head_dim):
-                    for i in T.unroll(qb):
-                        for b in T.vectorized(kb):
-                            score[i, b] = score[i, b] + q[i, j] * KT[job % heads, j, blk * kb + b]
-                for i in range(qb):
-                    for b in T.vectorized(kb):
-                        score[i, b] = T.if_then_else(blk * kb + b < n, score[i, b], T.float32(NEG_INF))
-                    run[i, 2] = T.max(run[i, 0], _lane_tree(score[i, T.Ramp(0, 1, kb)], kb, T.max))
-                    if run[i, 2] > run[i, 0]:  # a new max: rescale what was summed so far
-                        run[i, 1] = run[i, 1] * vector_exp(run[i, 0] - run[i, 2])
-                        for j in T.vectorized(head_dim):
-                            acc[i, j] = acc[i, j] * vector_exp(run[i, 0] - run[i, 2])
-                        run[i, 0] = run[i, 2]
-                    for b in T.vectorized(kb):
-                        score[i, b] = T.if_then_else(blk * kb + b < n, vector_exp(score[i, b] - run[i, 0]),
-                                                     T.float32(0))
-                    run[i, 1] = run[i, 1] + _lane_tree(score[i, T.Ramp(0, 1, kb)], kb, lambda a, b: a + b)
-                    # The block's values weighted into the query's output: head_dim / lanes
-                    # vector chains, each value row read from L1.
-                    for b in T.unroll(kb):
-                        for j in T.vectorized(head_dim):
-                            acc[i, j] = acc[i, j] + score[i, b] * QV[1, T.min(blk * kb + b, n - 1), job % heads, j]
-            for i in range(qb):
-                if job // heads * qb + i < n:
-                    for j in T.vectorized(head_dim):
-                        OUT[job // heads * qb + i, job % heads * head_dim + j] = acc[i, j] / run[i, 1]
+            attend(QV, KT, OUT, n, keys, job)
     return f
+
+
+def _blocked_task(heads: int, head_dim: int):
+    """(queries per task, the task): vision_attention's CPU task, qb queries of one head."""
+    kb, qb, unroll = ATTENTION_KEY_BLOCK, _query_block(), math.gcd(head_dim, 8)
+    scale = 1 / math.sqrt(head_dim)
+
+    @T.macro
+    def attend(QV, KT, OUT, n, keys, job):
+        q = T.alloc_buffer((qb, head_dim), F32, scope="local", annotations=ON_STACK)  # scaled
+        acc = T.alloc_buffer((qb, head_dim), F32, scope="local", annotations=ON_STACK)
+        score = T.alloc_buffer((qb, kb), F32, scope="local", annotations=ON_STACK)  # then weights
+        run = T.alloc_buffer((qb, 3), F32, scope="local", annotations=ON_STACK)  # max, sum, new max
+        for i in range(qb):
+            for j in T.vectorized(head_dim):
+                q[i, j] = QV[0, T.min(job // heads * qb + i, n - 1), job % heads, j] * T.float32(scale)
+                acc[i, j] = T.float32(0)
+            run[i, 0] = T.float32(NEG_INF)
+            run[i, 1] = T.float32(0)
+        for blk in range(keys // kb):
+            # Every query's scores of the block together: qb vector chains, one kt row read
+            # per channel for all of them. The channels go unroll at a time: unrolled whole, LLVM
+            # hoisted every broadcast query channel out of the key loop into a 32 KiB stack
+            # array that crowded the key and value panels out of L1 (about 20% slower).
+            for i in T.unroll(qb):
+                for b in T.vectorized(kb):
+                    score[i, b] = T.float32(0)
+            for j0 in range(head_dim // unroll):
+                for j1, i in T.grid(unroll, qb):
+                    for b in T.vectorized(kb):
+                        score[i, b] = score[i, b] + \
+                            q[i, j0 * unroll + j1] * KT[job % heads, j0 * unroll + j1, blk * kb + b]
+            for i in range(qb):
+                for b in T.vectorized(kb):
+                    score[i, b] = T.if_then_else(blk * kb + b < n, score[i, b], T.float32(NEG_INF))
+                run[i, 2] = T.max(run[i, 0], _lane_tree(score[i, T.Ramp(0, 1, kb)], kb, T.max))
+                if run[i, 2] > run[i, 0]:  # a new max: rescale what was summed so far
+                    run[i, 1] = run[i, 1] * vector_exp(run[i, 0] - run[i, 2])
+                    for j in T.vectorized(head_dim):
+                        acc[i, j] = acc[i, j] * vector_exp(run[i, 0] - run[i, 2])
+                    run[i, 0] = run[i, 2]
+                for b in T.vectorized(kb):
+                    score[i, b] = T.if_then_else(blk * kb + b < n, vector_exp(score[i, b] - run[i, 0]),
+                                                 T.float32(0))
+                run[i, 1] = run[i, 1] + _lane_tree(score[i, T.Ramp(0, 1, kb)], kb, lambda x, y: x + y)
+                # The block's values weighted into the query's output: head_dim / lanes
+                # vector chains, each value row read from L1.
+                for b in T.unroll(kb):
+                    for j in T.vectorized(head_dim):
+                        acc[i, j] = acc[i, j] + score[i, b] * QV[1, T.min(blk * kb + b, n - 1), job % heads, j]
+        for i in range(qb):
+            if job // heads * qb + i < n:
+                for j in T.vectorized(head_dim):
+                    OUT[job // heads * qb + i, job % heads * head_dim + j] = acc[i, j] / run[i, 1]
+    return qb, attend
 
 
 def _lane_tree(vector, lanes: int, op):
@@ -195,91 +206,41 @@ def _query_block() -> int:
     return max(1, registers // 2 * lanes // ATTENTION_KEY_BLOCK)
 
 
-def _attention_per_query(heads: int, head_dim: int):
-    """vision_attention on GPU threads: one (query, head) a thread, its keys in blocks of
+def _per_query_task(heads: int, head_dim: int):
+    """vision_attention's GPU task: one (query, head) a thread, its keys in blocks of
     GPU_KEY_BLOCK (which divides ATTENTION_KEY_BLOCK) whose kb scores are kb independent chains."""
     kb = GPU_KEY_BLOCK
     scale = 1 / math.sqrt(head_dim)
 
-    @T.prim_func
-    def f(qv: T.handle, kt: T.handle, out: T.handle):
-        n = T.int32()
-        keys = T.int32()
-        QV = T.match_buffer(qv, (2, n, heads, head_dim), F32)
-        KT = T.match_buffer(kt, (heads, head_dim, keys), F32)
-        OUT = T.match_buffer(out, (n, heads * head_dim), F32)
-        for job in T.parallel(n * heads):
-            acc = T.alloc_buffer((head_dim,), F32, scope="local", annotations=ON_STACK)
-            score = T.alloc_buffer((kb,), F32, scope="local", annotations=ON_STACK)
-            run = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)  # max, sum, block max
-            run[0] = T.float32(-3.0e38)
-            run[1] = T.float32(0)
+    @T.macro
+    def attend(QV, KT, OUT, n, keys, job):
+        acc = T.alloc_buffer((head_dim,), F32, scope="local", annotations=ON_STACK)
+        score = T.alloc_buffer((kb,), F32, scope="local", annotations=ON_STACK)
+        run = T.alloc_buffer((3,), F32, scope="local", annotations=ON_STACK)  # max, sum, block max
+        run[0] = T.float32(-3.0e38)
+        run[1] = T.float32(0)
+        for j in T.unroll(head_dim):
+            acc[j] = T.float32(0)
+        for blk in range(keys // kb):
+            run[2] = run[0]
+            for b in T.unroll(kb):
+                score[b] = T.float32(0)
+            # The block's keys summed side by side: kb independent chains, not one long one.
             for j in T.unroll(head_dim):
-                acc[j] = T.float32(0)
-            for blk in range(keys // kb):
-                run[2] = run[0]
                 for b in T.unroll(kb):
-                    score[b] = T.float32(0)
-                # The block's keys summed side by side: kb independent chains, not one long one.
-                for j in T.unroll(head_dim):
-                    for b in T.unroll(kb):
-                        score[b] = score[b] + QV[0, job // heads, job % heads, j] * KT[job % heads, j, blk * kb + b]
-                for b in T.unroll(kb):
-                    score[b] = T.if_then_else(blk * kb + b < n, score[b] * T.float32(scale), T.float32(-3.0e38))
-                    run[2] = T.max(run[2], score[b])
-                run[1] = run[1] * T.exp(run[0] - run[2])
-                for j in T.unroll(head_dim):
-                    acc[j] = acc[j] * T.exp(run[0] - run[2])
-                run[0] = run[2]
-                for b in T.unroll(kb):
-                    score[b] = T.if_then_else(blk * kb + b < n, T.exp(score[b] - run[0]), T.float32(0))
-                    run[1] = run[1] + score[b]
-                    for j in T.unroll(head_dim):
-                        acc[j] = acc[j] + score[b] * QV[1, T.min(blk * kb + b, n - 1), job % heads, j]
+                    score[b] = score[b] + QV[0, job // heads, job % heads, j] * KT[job % heads, j, blk * kb + b]
+            for b in T.unroll(kb):
+                score[b] = T.if_then_else(blk * kb + b < n, score[b] * T.float32(scale), T.float32(-3.0e38))
+                run[2] = T.max(run[2], score[b])
+            run[1] = run[1] * T.exp(run[0] - run[2])
             for j in T.unroll(head_dim):
-                OUT[job // heads, job % heads * head_dim + j] = acc[j] / run[1]
-    return f
-
-
-def vision_merge(dim: int, ratio: int):
-    """The aligner's r x r merge: features [gh, gw, dim] -> [mh, mw, dim * r * r], token (Y, X)
-    holding element c * r * r + dy * r + dx = features[Y * r + dy, X * r + dx, c] (zeros past the
-    grid's edge: the release pads the features, not the pixels)."""
-    width = dim * ratio * ratio
-
-    @T.prim_func
-    def f(x: T.handle, out: T.handle):
-        gh = T.int32()
-        gw = T.int32()
-        mh = T.int32()
-        mw = T.int32()
-        X = T.match_buffer(x, (gh, gw, dim), F32)
-        OUT = T.match_buffer(out, (mh, mw, width), F32)
-        for t in T.parallel(mh * mw):
-            for c, dy, dx in T.grid(dim, ratio, ratio):
-                OUT[t // mw, t % mw, c * ratio * ratio + dy * ratio + dx] = T.if_then_else(
-                    t // mw * ratio + dy < gh and t % mw * ratio + dx < gw,
-                    X[T.min(t // mw * ratio + dy, gh - 1), T.min(t % mw * ratio + dx, gw - 1), c], T.float32(0))
-    return f
-
-
-def vision_span(dim: int):
-    """The span's rows: image_start, each row of tokens [mh, mw, dim] followed by image_newline,
-    image_end -> [mh * (mw + 1) + 2, dim]."""
-    @T.prim_func
-    def f(x: T.handle, start: T.handle, newline: T.handle, end: T.handle, out: T.handle):
-        mh = T.int32()
-        mw = T.int32()
-        X = T.match_buffer(x, (mh, mw, dim), F32)
-        START = T.match_buffer(start, (dim,), F32)
-        NEWLINE = T.match_buffer(newline, (dim,), F32)
-        END = T.match_buffer(end, (dim,), F32)
-        OUT = T.match_buffer(out, (mh * (mw + 1) + 2, dim), F32)
-        for i in T.parallel(mh * (mw + 1) + 2):
-            for j in range(dim):
-                OUT[i, j] = T.if_then_else(
-                    i == 0, START[j], T.if_then_else(
-                        i == mh * (mw + 1) + 1, END[j], T.if_then_else(
-                            (i - 1) % (mw + 1) == mw, NEWLINE[j],
-                            X[T.min((i - 1) // (mw + 1), mh - 1), T.min((i - 1) % (mw + 1), mw - 1), j])))
-    return f
+                acc[j] = acc[j] * T.exp(run[0] - run[2])
+            run[0] = run[2]
+            for b in T.unroll(kb):
+                score[b] = T.if_then_else(blk * kb + b < n, T.exp(score[b] - run[0]), T.float32(0))
+                run[1] = run[1] + score[b]
+                for j in T.unroll(head_dim):
+                    acc[j] = acc[j] + score[b] * QV[1, T.min(blk * kb + b, n - 1), job % heads, j]
+        for j in T.unroll(head_dim):
+            OUT[job // heads, job % heads * head_dim + j] = acc[j] / run[1]
+    return attend
