@@ -108,7 +108,7 @@ def padded_keys(n):
     return (n + ATTENTION_KEY_BLOCK - 1) // ATTENTION_KEY_BLOCK * ATTENTION_KEY_BLOCK
 
 
-def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
+def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0, query_block: int = 0):
     """Dense bidirectional attention of one image: every patch attends to every patch, softmax
     scaled by 1 / sqrt(head_dim), no mask, no sink. The rope's qv [2, n, heads, head_dim] and kt
     [heads, head_dim, padded_keys(n)] -> [n, heads * head_dim]. Keys go in blocks (ATTENTION_KEY_BLOCK;
@@ -119,8 +119,9 @@ def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
     read once for the task's queries, their scores a vector per query (kt's column block, an FMA
     per channel), the weighted sums a vector chain over the head's channels. GPU builds
     (``max_lanes``, ``codegen.gpu``) take a thread per (query, head) instead, its arrays small
-    enough for registers."""
-    qb, attend = (1, _per_query_task(heads, head_dim)) if max_lanes else _blocked_task(heads, head_dim)
+    enough for registers. ``query_block``: a CPU task's queries (0: this CPU's, _query_block)."""
+    qb, attend = (1, _per_query_task(heads, head_dim)) if max_lanes else \
+        _blocked_task(heads, head_dim, query_block or _query_block())
 
     @T.prim_func
     def f(qv: T.handle, kt: T.handle, out: T.handle):
@@ -134,9 +135,9 @@ def vision_attention(heads: int, head_dim: int, *, max_lanes: int = 0):
     return f
 
 
-def _blocked_task(heads: int, head_dim: int):
+def _blocked_task(heads: int, head_dim: int, qb: int):
     """(queries per task, the task): vision_attention's CPU task, qb queries of one head."""
-    kb, qb, unroll = ATTENTION_KEY_BLOCK, _query_block(), math.gcd(head_dim, 8)
+    kb, unroll = ATTENTION_KEY_BLOCK, math.gcd(head_dim, 8)
     scale = 1 / math.sqrt(head_dim)
 
     @T.macro
@@ -200,8 +201,8 @@ def _lane_tree(vector, lanes: int, op):
 
 def _query_block() -> int:
     """Queries a CPU task scores together: their scores of a key block (ATTENTION_KEY_BLOCK
-    lanes each) in half of the vector registers. AVX-512: 8 queries of two registers each (4 or
-    12 ran slower, bench/RESULTS.md)."""
+    lanes each) in half of the vector registers. AVX-512: 8 queries of two registers each (4 ran
+    slower, 12 and 14 no faster: ``bench/vision_encode.py --attention``)."""
     lanes, registers = cpu_vector()
     return max(1, registers // 2 * lanes // ATTENTION_KEY_BLOCK)
 
@@ -244,3 +245,47 @@ def _per_query_task(heads: int, head_dim: int):
         for j in T.unroll(head_dim):
             OUT[job // heads, job % heads * head_dim + j] = acc[j] / run[1]
     return attend
+
+
+def vision_merge(dim: int, ratio: int):
+    """The aligner's r x r merge: features [gh, gw, dim] -> [mh, mw, dim * r * r], token (Y, X)
+    holding element c * r * r + dy * r + dx = features[Y * r + dy, X * r + dx, c] (zeros past the
+    grid's edge: the release pads the features, not the pixels)."""
+    width = dim * ratio * ratio
+
+    @T.prim_func
+    def f(x: T.handle, out: T.handle):
+        gh = T.int32()
+        gw = T.int32()
+        mh = T.int32()
+        mw = T.int32()
+        X = T.match_buffer(x, (gh, gw, dim), F32)
+        OUT = T.match_buffer(out, (mh, mw, width), F32)
+        for t in T.parallel(mh * mw):
+            for c, dy, dx in T.grid(dim, ratio, ratio):
+                OUT[t // mw, t % mw, c * ratio * ratio + dy * ratio + dx] = T.if_then_else(
+                    t // mw * ratio + dy < gh and t % mw * ratio + dx < gw,
+                    X[T.min(t // mw * ratio + dy, gh - 1), T.min(t % mw * ratio + dx, gw - 1), c], T.float32(0))
+    return f
+
+
+def vision_span(dim: int):
+    """The span's rows: image_start, each row of tokens [mh, mw, dim] followed by image_newline,
+    image_end -> [mh * (mw + 1) + 2, dim]."""
+    @T.prim_func
+    def f(x: T.handle, start: T.handle, newline: T.handle, end: T.handle, out: T.handle):
+        mh = T.int32()
+        mw = T.int32()
+        X = T.match_buffer(x, (mh, mw, dim), F32)
+        START = T.match_buffer(start, (dim,), F32)
+        NEWLINE = T.match_buffer(newline, (dim,), F32)
+        END = T.match_buffer(end, (dim,), F32)
+        OUT = T.match_buffer(out, (mh * (mw + 1) + 2, dim), F32)
+        for i in T.parallel(mh * (mw + 1) + 2):
+            for j in range(dim):
+                OUT[i, j] = T.if_then_else(
+                    i == 0, START[j], T.if_then_else(
+                        i == mh * (mw + 1) + 1, END[j], T.if_then_else(
+                            (i - 1) % (mw + 1) == mw, NEWLINE[j],
+                            X[T.min((i - 1) // (mw + 1), mh - 1), T.min((i - 1) % (mw + 1), mw - 1), j])))
+    return f
