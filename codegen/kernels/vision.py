@@ -21,8 +21,9 @@ from dsv4c.codegen.kernels.codecs import F32, NEG_INF, vector_exp
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_vector
 
 # Keys a CPU attention task scores together before its running softmax is rescaled (two 16-lane
-# vectors per query: 32 ran faster than 16, whose per-block max, exp and sum cost more per key),
-# and the multiple the rope pads the transposed keys to. A GPU thread takes blocks of 16 (its
+# vectors per query: 32 ran faster than 16, whose per-block max, exp and sum cost more per key,
+# and than 64), and the multiple the rope pads the transposed keys to; a power of two (the
+# lanes' max and sum halve the block). A GPU thread takes blocks of 16 (its
 # scores in registers).
 ATTENTION_KEY_BLOCK = 32
 GPU_KEY_BLOCK = 16
