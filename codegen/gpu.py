@@ -131,7 +131,8 @@ SCHEDULE_RULES = (
     ScheduleRule(frozenset({"index_score"}), index_score_kernel),
     ScheduleRule(frozenset({"topk_rows"}), topk_rows_kernel),
     ScheduleRule(frozenset({"linear"}), dlight_schedule),  # other GEMMs: a compute definition
-    ScheduleRule(frozenset({"expert_linear", "swiglu", "mhc", "rmsnorm_rope", "candidate_mask"}), capped_vectors),
+    ScheduleRule(frozenset({"expert_linear", "swiglu", "mhc", "rmsnorm_rope", "candidate_mask", "vision_attention"}),
+                 capped_vectors),
     ScheduleRule(None, rows_on_threads),
 )
 

@@ -18,6 +18,7 @@ from tvm import relax, tirx
 
 from dsv4c.artifact.quant import BF16, FP32
 from dsv4c.artifact.vision import ENCODE_IMAGE, VisionGeometry, VisionTower, vision_tensors
+from dsv4c.codegen.kernels.vision import padded_keys
 from dsv4c.codegen.lowering import WeightLayout
 from dsv4c.codegen.ops.base import F32, KernelSpec, kernel
 from dsv4c.codegen.relax_step import _Emitter
@@ -117,10 +118,13 @@ class VisionEmitter(_Emitter):
                 b = f"vision.blocks.{layer}."
                 a = self.call(roles["norm"], [h, self.param(b + "norm1.weight")], ([n, d], F32))
                 qkv = self.linear(roles, "qkv", a, b + "attn.wqkv.weight", 3 * d, b + "attn.wqkv.bias")
-                rotated = self.call(roles["rope"], [self.view(qkv, [gh, gw, 3, heads, tower.head_dim]),
-                                                    self.param(ROPE_CONSTANT)],
-                                    ([3, n, heads, tower.head_dim], F32))
-                o = self.call(roles["attention"], [rotated], ([n, d], F32))
+                # The rope writes the queries and values as planes, the keys transposed per head.
+                qv_kt = self.call(roles["rope"], [self.view(qkv, [gh, gw, 3, heads, tower.head_dim]),
+                                                  self.param(ROPE_CONSTANT)],
+                                  [([2, n, heads, tower.head_dim], F32),
+                                   ([heads, tower.head_dim, padded_keys(n)], F32)])
+                o = self.call(roles["attention"], [bb.emit(relax.TupleGetItem(qv_kt, i)) for i in (0, 1)],
+                              ([n, d], F32))
                 h = self.call(roles["add"], [h, self.linear(roles, "wo", o, b + "attn.wo.weight", d,
                                                             b + "attn.wo.bias")], ([n, d], F32))
                 m = self.call(roles["norm"], [h, self.param(b + "norm2.weight")], ([n, d], F32))
