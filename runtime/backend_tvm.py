@@ -11,6 +11,7 @@ CPU the pool tensors are the :class:`KVPool`'s numpy arrays, shared zero-copy th
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,12 @@ from dsv4c.runtime.weights import open_engram_tables, open_weights, prefetch_row
 
 
 NO_ROW = np.array([-1], np.int32)  # a pool tensor's row list when a save names none of its rows
+
+
+# How often a CPU backend gives back the buffers its allocators keep (rt.release_cached_memory):
+# the next step then allocates and faults in its buffers again, a few tens of milliseconds for a
+# large model's prefill, well under 1% at this interval.
+RELEASE_EVERY_S = 30.0
 
 
 class TvmBackend(Backend):
@@ -109,6 +116,7 @@ class TvmBackend(Backend):
         # A V4.1 vision tower compiled as its own function (artifact.vision; docs/vision.md).
         self.vision = read_vision_manifest(manifest.vision) if manifest.vision is not None else None
         self.has_vision = self.vision is not None
+        self.released_at = time.monotonic()
 
     # ------------------------------------------------------------------ memory
     def _upload(self, a: np.ndarray):
@@ -187,6 +195,9 @@ class TvmBackend(Backend):
         artifact makes the same calls (``runtime.tensor_parallel``). A V4.1 step with Engram layers
         also takes each token's table rows ``engram_rows`` ``[T, L_e, C]``; the prefill function of
         a model that sees images its ``image_rows`` and ``image_index`` (``vm.image_inputs``)."""
+        if self.on_host and time.monotonic() - self.released_at >= RELEASE_EVERY_S:
+            rt.release_cached_memory()
+            self.released_at = time.monotonic()
         markov = name.startswith("dspark_markov_")
         extra = ()
         if stream_rows is not None:

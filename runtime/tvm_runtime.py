@@ -74,6 +74,23 @@ def load_vm(library: Path, dev):
     return vm
 
 
+_clear_pools = tvm_ffi.get_global_func("vm.builtin.memory_manager.clear")
+_libc = ctypes.CDLL(None)
+
+
+def release_cached_memory() -> None:
+    """Give back what the VMs' pooled allocators keep for reuse: the pools keep every freed
+    buffer for a later one of the same (page-rounded) size, so steps of ever new shapes (prompt
+    lengths, contexts) grow them without bound; and glibc keeps the freed pages in its heap
+    unless asked to return them (``malloc_trim``; other C libraries lack it and keep theirs).
+    Buffers in use (the weights, the pool, the streams kept for the next draft) are not touched;
+    the next step allocates its buffers afresh (bench/RESULTS.md: the soak's RSS)."""
+    _clear_pools()
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def from_numpy(a: np.ndarray):
     """A C-contiguous, 64-byte aligned host array as a CPU tensor, zero-copy. The versioned
     capsule: numpy exports read-only (mapped) arrays only through it."""

@@ -136,3 +136,24 @@ def test_speculative_refuses_what_it_cannot_do(parity_artifacts, tmp_path):
     engine = Engine(cpu, speculative="mtp")
     with pytest.raises(UsageError, match="record_logits"):
         engine.submit([1, 2], SamplingParams(max_new_tokens=2), record_logits=True)
+
+
+@pytest.mark.parametrize("parity_artifacts", ["official_hc2"], indirect=True)  # one config: the path is the same
+def test_giving_back_cached_buffers_between_calls_changes_nothing(parity_artifacts, monkeypatch):
+    """The CPU backend gives back its allocators' cached buffers every RELEASE_EVERY_S
+    (runtime.tvm_runtime.release_cached_memory); done before every call, MTP's drafts, which read
+    the streams the last step left on the device, and the steps still give plain greedy's tokens."""
+    from dsv4c.runtime import backend_tvm
+
+    cfg, _, _, cpu = parity_artifacts
+    prompts = _prompts(cfg)
+    _, plain, _ = _plain(cpu, prompts)
+    releases, calls = [], []
+    release, call = backend_tvm.rt.release_cached_memory, backend_tvm.TvmBackend.call
+    monkeypatch.setattr(backend_tvm, "RELEASE_EVERY_S", 0.0)
+    monkeypatch.setattr(backend_tvm.rt, "release_cached_memory", lambda: releases.append(release()))
+    monkeypatch.setattr(backend_tvm.TvmBackend, "call", lambda self, name, *a, **k: calls.append(name) or call(
+        self, name, *a, **k))
+    _, spec, _ = _run(cpu, prompts, "mtp", 1)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert len(releases) == len(calls) and {"decode", "mtp0_decode"} <= set(calls)
