@@ -92,14 +92,15 @@ def test_bf16_expert_linear():
     assert np.abs(y[rows] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("mcpu, quant, dot", [("znver4", "fp8_b128", True), ("sapphirerapids", "fp4_g32", True),
+@pytest.mark.parametrize("mcpu, quant, dot", [("znver4", "fp8_b128", True), ("cooperlake", "fp4_g32", True),
                                              ("x86-64-v3", "fp8_b128", False)])
 def test_bf16_gemm_instructions(mcpu, quant, dot):
-    """Built for a CPU with AVX512-BF16 (Zen 4 / Zen 5, Sapphire Rapids), the GEMM's products are
-    vdpbf16ps; for x86-64-v3 (no AVX-512) fp32 FMAs on the rounded x, and no vdpbf16ps; inspect
-    says which."""
+    """Built for a CPU with AVX512-BF16 and no AMX (Zen 4 / Zen 5, Cooper Lake), the GEMM's
+    products are vdpbf16ps; for x86-64-v3 (no AVX-512) fp32 FMAs on the rounded x, and no
+    vdpbf16ps; inspect says which (AMX builds: test_amx_matmul)."""
     asm = _cross_built_asm(mcpu, "linear", 128, 128, quant, False, 0, "bf16")
     assert ("vdpbf16ps" in asm) == dot
+    assert "tdpbf16ps" not in asm
     assert any("vfmadd" in line for line in asm.splitlines())  # the totals (and the fallback's products)
     assert ("by vdpbf16ps" in bf16_matmuls(mcpu, dot)) == dot
 
