@@ -10,6 +10,7 @@ the pseudocode), and that the tile configuration LLVM writes is right (read in t
 not run)."""
 
 import ctypes
+import json
 import functools
 import shutil
 import subprocess
@@ -295,3 +296,40 @@ def test_amx_tile_function_shapes():
     assert ir.count("@llvm.x86.tileloadd64.internal(i16 8, i16 64,") == 2
     assert ir.count("@llvm.x86.tilezero.internal(i16 %rows, i16 64)") == 2
     assert "tilezero.internal(i16 %rows" not in bf16.tile_ir(1, 16, False)
+
+
+def test_an_amx_artifact_is_refused_here_in_one_line(tiny_llvm, tmp_path, capsys, monkeypatch):
+    """A Sapphire Rapids build's manifest lists amx_tile and amx_bf16 (``targets.cpu_features``;
+    here the tiny artifact's manifest given that list: a real cross-build takes 1.5 minutes on
+    this machine). A CPU without them refuses it in one line; one whose flags list them has
+    Linux asked for the tile state first (``request_tile_data``), and a refusal is one line too
+    (this machine's Linux refuses: its CPU has no AMX). inspect says the GEMMs run on tiles."""
+    from dsv4c import targets
+    from dsv4c.cli import main as cli
+
+    if HOST is None or "amx_tile" in HOST.flags:
+        pytest.skip("needs /proc/cpuinfo flags without AMX (on an AMX CPU the artifact would load)")
+    features = targets.cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids",
+                                                       "mtriple": "x86_64-linux-gnu"}))
+    assert {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(features)
+    art = tmp_path / "spr"
+    shutil.copytree(tiny_llvm, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["kernels"].update(mcpu="sapphirerapids", cpu_features=features)
+    manifest["numerics"] = "bf16"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    run = ["generate", str(art), "--token-ids", "1,2", "--max-new-tokens", "2"]
+
+    def one_line_error():
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dsv4c: error: ") and "\n" not in err and "Traceback" not in err
+        return err
+
+    assert cli(run) == 2
+    err = one_line_error()
+    assert "compiled for CPU sapphirerapids, which needs" in err and "amx_bf16" in err and "lacks" in err
+    monkeypatch.setattr(targets, "host_cpu_flags", lambda: targets.HostCpu("Test CPU", HOST.flags | set(features)))
+    assert cli(run) == 2
+    assert "its kernels use AMX tiles, and Linux refused this process their state (arch_prctl" in one_line_error()
+    assert cli(["inspect", str(art)]) == 0
+    assert "prefill GEMMs in bf16 by AMX tiles, tdpbf16ps (AMX-BF16 on sapphirerapids)" in capsys.readouterr().out

@@ -89,8 +89,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     rounded x. The direct loop (decode steps) stays exact. Where the CPU also has AMX-BF16
     (``amx``), the micro-kernel takes blocks of up to AMX_ROWS rows (the last one the rows left)
     and runs their products on AMX tiles (``bf16.tile_ir``): every group's sums (scaled), or the
-    k block's running sums, come from one out-of-line call; the scaling into the totals stays
-    the same.
+    k block's running sums, come from one call of the tile function; the scaling into the
+    totals stays the same.
 
     GPU builds (not ``cpu``) run the direct loop on weight values (``TirFormat.value``): their
     float32 arithmetic may flush the raw codes' subnormals."""
