@@ -27,11 +27,12 @@ from dsv4c.targets import host_cpu_flags, target_info
 
 from test_cpu_kernels import _call, _cross_built_asm, _kernel_of, _stored
 
-QUANTS = ("fp8_b128", "fp4_g32", "bf16")  # FP8 blocks, FP4 groups, BF16: every weight format the bf16 GEMM reads
-# (out_dim, in_dim) per format: two column tiles of 16 (and one: 16 columns), several k blocks
-# (FP8: 640 = 5 groups of 128, k blocks of 128; BF16: 1024 = 2 k blocks of 512), FP4's 8 groups
-# of 32 a k block.
-SHAPES = {"fp8_b128": (192, 640), "fp4_g32": (16, 512), "bf16": (64, 1024)}
+# (format, out_dim, in_dim, pairs a tdpbf16ps step takes) for every weight format the bf16 GEMM
+# reads: FP8 128-blocks (640 inputs: 5 groups, k blocks of 128) and 32-blocks, FP4 groups (8 a k
+# block), BF16 (2 k blocks; and k blocks of 16 inputs, 8 pairs a step); two column tiles of 16
+# a micro-kernel, or one (16 and 48 columns).
+CASES = [("fp8_b128", 192, 640, 16), ("fp8_b32", 48, 96, 16), ("fp4_g32", 16, 512, 16), ("bf16", 64, 1024, 16),
+         ("bf16", 32, 48, 8)]
 ROWS = 37  # the GEMM's rows (padded to 40: tiles of 16, 16 and 8), or an expert's (16, 16 and 5)
 HOST = host_cpu_flags()
 needs_avx512_bf16 = pytest.mark.skipif(HOST is None or "avx512_bf16" not in HOST.flags,
@@ -101,7 +102,7 @@ static void tiles(char* c, char* x, int64_t x_stride, char* b, int64_t b_stride,
   }
 }
 """
-MODELLED = [(col_tiles, 16, zero) for col_tiles in (1, 2) for zero in (False, True)]
+MODELLED = [(col_tiles, k_pairs, zero) for col_tiles in (1, 2) for k_pairs in (8, 16) for zero in (False, True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,11 +206,11 @@ def _operands(rng, out_dim, in_dim, quant, exact=False):
     return parts, x, xb, w.astype(np.float32), None if scales is None else scales.astype(np.float32)
 
 
-def _model(xb, w, scales, group, instruction):
+def _model(xb, w, scales, group, instruction, k_pairs=16):
     """What the kernel computes (float32 [ROWS, O]) when its products are summed by
     ``instruction``'s pseudocode: each group's (scaled formats) or the whole row's (unscaled)
-    pairs in input order, vdpbf16ps one pair at a time (odd product, then even), tdpbf16ps 16
-    pairs a step (even and odd sums from zero, their sum added); each group's sum times its
+    pairs in input order, vdpbf16ps one pair at a time (odd product, then even), tdpbf16ps
+    ``k_pairs`` pairs a step (even and odd sums from zero, their sum added); each group's sum times its
     scale added to the total. Products of these values are exact in float32, so an FMA is a
     product and a rounded sum; no value here is subnormal."""
     rows, in_dim = xb.shape
@@ -222,9 +223,9 @@ def _model(xb, w, scales, group, instruction):
             for k in range(first, first + summed, 2):
                 s = (s + product(k + 1)) + product(k)
         else:
-            for step in range(first, first + summed, 32):
+            for step in range(first, first + summed, 2 * k_pairs):
                 even, odd = np.zeros_like(total), np.zeros_like(total)
-                for k in range(step, step + 32, 2):
+                for k in range(step, step + 2 * k_pairs, 2):
                     even, odd = even + product(k), odd + product(k + 1)
                 s = s + (even + odd)
         total = total + s * scales[None, :, first // group] if scales is not None else s
@@ -236,30 +237,28 @@ def _group(quant):
 
 
 @needs_avx512_bf16
-@pytest.mark.parametrize("quant", QUANTS)
-def test_amx_kernel_sums_as_tdpbf16ps_and_the_avx512_kernel_as_vdpbf16ps(quant, tile_model):
+@pytest.mark.parametrize("quant, out_dim, in_dim, k_pairs", CASES)
+def test_amx_kernel_sums_as_tdpbf16ps_and_the_avx512_kernel_as_vdpbf16ps(quant, out_dim, in_dim, k_pairs, tile_model):
     """Random x and weights: the AMX kernel (tiles by the C model) gives the TDPBF16PS model's
     bits, the AVX512-BF16 kernel the VDPBF16PS model's (this CPU's vdpbf16ps follows Intel's
     pseudocode), and the two differ (the orders of their roundings). The tile function ran on
     blocks of 16 rows and one of the 8 left (37 rows padded to 40), nothing else."""
-    out_dim, in_dim = SHAPES[quant]
     parts, x, xb, w, scales = _operands(np.random.default_rng(3), out_dim, in_dim, quant)
     amx, seen = _tile_rows(tile_model, lambda: _run(_amx_modelled_kernel("linear", out_dim, in_dim, quant), "linear",
                                                     x, parts, out_dim))
     assert set(seen) == {16, 8} and seen[16] == 2 * seen[8]
-    np.testing.assert_array_equal(amx, _model(xb, w, scales, _group(quant), "tdpbf16ps"))
+    np.testing.assert_array_equal(amx, _model(xb, w, scales, _group(quant), "tdpbf16ps", k_pairs))
     avx512 = _run(_built("linear", out_dim, in_dim, quant), "linear", x, parts, out_dim)
     np.testing.assert_array_equal(avx512, _model(xb, w, scales, _group(quant), "vdpbf16ps"))
     assert np.any(amx != avx512)
 
 
 @needs_avx512_bf16
-@pytest.mark.parametrize("quant", QUANTS)
-def test_amx_and_avx512_kernels_agree_where_every_sum_is_exact(quant, tile_model):
+@pytest.mark.parametrize("quant, out_dim, in_dim, k_pairs", CASES)
+def test_amx_and_avx512_kernels_agree_where_every_sum_is_exact(quant, out_dim, in_dim, k_pairs, tile_model):
     """Small integer x and weights, scales 1: every partial sum is exact in fp32, so the AMX
     kernel, the AVX512-BF16 kernel and numpy's float64 products give the same bits. The expert
     kernel's 37 rows: tiles of 16, 16 and the 5 left."""
-    out_dim, in_dim = SHAPES[quant]
     parts, x, xb, w, scales = _operands(np.random.default_rng(4), out_dim, in_dim, quant, exact=True)
     want = xb.astype(np.float64) @ w.T.astype(np.float64)
     if scales is not None:
@@ -273,12 +272,11 @@ def test_amx_and_avx512_kernels_agree_where_every_sum_is_exact(quant, tile_model
     assert np.abs(want).max() > 0
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-def test_amx_kernels_cross_built_for_sapphirerapids(quant):
+@pytest.mark.parametrize("quant, out_dim, in_dim", [case[:3] for case in CASES[:4]])
+def test_amx_kernels_cross_built_for_sapphirerapids(quant, out_dim, in_dim):
     """Built for Sapphire Rapids, every format's GEMM multiplies on tiles: the tile loads,
     tdpbf16ps, the stores of the sums, LLVM's tile configuration and release; no vdpbf16ps.
     Scaled formats start each group's sums from tilezero."""
-    out_dim, in_dim = SHAPES[quant]
     asm = _cross_built_asm("sapphirerapids", "linear", out_dim, in_dim, quant, False, 0, "bf16")
     for instruction in ("tdpbf16ps", "tileloadd", "tilestored", "ldtilecfg", "tilerelease"):
         assert instruction in asm
