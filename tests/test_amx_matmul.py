@@ -331,3 +331,19 @@ def test_an_amx_artifact_is_refused_here_in_one_line(tiny_llvm, tmp_path, capsys
     assert "its kernels use AMX tiles, and Linux refused this process their state (arch_prctl" in one_line_error()
     assert cli(["inspect", str(art)]) == 0
     assert "prefill GEMMs in bf16 by AMX tiles, tdpbf16ps (AMX-BF16 on sapphirerapids)" in capsys.readouterr().out
+
+
+def test_linux_grants_the_tile_state_where_the_cpu_has_amx(tmp_path):
+    """``request_tile_data`` (what loading an AMX artifact does first): granted on a CPU whose
+    flags list amx_tile (Linux 5.16 or later), refused in one line elsewhere, as here."""
+    from dsv4c.errors import ArtifactError
+    from dsv4c.runtime.backend_tvm import request_tile_data
+
+    if HOST is None:
+        pytest.skip("no /proc/cpuinfo flags: not Linux on x86, where nothing asks")
+    if "amx_tile" in HOST.flags:
+        request_tile_data(tmp_path)
+        return
+    with pytest.raises(ArtifactError, match=r"Linux refused this process their state \(arch_prctl") as refused:
+        request_tile_data(tmp_path)
+    assert "\n" not in str(refused.value)
