@@ -105,41 +105,31 @@ static void tiles(char* c, char* x, int64_t x_stride, char* b, int64_t b_stride,
 MODELLED = [(col_tiles, k_pairs, zero) for col_tiles in (1, 2) for k_pairs in (8, 16) for zero in (False, True)]
 
 
-@functools.lru_cache(maxsize=None)
-def _tile_model(tmp_dir):
+@pytest.fixture(scope="module")
+def tile_model(tmp_path_factory):
     """The C model built and loaded into this process (RTLD_GLOBAL: the JIT-compiled kernels
     resolve the tile functions against it), under ``tile_function``'s names."""
-    source = tmp_dir / "tile_model.c"
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) to build the tile model")
+    source = tmp_path_factory.mktemp("amx") / "tile_model.c"
     source.write_text(TILE_MODEL + "".join(
         f"void {bf16.tile_function(*p)}(char* c, char* x, int64_t xs, char* b, int64_t bs, int16_t rows, "
-        f"int32_t groups, int32_t steps) {{ tiles(c, x, xs, b, bs, rows, groups, steps, {p[0]}, {p[1]}, {int(p[2])}); }}\n"
+        f"int32_t groups, int32_t steps) {{ tiles(c, x, xs, b, bs, rows, groups, steps, {p[0]}, {p[1]}, "
+        f"{int(p[2])}); }}\n"
         for p in MODELLED))
-    library = tmp_dir / "tile_model.so"
-    subprocess.run([shutil.which("cc") or "cc", "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(source), "-o",
-                    str(library), "-lm"], check=True)
+    library = source.with_suffix(".so")
+    subprocess.run(["cc", "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(source), "-o", str(library), "-lm"],
+                   check=True)
     return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
 
 
-@pytest.fixture(scope="module")
-def tile_model(tmp_path_factory):
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler (cc) to build the tile model")
-    return _tile_model(tmp_path_factory.mktemp("amx"))
-
-
-def _amx_modelled_kernel(factory, out_dim, in_dim, quant):
-    """The AMX GEMM (``linear``) or expert kernel (one expert) built for this CPU given AMX-BF16,
-    the tile function left to the C model."""
-    host = target_info("llvm").tvm_target()
-    target = tvm.target.Target({**host.export(), "mattr": ["+amx-tile", "+amx-bf16"]})
-    return _built(factory, out_dim, in_dim, quant, target)
-
-
 @functools.lru_cache(maxsize=None)
-def _built(factory, out_dim, in_dim, quant, target=None):
-    """The bf16 kernel for ``target`` (AMX-BF16: its tile function left to the C model; None:
-    this CPU)."""
-    target = target or target_info("llvm").tvm_target()
+def _built(factory, out_dim, in_dim, quant, amx=False):
+    """The bf16 ``linear`` GEMM or ``expert_linear`` kernel (one expert) built for this CPU, or
+    (``amx``) for this CPU given AMX-BF16, its tile function left to the C model."""
+    target = target_info("llvm").tvm_target()
+    if amx:
+        target = tvm.target.Target({**target.export(), "mattr": ["+amx-tile", "+amx-bf16"]})
     params = (False, 0) if factory == "linear" else (1, False)
     with target, mock.patch.object(matmul, "tile_ir", lambda *p: ""):
         func = KERNELS[factory](out_dim, in_dim, quant, *params, "bf16")
@@ -244,7 +234,7 @@ def test_amx_kernel_sums_as_tdpbf16ps_and_the_avx512_kernel_as_vdpbf16ps(quant, 
     pseudocode), and the two differ (the orders of their roundings). The tile function ran on
     blocks of 16 rows and one of the 8 left (37 rows padded to 40), nothing else."""
     parts, x, xb, w, scales = _operands(np.random.default_rng(3), out_dim, in_dim, quant)
-    amx, seen = _tile_rows(tile_model, lambda: _run(_amx_modelled_kernel("linear", out_dim, in_dim, quant), "linear",
+    amx, seen = _tile_rows(tile_model, lambda: _run(_built("linear", out_dim, in_dim, quant, amx=True), "linear",
                                                     x, parts, out_dim))
     assert set(seen) == {16, 8} and seen[16] == 2 * seen[8]
     np.testing.assert_array_equal(amx, _model(xb, w, scales, _group(quant), "tdpbf16ps", k_pairs))
@@ -263,7 +253,7 @@ def test_amx_and_avx512_kernels_agree_where_every_sum_is_exact(quant, out_dim, i
     want = xb.astype(np.float64) @ w.T.astype(np.float64)
     if scales is not None:
         want = want * scales[0, 0]
-    amx, seen = _tile_rows(tile_model, lambda: _run(_amx_modelled_kernel("expert_linear", out_dim, in_dim, quant),
+    amx, seen = _tile_rows(tile_model, lambda: _run(_built("expert_linear", out_dim, in_dim, quant, amx=True),
                                                     "expert_linear", x, parts, out_dim))
     assert set(seen) == {16, 5} and seen[16] == 2 * seen[5]
     avx512 = _run(_built("expert_linear", out_dim, in_dim, quant), "expert_linear", x, parts, out_dim)
@@ -290,7 +280,7 @@ def test_amx_tile_function_shapes():
     ir = bf16.tile_ir(2, 8, True)
     assert "define internal void @dsv4c_tdpbf16ps_2x8_zero(" in ir
     assert ir.count("@llvm.x86.tdpbf16ps.internal(i16 %rows, i16 64, i16 32,") == 2
-    assert "@llvm.x86.tileloadd64.internal(i16 %rows, i16 32, ptr %ap, i64 %a_stride)" in ir
+    assert "@llvm.x86.tileloadd64.internal(i16 %rows, i16 32, ptr %ap, i64 %x_stride)" in ir
     assert ir.count("@llvm.x86.tileloadd64.internal(i16 8, i16 64,") == 2
     assert ir.count("@llvm.x86.tilezero.internal(i16 %rows, i16 64)") == 2
     assert "tilezero.internal(i16 %rows" not in bf16.tile_ir(1, 16, False)

@@ -17,7 +17,7 @@ What the two instructions compute, per Intel's pseudocode (SDM: VDPBF16PS, TDPBF
 fp32 output c and pairs (x0, x1) . (w0, w1) of BF16 inputs; both treat BF16 subnormal inputs as
 zero, flush subnormal results to zero and round to nearest even, whatever MXCSR says:
   vdpbf16ps, one pair:   c = (c + x1 * w1) + x0 * w0  (two FMAs, the odd product first; this
-                         Zen 5 gives those bits: tests/test_bf16_matmul.py)
+                         Zen 5 gives those bits: tests/test_amx_matmul.py)
   tdpbf16ps, 16 pairs:   e = sum of x0 * w0 over the pairs, o = sum of x1 * w1 (each from zero,
                          in pair order), c = c + (e + o)
 Every product is exact in fp32 (8 by 8 significant bits; in range for the kernels' values), so
@@ -95,12 +95,14 @@ def tile_ir(col_tiles: int, k_pairs: int, zero: bool) -> str:
     init = "\n".join(
         f"  %c{t} = call {amx} @llvm.x86.tilezero.internal(i16 %rows, i16 {AMX_ROW_BYTES})" if zero else
         f"  %cp{t} = getelementptr i8, ptr %cg, i64 {AMX_ROW_BYTES * t}\n"
-        f"  %c{t} = call {amx} @llvm.x86.tileloadd64.internal(i16 %rows, i16 {AMX_ROW_BYTES}, ptr %cp{t}, i64 {c_stride})"
+        f"  %c{t} = call {amx} @llvm.x86.tileloadd64.internal(i16 %rows, i16 {AMX_ROW_BYTES}, ptr %cp{t}, "
+        f"i64 {c_stride})"
         for t in tiles)
     sums = "\n".join(f"  %acc{t} = phi {amx} [%c{t}, %group], [%next{t}, %step]" for t in tiles)
     products = "\n".join(
         f"  %bp{t} = getelementptr i8, ptr %bs, i64 {AMX_ROW_BYTES * t}\n"
-        f"  %b{t} = call {amx} @llvm.x86.tileloadd64.internal(i16 {k_pairs}, i16 {AMX_ROW_BYTES}, ptr %bp{t}, i64 %b_stride)\n"
+        f"  %b{t} = call {amx} @llvm.x86.tileloadd64.internal(i16 {k_pairs}, i16 {AMX_ROW_BYTES}, ptr %bp{t}, "
+        f"i64 %panel_stride)\n"
         f"  %next{t} = call {amx} @llvm.x86.tdpbf16ps.internal(i16 %rows, i16 {AMX_ROW_BYTES}, i16 {a_bytes}, "
         f"{amx} %acc{t}, {amx} %a, {amx} %b{t})"
         for t in tiles)
@@ -110,14 +112,15 @@ def tile_ir(col_tiles: int, k_pairs: int, zero: bool) -> str:
         f"{amx} %next{t})"
         for t in tiles)
     return f"""
-define internal void @{name}(ptr %c, ptr %x, i64 %a_stride, ptr %b, i64 %b_stride, i16 %rows, i32 %groups, i32 %steps) {{
+define internal void @{name}(ptr %sums, ptr %x, i64 %x_stride, ptr %panel, i64 %panel_stride, i16 %rows, i32 %groups,
+    i32 %steps) {{
 entry:
   br label %group
 group:
   %g = phi i32 [0, %entry], [%g_next, %stored]
   %g64 = zext i32 %g to i64
   %c_offset = mul i64 %g64, {AMX_ROWS * c_stride}
-  %cg = getelementptr i8, ptr %c, i64 %c_offset
+  %cg = getelementptr i8, ptr %sums, i64 %c_offset
 {init}
   br label %step
 step:
@@ -128,10 +131,10 @@ step:
   %s64 = zext i32 %s to i64
   %a_offset = mul i64 %s64, {a_bytes}
   %ap = getelementptr i8, ptr %x, i64 %a_offset
-  %a = call {amx} @llvm.x86.tileloadd64.internal(i16 %rows, i16 {a_bytes}, ptr %ap, i64 %a_stride)
+  %a = call {amx} @llvm.x86.tileloadd64.internal(i16 %rows, i16 {a_bytes}, ptr %ap, i64 %x_stride)
   %b_row = mul i64 %s64, {k_pairs}
-  %b_offset = mul i64 %b_row, %b_stride
-  %bs = getelementptr i8, ptr %b, i64 %b_offset
+  %b_offset = mul i64 %b_row, %panel_stride
+  %bs = getelementptr i8, ptr %panel, i64 %b_offset
 {products}
   %i_next = add i32 %i, 1
   %more = icmp slt i32 %i_next, %steps

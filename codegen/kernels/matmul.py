@@ -293,7 +293,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             if not scaled:
                 for r in rows_of(R):
                     for c in T.vectorized(cols):
-                        acc[0, r, c] = T.if_then_else(kb == 0, T.float32(0), Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)])
+                        acc[0, r, c] = T.if_then_else(kb == 0, T.float32(0),
+                                                      Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)])
             T.evaluate(tile_products(cols // DOT_LANES, k_pairs, scaled, T.address_of(acc[0, 0, 0]),
                                      T.address_of(xb[row - first, 0]), kc // 2 * 4, T.address_of(panel[0, cs * cols]),
                                      pw * 4, R, sum_blocks, summed // 2 // k_pairs))
@@ -307,7 +308,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                     for r in T.unroll(R):
                         for c in T.vectorized(cols):
                             acc[0, r, c] = Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)]
-            if pairs and not amx:  # two inputs a vdpbf16ps: the chunk's rounded x (rows from first) by the panel's pairs
+            if pairs and not amx:  # two inputs a vdpbf16ps: the chunk's rounded x (rows from first) by the panel
                 for k2 in range(summed // 2):
                     for r in T.unroll(R):
                         for v in T.unroll(cols // DOT_LANES):
