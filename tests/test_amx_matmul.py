@@ -10,8 +10,8 @@ the pseudocode), and that the tile configuration LLVM writes is right (read in t
 not run)."""
 
 import ctypes
-import json
 import functools
+import json
 import shutil
 import subprocess
 from unittest import mock
@@ -28,9 +28,9 @@ from dsv4c.targets import host_cpu_flags, target_info
 from test_cpu_kernels import _call, _cross_built_asm, _kernel_of, _stored
 
 # (format, out_dim, in_dim, pairs a tdpbf16ps step takes) for every weight format the bf16 GEMM
-# reads: FP8 128-blocks (640 inputs: 5 groups, k blocks of 128) and 32-blocks, FP4 groups (8 a k
-# block), BF16 (2 k blocks; and k blocks of 16 inputs, 8 pairs a step); two column tiles of 16
-# a micro-kernel, or one (16 and 48 columns).
+# reads: FP8 128-blocks (5 k blocks of one group; column strips of 32, two C tiles) and 32-blocks
+# (3 k blocks; strips of 16, one tile), FP4 groups (16 a k block), BF16 (8 k blocks of 128 inputs;
+# and 3 of 16, 8 pairs a step).
 CASES = [("fp8_b128", 192, 640, 16), ("fp8_b32", 48, 96, 16), ("fp4_g32", 16, 512, 16), ("bf16", 64, 1024, 16),
          ("bf16", 32, 48, 8)]
 ROWS = 37  # the GEMM's rows (padded to 40: tiles of 16, 16 and 8), or an expert's (16, 16 and 5)
