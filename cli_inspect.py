@@ -127,6 +127,8 @@ def bf16_matmuls_line(manifest) -> str:
     from dsv4c.targets import host_cpu, host_cpu_flags
 
     if manifest is not None:
-        return bf16_matmuls(manifest.kernels.mcpu, "avx512_bf16" in (manifest.kernels.cpu_features or ()))
+        features = manifest.kernels.cpu_features or ()
+        return bf16_matmuls(manifest.kernels.mcpu, "avx512_bf16" in features, "amx_bf16" in features)
     host = host_cpu_flags()
-    return bf16_matmuls(host_cpu(), host is not None and "avx512_bf16" in host.flags)
+    flags = host.flags if host is not None else frozenset()
+    return bf16_matmuls(host_cpu(), "avx512_bf16" in flags, "amx_bf16" in flags)

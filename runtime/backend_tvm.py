@@ -336,6 +336,34 @@ def check_cpu(artifact: Path, kernels: Kernels) -> None:
         raise ArtifactError(f"{artifact}: compiled for CPU {mcpu}, which needs {', '.join(missing)} "
                             f"that this CPU ({host.model}) lacks; recompile with --cpu native (this CPU) or "
                             "--cpu x86-64-v3 (any AVX2 CPU)")
+    if "amx_tile" in needs:
+        request_tile_data(artifact)
+
+
+# Linux's arch_prctl request for a process to use an extended state component, and AMX's tile
+# data component (asm/prctl.h, XFEATURE_XTILEDATA); x86-64's arch_prctl system call number.
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+SYS_ARCH_PRCTL = 158
+
+
+def request_tile_data(artifact: Path) -> None:
+    """Ask Linux to let this process use AMX tiles, which the kernels of an artifact built for a
+    CPU with AMX (``kernels.cpu_features`` amx_tile) run on: until a process asks, its first tile
+    instruction kills it (SIGILL). The permission covers every thread of the process, and asking
+    again is harmless. C++ twin: step.cc, request_tile_data."""
+    import ctypes
+    import platform
+    import sys
+
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return  # check_cpu found /proc/cpuinfo x86 flags: an x86-64 Linux, or its emulation
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM),
+                    ctypes.c_long(XFEATURE_XTILEDATA)) != 0:
+        raise ArtifactError(f"{artifact}: its kernels use AMX tiles, and Linux refused this process their state "
+                            f"(arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(ctypes.get_errno())}; Linux 5.16 and "
+                            "later grant it where AMX is enabled); recompile with --cpu x86-64-v4 (AVX-512, no AMX)")
 
 
 def use_physical_cores() -> None:

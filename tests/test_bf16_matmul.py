@@ -49,12 +49,12 @@ def _check(got, x, w_t, in_dim):
 @pytest.mark.parametrize("quant, out_dim, in_dim, cpu", [
     ("fp8_b128", 192, 4 * 128 + 128, None), ("fp8_b128", 80, 96, "x86-64-v3"), ("fp8_b32", 64, 96, None),
     ("fp8_b32", 24, 160, None), ("fp4_g32", 128, 1024, None), ("fp4_g32", 40, 64, "x86-64-v3"),
-    ("bf16", 192, 576, None), ("bf16", 12, 64, None)])
+    ("bf16", 192, 576, None), ("bf16", 12, 64, None), ("bf16", 48, 96, "x86-64-v3")])
 def test_bf16_gemm_matches_numpy(quant, out_dim, in_dim, cpu):
     """Column tiles of 64, 16 and 8 (narrower than a vdpbf16ps: the FMA micro-kernel), k blocks
     that are not whole scale groups (96 of FP8's 128-blocks), several k blocks (1024), and 37
     rows: whole register blocks, a half block and single rows; x86-64-v3 code (the FMA
-    fallback) on two of them."""
+    fallback) on one of each format."""
     rng = np.random.default_rng(out_dim + in_dim)
     parts, w = _stored(rng, out_dim, in_dim, quant)
     x = rng.standard_normal((37, in_dim)).astype(np.float32)
@@ -92,14 +92,15 @@ def test_bf16_expert_linear():
     assert np.abs(y[rows] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("mcpu, quant, dot", [("znver4", "fp8_b128", True), ("sapphirerapids", "fp4_g32", True),
+@pytest.mark.parametrize("mcpu, quant, dot", [("znver4", "fp8_b128", True), ("cooperlake", "fp4_g32", True),
                                              ("x86-64-v3", "fp8_b128", False)])
 def test_bf16_gemm_instructions(mcpu, quant, dot):
-    """Built for a CPU with AVX512-BF16 (Zen 4 / Zen 5, Sapphire Rapids), the GEMM's products are
-    vdpbf16ps; for x86-64-v3 (no AVX-512) fp32 FMAs on the rounded x, and no vdpbf16ps; inspect
-    says which."""
+    """Built for a CPU with AVX512-BF16 and no AMX (Zen 4 / Zen 5, Cooper Lake), the GEMM's
+    products are vdpbf16ps; for x86-64-v3 (no AVX-512) fp32 FMAs on the rounded x, and no
+    vdpbf16ps; inspect says which (AMX builds: test_amx_matmul)."""
     asm = _cross_built_asm(mcpu, "linear", 128, 128, quant, False, 0, "bf16")
     assert ("vdpbf16ps" in asm) == dot
+    assert "tdpbf16ps" not in asm
     assert any("vfmadd" in line for line in asm.splitlines())  # the totals (and the fallback's products)
     assert ("by vdpbf16ps" in bf16_matmuls(mcpu, dot)) == dot
 

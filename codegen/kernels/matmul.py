@@ -9,7 +9,8 @@ import math
 from tvm import te
 from tvm.script import tirx as T
 
-from dsv4c.codegen.kernels.bf16 import DOT_IR, DOT_LANES, dot, has_bf16_dot, pair, rounded, rounded_pairs
+from dsv4c.codegen.kernels.bf16 import (AMX_ROWS, DOT_IR, DOT_LANES, dot, has_amx_bf16, has_bf16_dot, pair, rounded,
+                                        rounded_pairs, tile_ir, tile_products)
 from dsv4c.codegen.kernels.codecs import F32, raw_e4m3_slot
 from dsv4c.codegen.kernels.cpu import ON_STACK, cpu_target, cpu_vector
 from dsv4c.codegen.kernels.formats import TirFp8Blocks, boosted, column_tile, tir_format
@@ -85,7 +86,11 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     by the weights (exactly BF16 values), summed in fp32 the same way (``kernels.bf16``): with
     vdpbf16ps where the CPU has AVX512-BF16 and the panel is whole vectors (``pairs``: the panel
     and the chunk's x held as BF16 pairs of consecutive inputs), else with fp32 FMAs on the
-    rounded x. The direct loop (decode steps) stays exact.
+    rounded x. The direct loop (decode steps) stays exact. Where the CPU also has AMX-BF16
+    (``amx``), the micro-kernel takes blocks of up to AMX_ROWS rows (the last one the rows left)
+    and runs their products on AMX tiles (``bf16.tile_ir``): every group's sums (scaled), or the
+    k block's running sums, come from one call of the tile function; the scaling into the
+    totals stays the same.
 
     GPU builds (not ``cpu``) run the direct loop on weight values (``TirFormat.value``): their
     float32 arithmetic may flush the raw codes' subnormals."""
@@ -116,10 +121,17 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     panel_values = PANEL_FLOATS * (2 if dot_pairs else 1)
     kc = next(b for b in (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
               if in_dim % b == 0 and b * pw <= max(panel_values, pw * group) and (not scaled or b % group == 0))
+    pairs = dot_pairs and pw % DOT_LANES == 0 and kc % 2 == 0
+    amx = pairs and has_amx_bf16()
+    summed = group if scaled else kc  # inputs the micro-kernel sums before it scales or writes them
+    # AMX: a tile step takes k_pairs pairs (16: a 64-byte row of x, where the group or k block
+    # allows); one call sums every group of the k block (sum_blocks).
+    k_pairs = math.gcd(summed // 2, 16) if amx else 0
+    sum_blocks = kc // group if amx and scaled else 1
     rb, cols = register_tile(pw, scaled) if columns is T.vectorized else (1, 1)
+    rb = AMX_ROWS if amx else rb
     chunk_rows = max(rb, X_CHUNK_BYTES // (4 * kc) // rb * rb)  # see X_CHUNK_BYTES
     half = rb // 2
-    pairs = dot_pairs and pw % DOT_LANES == 0 and kc % 2 == 0
     x_value = rounded if bf16 else (lambda x: x)  # noqa: E731  (the FMA micro-kernel's x)
     x_vector = math.gcd(kc, 32)  # inputs of x rounded into pairs at once
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
@@ -260,53 +272,69 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     def weight(panel, parts, w, a, k, ki, pb, pc):  # input k (ki in the k block), panel pb's column pc
         return panel[ki, pc] if fmt.decoded else fmt.raw(parts, (w,), a, k, pb * pw + pc)
 
+    # The micro-kernel's loops over its R rows: unrolled (R a number) or, AMX's last block of
+    # however many rows are left, a loop.
+    rows_of = T.unroll if not amx else T.serial
+
     @T.macro
     def micro(X, xb, panel, parts, Y, w, g, a, row, first, pb, cs, kb, R):
-        acc = T.alloc_buffer((R, cols), F32, scope="local", annotations=ON_STACK)
+        # The sums: AMX's of every group of the k block (sum_blocks) at once, else the group's.
+        acc = T.alloc_buffer((sum_blocks, AMX_ROWS if amx else R, cols), F32, scope="local", annotations=ON_STACK)
         scales = T.alloc_buffer((cols,) if scaled else (1,), F32, scope="local", annotations=ON_STACK)
         # Scaled formats: each output's total so far (zero before the first group, then y) beside
         # the group's sum, written back once after the k block's groups.
-        totals = T.alloc_buffer((R, cols) if scaled else (1, 1), F32, scope="local", annotations=ON_STACK)
+        totals = T.alloc_buffer((AMX_ROWS if amx else R, cols) if scaled else (1, 1), F32, scope="local",
+                                annotations=ON_STACK)
         if scaled:
-            for r in T.unroll(R):
+            for r in rows_of(R):
                 for c in T.vectorized(cols):
                     totals[r, c] = T.if_then_else(kb == 0, T.float32(0), Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)])
+        if amx:  # every group's (or the k block's) products on tiles: the chunk's rounded x by the panel's pairs
+            if not scaled:
+                for r in rows_of(R):
+                    for c in T.vectorized(cols):
+                        acc[0, r, c] = T.if_then_else(kb == 0, T.float32(0),
+                                                      Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)])
+            T.evaluate(tile_products(cols // DOT_LANES, k_pairs, scaled, T.address_of(acc[0, 0, 0]),
+                                     T.address_of(xb[row - first, 0]), kc // 2 * 4, T.address_of(panel[0, cs * cols]),
+                                     pw * 4, R, sum_blocks, summed // 2 // k_pairs))
         for kg in range(kc // group if scaled else 1):
-            if scaled or kb == 0:
-                for r in T.unroll(R):
-                    for c in T.vectorized(cols):
-                        acc[r, c] = T.float32(0)
-            else:
-                for r in T.unroll(R):
-                    for c in T.vectorized(cols):
-                        acc[r, c] = Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)]
-            if pairs:  # two inputs a vdpbf16ps: the chunk's rounded x (rows from first) by the panel's pairs
-                for k2 in range((group if scaled else kc) // 2):
-                    for r in T.unroll(R):
-                        for v in T.unroll(cols // DOT_LANES):
-                            acc[r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)] = dot(
-                                acc[r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)],
-                                T.Broadcast(xb[row - first + r, kg * (group // 2) + k2], DOT_LANES),
-                                panel[kg * (group // 2) + k2, T.Ramp(cs * cols + v * DOT_LANES, 1, DOT_LANES)])
-            else:
-                for ki in range(group if scaled else kc):
+            if not amx:
+                if scaled or kb == 0:
                     for r in T.unroll(R):
                         for c in T.vectorized(cols):
-                            acc[r, c] = acc[r, c] + x_value(X[x_index(row + r, g, kb * kc + kg * group + ki)]) * \
+                            acc[0, r, c] = T.float32(0)
+                else:
+                    for r in T.unroll(R):
+                        for c in T.vectorized(cols):
+                            acc[0, r, c] = Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)]
+            if pairs and not amx:  # two inputs a vdpbf16ps: the chunk's rounded x (rows from first) by the panel
+                for k2 in range(summed // 2):
+                    for r in T.unroll(R):
+                        for v in T.unroll(cols // DOT_LANES):
+                            acc[0, r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)] = dot(
+                                acc[0, r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)],
+                                T.Broadcast(xb[row - first + r, kg * (group // 2) + k2], DOT_LANES),
+                                panel[kg * (group // 2) + k2, T.Ramp(cs * cols + v * DOT_LANES, 1, DOT_LANES)])
+            elif not pairs:
+                for ki in range(summed):
+                    for r in T.unroll(R):
+                        for c in T.vectorized(cols):
+                            acc[0, r, c] = acc[0, r, c] + x_value(X[x_index(row + r, g, kb * kc + kg * group + ki)]) * \
                                 weight(panel, parts, w, a, kb * kc + kg * group + ki, kg * group + ki, pb, cs * cols + c)
             if scaled:
                 # The group's scales, once for all rows.
                 for c in T.vectorized(cols):
                     scales[c] = fmt.group_scale(parts, (w,), a, kb * kc + kg * group, pb * pw + cs * cols + c)
-                for r in T.unroll(R):
+                for r in rows_of(R):
                     for c in T.vectorized(cols):
-                        totals[r, c] = total(totals[r, c], acc[r, c], scales[c])
+                        totals[r, c] = total(totals[r, c], acc[kg if amx else 0, r, c], scales[c])
             else:
-                for r in T.unroll(R):
+                for r in rows_of(R):
                     for c in T.vectorized(cols):
-                        Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = acc[r, c]
+                        Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = acc[0, r, c]
         if scaled:
-            for r in T.unroll(R):
+            for r in rows_of(R):
                 for c in T.vectorized(cols):
                     Y[at(row + r, g, a * tile + pb * pw + cs * cols + c)] = totals[r, c]
 
@@ -334,19 +362,27 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                     for ki in range(kc):
                         for c in T.vectorized(pw):
                             panel[ki, c] = panel_value(decode(parts, (w,), a, kb * kc + ki, pb * pw + c))
-                # Row blocks of rb, then one of rb / 2 if that many are left, then single rows; each
-                # block's x (rows x k block) stays in L1 across the panel's column strips.
-                for b in range(count // rb):
-                    for cs in range(pw // cols):
-                        micro(X, xb, panel, parts, Y, w, g, a, first + b * rb, first, pb, cs, kb, rb)
-                if half > 0:
-                    if count % rb >= half:
+                # Row blocks of rb, then one of rb / 2 if that many are left, then single rows (AMX:
+                # blocks of AMX_ROWS, the last one the rows left); each block's x (rows x k block)
+                # stays in L1 across the panel's column strips.
+                if amx:
+                    for b in range((count + rb - 1) // rb):
                         for cs in range(pw // cols):
-                            micro(X, xb, panel, parts, Y, w, g, a, first + count // rb * rb, first, pb, cs, kb, half)
-                    for r in range(count % rb % half):
+                            micro(X, xb, panel, parts, Y, w, g, a, first + b * rb, first, pb, cs, kb,
+                                  T.min(rb, count - b * rb))
+                else:
+                    for b in range(count // rb):
                         for cs in range(pw // cols):
-                            micro(X, xb, panel, parts, Y, w, g, a, first + count - count % rb % half + r, first, pb, cs,
-                                  kb, 1)
+                            micro(X, xb, panel, parts, Y, w, g, a, first + b * rb, first, pb, cs, kb, rb)
+                    if half > 0:
+                        if count % rb >= half:
+                            for cs in range(pw // cols):
+                                micro(X, xb, panel, parts, Y, w, g, a, first + count // rb * rb, first, pb, cs, kb,
+                                      half)
+                        for r in range(count % rb % half):
+                            for cs in range(pw // cols):
+                                micro(X, xb, panel, parts, Y, w, g, a, first + count - count % rb % half + r, first,
+                                      pb, cs, kb, 1)
 
     @T.macro
     def chunks(X, parts, Y, w, g, a, first, count):
@@ -356,8 +392,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
 
     @T.macro
     def panel_rows(X, parts, Y, w, g, a, first, count):
-        if pairs:  # the vdpbf16ps function linked into the kernel's module
-            with T.attr(0, "pragma_import_llvm", DOT_IR):
+        if pairs:  # the vdpbf16ps (or AMX) function linked into the kernel's module
+            with T.attr(0, "pragma_import_llvm", tile_ir(cols // DOT_LANES, k_pairs, scaled) if amx else DOT_IR):
                 chunks(X, parts, Y, w, g, a, first, count)
         else:
             chunks(X, parts, Y, w, g, a, first, count)

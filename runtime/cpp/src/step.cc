@@ -7,6 +7,11 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <cstdlib>
@@ -62,6 +67,21 @@ std::string trimmed(const std::string& s) {
   return first == std::string::npos ? "" : s.substr(first, last - first + 1);
 }
 
+// Asks Linux to let this process use AMX tiles (its kernels run on them): until a process asks
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), its first tile instruction kills it
+// with SIGILL. Covers every thread; asking again is harmless (Python: backend_tvm.request_tile_data).
+void request_tile_data(const std::string& path) {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    throw ArtifactError(path + ": its kernels use AMX tiles, and Linux refused this process their state (arch_prctl "
+                        "ARCH_REQ_XCOMP_PERM: " + std::strerror(errno) +
+                        "; Linux 5.16 and later grant it where AMX is enabled); recompile with --cpu x86-64-v4 "
+                        "(AVX-512, no AMX)");
+  }
+#endif
+}
+
 // Refuses an llvm artifact whose code uses instructions this CPU lacks, as Linux lists them in
 // /proc/cpuinfo (Python: backend_tvm.check_cpu and targets.host_cpu_flags).
 void check_cpu(const std::string& path, const json::Fields& kernels) {
@@ -90,6 +110,7 @@ void check_cpu(const std::string& path, const json::Fields& kernels) {
     throw ArtifactError(path + ": compiled for CPU " + mcpu + ", which needs " + missing + " that this CPU (" + model +
                         ") lacks; recompile with --cpu native (this CPU) or --cpu x86-64-v3 (any AVX2 CPU)");
   }
+  if (std::find(needs.begin(), needs.end(), "amx_tile") != needs.end()) request_tile_data(path);
 }
 
 // Refuses a process that flushes float32 subnormals to zero (DAZ / FTZ): the CPU kernels decode
