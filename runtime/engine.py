@@ -292,7 +292,7 @@ class Engine:
         return Result(r.generated, np.stack(r.logits).astype(np.float32) if r.record_logits else None,
                       r.spec.to_json() if self.speculative else None,
                       r.logprobs if p.logprobs is not None else None,
-                      r.prompt_logprobs if p.prompt_logprobs is not None else None)
+                      r.prompt_logprobs if p.prompt_logprobs is not None else None, r.cached_tokens or 0)
 
     def is_finished(self, rid: int) -> bool:
         """Whether the request is complete, so that ``result(rid)`` returns all of it."""

@@ -53,6 +53,7 @@ class Request:
     draft: Draft = field(default_factory=Draft)
     spec: SpecStats = field(default_factory=SpecStats)
     images: tuple[ImageSpan, ...] = ()  # in prompt order, never overlapping
+    cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
 
     def __post_init__(self):
         self.sampler = Sampler(self.params)
@@ -91,6 +92,7 @@ class Result:
     speculative: dict | None = None  # SpecStats.to_json() when the engine speculates
     logprobs: list[TokenLogprob] | None = None  # per generated token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when params.prompt_logprobs is set
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not run through the model)
 
 
 class RequestFailed(RuntimeError):

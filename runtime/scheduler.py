@@ -79,6 +79,8 @@ class Scheduler:
             r.fed = len(hit) * BLOCK_TOKENS
         if looked_up:
             self.prefix_cache.count(len(r.sequence), len(hit) * BLOCK_TOKENS)
+        if r.cached_tokens is None:  # a preempted request's later admissions recompute what it generated
+            r.cached_tokens = min(len(hit) * BLOCK_TOKENS, len(r.prompt))
         self._admitted[r.rid] = next(self._admissions)
         return True
 

@@ -68,7 +68,8 @@ def test_n_choices_and_batched_prompts_sample_each_choice_with_its_own_seed(serv
     body = {"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     first = _post(server, "/v1/completions", body).json()
     assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
-    assert first["usage"] == {"prompt_tokens": 9, "completion_tokens": 20, "total_tokens": 29}
+    assert first["usage"] == {"prompt_tokens": 9, "completion_tokens": 20, "total_tokens": 29,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert _post(server, "/v1/completions", body).json()["choices"] == first["choices"]  # reproducible
     by_index = {c["index"]: c["token_ids"] for c in first["choices"]}
     assert by_index[0] != by_index[1] and by_index[2] != by_index[3]
@@ -431,9 +432,14 @@ def test_a_resent_prompt_hits_the_prefix_cache(server):
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     first, second = (_post(server, "/v1/completions", body).json() for _ in range(2))
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]
+    # OpenAI's usage says how much of the prompt came from the cache: two whole blocks the second time.
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second)] == [0, 512]
+    streamed = _post(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 512}
     after = server.metrics()
-    assert after["dsv4c_prefix_cache_queries_total"] - before.get("dsv4c_prefix_cache_queries_total", 0) == 1200
-    assert after["dsv4c_prefix_cache_hits_total"] - before.get("dsv4c_prefix_cache_hits_total", 0) == 512
+    assert after["dsv4c_prefix_cache_queries_total"] - before.get("dsv4c_prefix_cache_queries_total", 0) == 1800
+    assert after["dsv4c_prefix_cache_hits_total"] - before.get("dsv4c_prefix_cache_hits_total", 0) == 1024
     assert 0 < after["dsv4c_kv_pool_cached_ratio"] < 1 and after["dsv4c_preemptions_total"] == 0
 
 

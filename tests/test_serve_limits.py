@@ -137,5 +137,6 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api):
     generated = 0
     for chunk in chunks[:-1]:
         generated += len(chunk["choices"][0]["token_ids"])
-        assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated}
+        assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
     assert generated == 3 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3

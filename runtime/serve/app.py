@@ -70,6 +70,14 @@ class Choice:
     echo: str | None  # the prompt's text when it comes first in the output (completions' echo)
     endpoint: Endpoint  # shapes its output (V4's chat parses it, with a parser of its own)
     finished: bool = False  # its last piece, with a finish reason, has been produced
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache (known from its first update)
+
+
+def cached_tokens(choices: list[Choice], n: int) -> int:
+    """The prompt tokens of a request found in the prefix cache, each prompt counted once as in
+    ``prompt_tokens``: what all of its n choices found (they are admitted together, so a choice
+    rarely finds what a sibling wrote)."""
+    return sum(min(c.cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
 
 
 @dataclass
@@ -252,6 +260,7 @@ class Server:
             update = await gen.updates.get()
             if update.failure is not None:
                 raise self._failure(update.failure)
+            c.cached_tokens = update.cached_tokens
             text, scored = "", []
             if first and c.echo is not None:
                 text = c.echo
@@ -296,7 +305,7 @@ class Server:
         answers = await asyncio.gather(*map(collect, choices))
         generated = sum(len(a["token_ids"]) for a in answers)
         return JSONResponse({"id": head["id"], "object": endpoint.object, **head, "choices": answers,
-                             "usage": usage(prompt_tokens, generated)})
+                             "usage": usage(prompt_tokens, generated, cached_tokens(choices, opts.n))})
 
     async def _events(self, endpoint: Endpoint, head: dict, choices: list[Choice], prompt_tokens: int,
                       opts: GenerationOptions) -> AsyncIterator[str]:
@@ -305,7 +314,7 @@ class Server:
             return sse({"id": head["id"], "object": endpoint.chunk_object, **head, "choices": choice_list, **extra})
 
         def so_far(generated: int) -> dict | None:  # vLLM's continuous_usage_stats: the usage in every chunk
-            return usage(prompt_tokens, generated) if opts.continuous_usage else None
+            return usage(prompt_tokens, generated, cached_tokens(choices, opts.n)) if opts.continuous_usage else None
 
         for c in choices:
             opening = c.endpoint.opening_chunk_choice(c.index)
@@ -341,7 +350,7 @@ class Server:
             for p in pumps:
                 p.cancel()
         if opts.include_usage:
-            yield chunk([], usage(prompt_tokens, generated))
+            yield chunk([], usage(prompt_tokens, generated, cached_tokens(choices, opts.n)))
         yield "data: [DONE]\n\n"
 
 

@@ -99,6 +99,7 @@ class Update:
     failure: BaseException | None = None  # the request failed (or the engine did); it is over
     logprobs: list[TokenLogprob] | None = None  # of ``tokens``, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, in the first update, when asked for
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
 
 
 class Generation:
@@ -246,7 +247,8 @@ class EngineLoop:
     def _update(self, gen: Generation) -> Update:
         """This step's update of ``gen``, with the prompt's log-probabilities if they have not gone out."""
         if gen not in self._fresh:
-            self._fresh[gen] = Update([], done=False, logprobs=[] if gen.params.logprobs is not None else None)
+            self._fresh[gen] = Update([], done=False, logprobs=[] if gen.params.logprobs is not None else None,
+                                      cached_tokens=self.engine.requests[gen.rid].cached_tokens or 0)
             if not gen.prompt_scored:
                 self._fresh[gen].prompt_logprobs = self.engine.requests[gen.rid].prompt_logprobs
                 gen.prompt_scored = True

@@ -63,7 +63,9 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "properties": {"message": _STRING, "type": _STRING, "param": {"type": ["string", "null"]},
                    "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-         "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+         "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+                        "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"],
+                                                  "properties": {"cached_tokens": _INT}}}}
 _FINISH = {"enum": ["stop", "length", "tool_calls", None]}
 _TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
     "id": _STRING, "type": {"const": "function"},
