@@ -9,6 +9,7 @@ What this does not show: that a real AMX unit computes what the pseudocode says 
 the pseudocode), and that the tile configuration LLVM writes is right (read in the assembly,
 not run)."""
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -37,6 +38,9 @@ ROWS = 37  # the GEMM's rows (padded to 40: tiles of 16, 16 and 8), or an expert
 HOST = host_cpu_flags()
 needs_avx512_bf16 = pytest.mark.skipif(HOST is None or "avx512_bf16" not in HOST.flags,
                                        reason="runs AVX512-BF16 code (the AMX kernels' vector parts, and vdpbf16ps)")
+needs_amx = pytest.mark.skipif(HOST is None or "amx_bf16" not in HOST.flags,
+                               reason="runs AMX tiles: needs a CPU with AMX-BF16 (Sapphire Rapids or later), which the "
+                                      "build machines lack; scripts/device_check runs it on a host that has one")
 
 # The C model of the tile function (bf16.tile_ir's contract), TDPBF16PS as Intel's pseudocode
 # states it: per output, the even and the odd products of the step's pairs summed from zero by
@@ -126,12 +130,16 @@ def tile_model(tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def _built(factory, out_dim, in_dim, quant, amx=False):
     """The bf16 ``linear`` GEMM or ``expert_linear`` kernel (one expert) built for this CPU, or
-    (``amx``) for this CPU given AMX-BF16, its tile function left to the C model."""
+    (``amx``) for this CPU given AMX-BF16, its tile function left to the C model; "tiles": for
+    this CPU, which has AMX, with the tile function's own instructions."""
     target = target_info("llvm").tvm_target()
-    if amx:
-        target = tvm.target.Target({**target.export(), "mattr": ["+amx-tile", "+amx-bf16"]})
+    if amx != "tiles":  # given AMX, or without it (on a CPU with AMX, the vdpbf16ps kernels)
+        sign = "+" if amx else "-"
+        target = tvm.target.Target({**target.export(), "mattr": [f"{sign}amx-tile", f"{sign}amx-bf16"]})
     params = (False, 0) if factory == "linear" else (1, False)
-    with target, mock.patch.object(matmul, "tile_ir", lambda *p: ""):
+    modelled = mock.patch.object(matmul, "tile_ir", lambda *p: "") if amx != "tiles" else contextlib.nullcontext()
+    with target, modelled:
+        assert bf16.has_amx_bf16() == bool(amx)
         func = KERNELS[factory](out_dim, in_dim, quant, *params, "bf16")
     return _kernel_of(func, target)
 
@@ -260,6 +268,24 @@ def test_amx_and_avx512_kernels_agree_where_every_sum_is_exact(quant, out_dim, i
     np.testing.assert_array_equal(amx, want.astype(np.float32))
     np.testing.assert_array_equal(avx512, want.astype(np.float32))
     assert np.abs(want).max() > 0
+
+
+@needs_amx
+@pytest.mark.parametrize("quant, out_dim, in_dim, k_pairs", CASES)
+def test_amx_tiles_of_this_cpu_sum_as_tdpbf16ps(quant, out_dim, in_dim, k_pairs, tmp_path):
+    """On a CPU with AMX-BF16, the kernels' own tiles: the GEMM gives the TDPBF16PS model's bits
+    (what the C model stands in for elsewhere), and where every partial sum is exact, the exact
+    result, for the GEMM's 37 rows (tiles of 16, 16, 8) and the expert's (16, 16, 5)."""
+    from dsv4c.runtime.backend_tvm import request_tile_data
+
+    request_tile_data(tmp_path)
+    parts, x, xb, w, scales = _operands(np.random.default_rng(3), out_dim, in_dim, quant)
+    tiles = _run(_built("linear", out_dim, in_dim, quant, amx="tiles"), "linear", x, parts, out_dim)
+    np.testing.assert_array_equal(tiles, _model(xb, w, scales, _group(quant), "tdpbf16ps", k_pairs))
+    parts, x, xb, w, scales = _operands(np.random.default_rng(4), out_dim, in_dim, quant, exact=True)
+    want = xb.astype(np.float64) @ w.T.astype(np.float64) * (1 if scales is None else scales[0, 0])
+    expert = _run(_built("expert_linear", out_dim, in_dim, quant, amx="tiles"), "expert_linear", x, parts, out_dim)
+    np.testing.assert_array_equal(expert, want.astype(np.float32))
 
 
 @pytest.mark.parametrize("quant, out_dim, in_dim", [case[:3] for case in CASES[:4]])

@@ -296,6 +296,7 @@ def test_device_check_logic_runs_on_the_cpu():
     assert "tiny-dspark: DSpark block after 30 tokens" in done.stdout and "confidence" in done.stdout
     assert "tiny: profile of prefill 32 tokens and 2 decode steps on llvm" in done.stdout
     assert "outside kernels (VM, host)" in done.stdout
+    assert "), AMX tiles: " in done.stdout or "): no AMX-BF16, the AMX kernels stay checked" in done.stdout
 
 
 def _tool(*names: str, extra_dirs: tuple[Path, ...] = (), install: str) -> str:
