@@ -98,8 +98,11 @@ def test_host_prints_what_dsv4c_generate_prints(cpp, tmp_path, capsys):
     ([list(range(5, 25)), [7, 8, 9], list(range(100, 140))], 20, 8),
 ], ids=["chunked-prefill", "batched"])
 def test_host_matches_the_python_engine(cpp, tmp_path, prompts, new_tokens, chunk):
+    """The batched case also gives back the VM's cached buffers before every step
+    (EngineOptions::release_cached_memory_every 0): the steps after allocate theirs afresh."""
     build, art = cpp
-    _assert_host_runs_like_the_engine(build, art, tmp_path, prompts, new_tokens, chunk)
+    release = ["--release-cached-memory-every", "0"] if len(prompts) > 1 else []
+    _assert_host_runs_like_the_engine(build, art, tmp_path, prompts, new_tokens, chunk, *release)
 
 
 def _assert_host_runs_like_the_engine(build: Path, art: Path, tmp_path: Path, prompts, new_tokens: int, chunk: int,
@@ -247,6 +250,13 @@ def test_host_usage_errors_are_the_python_cli_errors(cpp, capsys, argv):
     expected = capsys.readouterr().err
     done = _host(build, art, *argv)
     assert (done.returncode, done.stderr) == (2, expected)
+
+
+def test_host_refuses_a_negative_release_interval(cpp):
+    build, art = cpp
+    done = _host(build, art, "--token-ids", "1", "--max-new-tokens", "1", "--release-cached-memory-every", "-1")
+    assert done.returncode == 2 and done.stderr.endswith(
+        "dsv4c_host: error: argument --release-cached-memory-every: expected seconds >= 0, got '-1'\n")
 
 
 def test_tampering_goes_unseen_without_verify_in_both(cpp, tmp_path, capsys):

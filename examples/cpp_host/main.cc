@@ -2,7 +2,7 @@
 //
 //   dsv4c_host ART --token-ids 1,2,3 --max-new-tokens 8 [--stop-token-ids IDS] [--prefill-chunk K]
 //              [--logits-out FILE.npy] [--greedy] [--verify] [--weights auto|read|map]
-//              [--engram-memory map|read] [--gather-engram-rows]
+//              [--engram-memory map|read] [--gather-engram-rows] [--release-cached-memory-every SECONDS]
 //
 // Prints the generated ids space-separated, like `dsv4c generate ART --token-ids ... --greedy`.
 // --token-ids may be repeated: each is one request, all run batched together, one output line
@@ -12,6 +12,8 @@
 // --engram-memory does the same for a DeepSeek-V4.1 model's Engram tables (default: map);
 // --gather-engram-rows passes each step only the table rows it reads, as GPU targets do, on the
 // CPU too (which otherwise passes the whole tables): a check of that path.
+// --release-cached-memory-every gives back the step's cached buffers that often (default 30 s;
+// 0: before every step), as EngineOptions::release_cached_memory_every.
 //
 //   dsv4c_host ART --encode-image PIXELS --image-size H,W [--rows-out FILE.npy]
 //
@@ -38,6 +40,7 @@ const char* const kUsage =
     "usage: dsv4c_host ART --token-ids IDS [--token-ids IDS ...] --max-new-tokens N [--greedy]\n"
     "                  [--stop-token-ids IDS] [--prefill-chunk K] [--logits-out FILE] [--verify]\n"
     "                  [--weights auto|read|map] [--engram-memory map|read] [--gather-engram-rows]\n"
+    "                  [--release-cached-memory-every SECONDS]\n"
     "       dsv4c_host ART --encode-image PIXELS --image-size H,W [--rows-out FILE]\n";
 
 // A command-line mistake: printed after the usage, like argparse does.
@@ -56,6 +59,7 @@ struct Arguments {
   std::string weights = "auto";
   std::string engram_memory = "map";
   bool gather_engram_rows = false;
+  std::optional<double> release_cached_memory_every;
   std::string encode_image;        // raw float32 [3, H, W] pixels
   std::vector<int32_t> image_size;  // H, W
   std::string rows_out;
@@ -71,6 +75,21 @@ int64_t integer(const std::string& option, const std::string& text) {
   }
   if (text.empty() || used != text.size()) {
     throw ArgumentError("argument " + option + ": invalid int value: '" + text + "'");
+  }
+  return value;
+}
+
+// A number of seconds, at least 0.
+double seconds(const std::string& option, const std::string& text) {
+  size_t used = 0;
+  double value = -1;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || used != text.size() || !(value >= 0)) {
+    throw ArgumentError("argument " + option + ": expected seconds >= 0, got '" + text + "'");
   }
   return value;
 }
@@ -122,6 +141,8 @@ Arguments parse(int argc, char** argv) {
       a.engram_memory = value();
     } else if (arg == "--gather-engram-rows") {
       a.gather_engram_rows = true;
+    } else if (arg == "--release-cached-memory-every") {
+      a.release_cached_memory_every = seconds(arg, value());
     } else if (arg == "--encode-image") {
       a.encode_image = value();
     } else if (arg == "--image-size") {
@@ -194,6 +215,7 @@ int main(int argc, char** argv) {
     options.weights = args.weights;
     options.engram_memory = args.engram_memory;
     options.gather_engram_rows = args.gather_engram_rows;
+    if (args.release_cached_memory_every) options.release_cached_memory_every = *args.release_cached_memory_every;
     if (args.verify) dsv4c::verify_artifact(args.artifact);
     dsv4c::Engine engine(args.artifact, options);
     if (!args.encode_image.empty()) {

@@ -149,8 +149,11 @@ Engine::Engine(const std::string& artifact, const EngineOptions& options) : impl
     throw UsageError("max_step_tokens " + std::to_string(options.max_step_tokens) + " exceeds what " + m.path +
                      " was compiled for (" + std::to_string(limit) + "); lower it");
   }
+  if (!(options.release_cached_memory_every >= 0)) {
+    throw UsageError("release_cached_memory_every must be a number of seconds >= 0");
+  }
   m.compiled_step = std::make_unique<CompiledStep>(m.path, manifest, *m.pool, options.weights, options.engram_memory,
-                                                   options.gather_engram_rows);
+                                                   options.gather_engram_rows, options.release_cached_memory_every);
   if (m.compiled_step->takes_engram_rows()) m.engram = load_engram_hash(m.path, manifest);
 }
 

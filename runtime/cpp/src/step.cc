@@ -6,6 +6,7 @@
 
 #include <dlfcn.h>
 #include <limits.h>
+#include <malloc.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -34,6 +35,15 @@ ffi::Function global(const char* name) {
   auto f = ffi::Function::GetGlobal(name);
   if (!f) throw std::logic_error(std::string("the TVM runtime lacks ") + name);
   return *f;
+}
+
+// Python twin: runtime.tvm_runtime.release_cached_memory.
+void release_cached_memory() {
+  static const ffi::Function clear_pools = global("vm.builtin.memory_manager.clear");
+  clear_pools();
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 DLDataType dtype_of(const std::string& name) {
@@ -203,10 +213,11 @@ const char* const kStepInputs[] = {"tokens",     "positions",  "token_request", 
 
 CompiledStep::CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
                            const std::string& weights_mode, const std::string& engram_memory,
-                           bool gather_engram_rows)
+                           bool gather_engram_rows, double release_every)
     : pool_(pool),
       device_(device_for(artifact, manifest)),
-      vm_(load_vm(artifact, manifest.object("vm"), device_)) {
+      vm_(load_vm(artifact, manifest.object("vm"), device_)),
+      release_every_(release_every) {
   json::Fields vm = manifest.object("vm");
   std::vector<std::string> inputs;
   for (const json::Value& input : vm.array("inputs")) inputs.push_back(json::as_string(input).value_or(""));
@@ -407,6 +418,12 @@ std::vector<float> CompiledStep::run(const std::vector<int32_t>& tokens, const s
   }
   arguments.push_back(params_);
   arguments.push_back(pool_tensors_);
+  const auto now = std::chrono::steady_clock::now();
+  if (device_.device_type == kDLCPU &&
+      std::chrono::duration<double>(now - released_at_).count() >= release_every_) {
+    release_cached_memory();
+    released_at_ = now;
+  }
   const std::vector<ffi::AnyView> views(arguments.begin(), arguments.end());
   ffi::Any result;
   fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &result);

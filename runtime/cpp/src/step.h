@@ -11,6 +11,7 @@
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -37,8 +38,10 @@ class CompiledStep {
   /// `weights_mode` (a checked EngineOptions::weights) says, and a V4.1 step's Engram tables,
   /// mapped or read as `engram_memory` ("map" / "read") says, gathered per step off the CPU or
   /// with `gather_engram_rows` (EngineOptions). Throws ArtifactError / CheckpointError.
+  /// `release_every`: EngineOptions::release_cached_memory_every.
   CompiledStep(const std::string& artifact, const json::Fields& manifest, const KVPool& pool,
-               const std::string& weights_mode, const std::string& engram_memory, bool gather_engram_rows);
+               const std::string& weights_mode, const std::string& engram_memory, bool gather_engram_rows,
+               double release_every);
 
   /// Whether the step takes each token's Engram table rows (a V4.1 model with Engram layers).
   bool takes_engram_rows() const { return takes_engram_rows_; }
@@ -79,6 +82,8 @@ class CompiledStep {
   std::optional<tvm::ffi::Function> encode_image_;  // manifest "vision.function", when the model has a tower
   int64_t patch_size_ = 0, max_patches_ = 0;         // manifest "vision": patch_size, tower.max_patches
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
+  double release_every_;  // seconds; see EngineOptions::release_cached_memory_every
+  std::chrono::steady_clock::time_point released_at_ = std::chrono::steady_clock::now();
   tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };
 

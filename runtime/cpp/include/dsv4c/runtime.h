@@ -50,6 +50,11 @@ struct EngineOptions {
   // host memory); true takes that path on the CPU too, which otherwise passes the whole tables
   // (a check that both give the same logits).
   bool gather_engram_rows = false;
+  // On the CPU, seconds between two returns of the buffers the VM's pooled allocator keeps for
+  // reuse (it keeps one for every step shape it has seen, so requests of every length grow it),
+  // with glibc's freed pages (malloc_trim); the next step allocates its buffers again. 0: before
+  // every step. As the Python runtime (runtime.tvm_runtime.release_cached_memory).
+  double release_cached_memory_every = 30.0;
 };
 
 /// What to generate for one request (greedy decoding).
