@@ -64,6 +64,11 @@ FLASH_SLICE = {
 }
 
 
+# The checkpoint's copies at other precisions, by stage: the folder each is written to in the
+# workdir (``bf16`` is bf16_prefill.py's artifact there).
+CHECKPOINT_COPIES = {"fp32": "fp32", "bf16": "bf16-checkpoint"}
+
+
 class _Dequantized(dict):
     """The FP8 / FP4 checkpoint's tensors as fp32, read one at a time (never all in memory)."""
 
@@ -104,9 +109,12 @@ def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
     cfg = config_from_dict(FLASH_SLICE, "flash-slice")
     if stage == "make":
         write_checkpoint(cfg, random_weights(cfg, 0), workdir / "fp8")
-    elif stage in ("fp32", "bf16"):
-        write_checkpoint(with_weights(cfg, dense=stage, experts=stage), _Dequantized(cfg, workdir / "fp8"),
-                         workdir / stage)
+    elif stage in CHECKPOINT_COPIES:
+        out = write_checkpoint(with_weights(cfg, dense=stage, experts=stage), _Dequantized(cfg, workdir / "fp8"),
+                               workdir / CHECKPOINT_COPIES[stage])
+        if stage == "bf16":  # vLLM gives the gate its bias only with the released configs' routing field
+            config = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**config, "topk_method": "noaux_tc"}, indent=2))
     else:
         from dsv4c.compile import compile_model
 
