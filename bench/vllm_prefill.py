@@ -3,8 +3,10 @@ with that interpreter (vLLM's own environment; nothing of dsv4c is imported here
 a round.
 
 The model loads in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine-core child),
-its OpenMP threads bound to the first ``--threads`` cores (``VLLM_CPU_OMP_THREADS_BIND``), with
-no tokenizer (prompts are token ids), prefix caching off, and one scheduler step taking the
+run by the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``: the one vLLM takes on a CPU without
+Triton; the interpreter patch below would otherwise make it pick V2), its OpenMP threads bound
+to the first ``--threads`` cores (``VLLM_CPU_OMP_THREADS_BIND``), a 2 GiB KV cache, with no
+tokenizer (prompts are token ids), prefix caching off, and one scheduler step taking the
 whole prompt (``max_num_batched_tokens`` = the prompt). A prefill is ``generate`` of one
 request of ``--prefill`` random ids with ``max_tokens=1``: the prompt's forward pass and the
 sampling of its first token, as our engine's prefill step ends with the last row's logits.
@@ -98,7 +100,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0",
+                      VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
                       VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     use_triton_interpreter()
     import vllm
