@@ -64,6 +64,11 @@ FLASH_SLICE = {
 }
 
 
+# The checkpoint's copies at other precisions, by stage: the folder each is written to in the
+# workdir (``bf16`` is bf16_prefill.py's artifact there).
+CHECKPOINT_COPIES = {"fp32": "fp32", "bf16": "bf16-checkpoint"}
+
+
 class _Dequantized(dict):
     """The FP8 / FP4 checkpoint's tensors as fp32, read one at a time (never all in memory)."""
 
@@ -94,8 +99,9 @@ def baseline_isa(choice: str, artifact_features: list[str], host_flags) -> str:
 
 def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
     """One stage per child process, so that no process holds two copies of 1.4 G parameters:
-    make the FP8 / FP4 checkpoint, write the same values as fp32 for transformers, compile
-    (for ``cpu``, default this machine's)."""
+    make the FP8 / FP4 checkpoint, write the same values as fp32 for transformers or as BF16
+    (safetensors, official names) for vLLM (``bf16_prefill.py --vllm``), compile (for ``cpu``,
+    default this machine's)."""
     from dsv4c.frontend.checkpoint_writer import write_checkpoint
     from dsv4c.frontend.random_model import random_weights
     from dsv4c.frontend.config import config_from_dict, with_weights
@@ -103,9 +109,12 @@ def prepare(workdir: Path, stage: str, cpu: str | None = None) -> None:
     cfg = config_from_dict(FLASH_SLICE, "flash-slice")
     if stage == "make":
         write_checkpoint(cfg, random_weights(cfg, 0), workdir / "fp8")
-    elif stage == "fp32":
-        write_checkpoint(with_weights(cfg, dense="fp32", experts="fp32"), _Dequantized(cfg, workdir / "fp8"),
-                         workdir / "fp32")
+    elif stage in CHECKPOINT_COPIES:
+        out = write_checkpoint(with_weights(cfg, dense=stage, experts=stage), _Dequantized(cfg, workdir / "fp8"),
+                               workdir / CHECKPOINT_COPIES[stage])
+        if stage == "bf16":  # vLLM gives the gate its bias only with the released configs' routing field
+            config = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**config, "topk_method": "noaux_tc"}, indent=2))
     else:
         from dsv4c.compile import compile_model
 
@@ -344,7 +353,7 @@ def main() -> None:
                         "has no AVX-512 and this machine has)")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     p.add_argument("--system", choices=["dsv4c", "transformers", "bandwidth", "matmul"], help=argparse.SUPPRESS)
-    p.add_argument("--stage", choices=["make", "fp32", "compile"], help=argparse.SUPPRESS)
+    p.add_argument("--stage", choices=["make", "fp32", "bf16", "compile"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, not {args.rounds}")

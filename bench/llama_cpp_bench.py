@@ -107,15 +107,32 @@ def gguf_of(cache: Path, checkpoint: Path) -> Path:
     return out
 
 
+BUILD_FIELDS = ("build_commit", "build_number", "cpu_info", "type_k", "type_v", "flash_attn", "n_batch", "n_ubatch",
+                "poll", "repack", "model_type", "model_size")
+
+
+def _run(bench: Path, gguf: Path, threads: int, reps: int, *test: str) -> dict:
+    """One ``llama-bench`` test (``test``: its -p / -n / -d) as its JSON record. ``-lm none``:
+    weights read into memory, as our engine holds them (not mapped)."""
+    run = subprocess.run([str(bench), "-m", str(gguf), *test, "-t", str(threads), "-r", str(reps), "-lm", "none",
+                          "-o", "json"], check=True, capture_output=True, text=True)
+    (record,) = json.loads(run.stdout)
+    return record
+
+
 def decode_ms(bench: Path, gguf: Path, depth: int, tokens: int, threads: int, reps: int) -> dict:
     """``llama-bench``'s decode of ``tokens`` tokens after a prefill of ``depth`` (``-d``; the depth
     prefill is not timed and is done once, later repetitions restore its state): ms per token of
     each repetition (after llama-bench's own warm-up token), and what the build and run report."""
-    # ``-lm none``: weights read into memory, as our engine holds them (not mapped).
-    run = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(depth),
-                          "-t", str(threads), "-r", str(reps), "-lm", "none", "-o", "json"],
-                         check=True, capture_output=True, text=True)
-    (test,) = json.loads(run.stdout)
-    return {"ms_per_rep": [ns / tokens / 1e6 for ns in test["samples_ns"]],
-            **{k: test.get(k) for k in ("build_commit", "build_number", "cpu_info", "type_k", "type_v", "flash_attn",
-                                        "n_batch", "n_ubatch", "poll", "repack", "model_type", "model_size")}}
+    record = _run(bench, gguf, threads, reps, "-p", "0", "-n", str(tokens), "-d", str(depth))
+    return {"ms_per_rep": [ns / tokens / 1e6 for ns in record["samples_ns"]],
+            **{k: record.get(k) for k in BUILD_FIELDS}}
+
+
+def prefill_tok_s(bench: Path, gguf: Path, tokens: int, threads: int, reps: int) -> dict:
+    """``llama-bench``'s prefill of ``tokens`` random tokens (``-p N -n 0``, in batches of its
+    default ``-b 2048`` / ``-ub 512``): tok/s of each repetition (after llama-bench's own
+    warm-up run), and what the build and run report."""
+    record = _run(bench, gguf, threads, reps, "-p", str(tokens), "-n", "0")
+    return {"tok_s_per_rep": [tokens / (ns / 1e9) for ns in record["samples_ns"]],
+            **{k: record.get(k) for k in BUILD_FIELDS}}
