@@ -85,8 +85,9 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     ``compute`` "bf16" (FP8, FP4 and BF16 weights): the panel loop multiplies x rounded to BF16
     by the weights (exactly BF16 values), summed in fp32 the same way (``kernels.bf16``): with
     vdpbf16ps where the CPU has AVX512-BF16 and the panel is whole vectors (``pairs``: the panel
-    and the chunk's x held as BF16 pairs of consecutive inputs), else with fp32 FMAs on the
-    rounded x. The direct loop (decode steps) stays exact. Where the CPU also has AMX-BF16
+    and x held as BF16 pairs of consecutive inputs, x rounded once for all column tiles by
+    ``round_rows``, which the kernels run first), else with fp32 FMAs on the rounded x. The
+    direct loop (decode steps) stays exact. Where the CPU also has AMX-BF16
     (``amx``), the micro-kernel takes blocks of up to AMX_ROWS rows (the last one the rows left)
     and runs their products on AMX tiles (``bf16.tile_ir``): every group's sums (scaled), or the
     k block's running sums, come from one call of the tile function; the scaling into the
@@ -133,7 +134,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     chunk_rows = max(rb, X_CHUNK_BYTES // (4 * kc) // rb * rb)  # see X_CHUNK_BYTES
     half = rb // 2
     x_value = rounded if bf16 else (lambda x: x)  # noqa: E731  (the FMA micro-kernel's x)
-    x_vector = math.gcd(kc, 32)  # inputs of x rounded into pairs at once
+    x_vector = math.gcd(in_dim, 32)  # inputs of x rounded into pairs at once
+    x_copy = math.gcd(kc // 2, 16) if pairs else 1  # AMX: pairs of x copied at once
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
     # a little faster, streamed and in cache (bench/RESULTS.md; the decode shares the vector
     # pipes with the FMAs, which the table does not remove).
@@ -314,7 +316,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
                         for v in T.unroll(cols // DOT_LANES):
                             acc[0, r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)] = dot(
                                 acc[0, r, T.Ramp(v * DOT_LANES, 1, DOT_LANES)],
-                                T.Broadcast(xb[row - first + r, kg * (group // 2) + k2], DOT_LANES),
+                                T.Broadcast(X[x_index(row + r, g, kb * kc // 2 + kg * (group // 2) + k2)], DOT_LANES),
                                 panel[kg * (group // 2) + k2, T.Ramp(cs * cols + v * DOT_LANES, 1, DOT_LANES)])
             elif not pairs:
                 for ki in range(summed):
@@ -342,14 +344,15 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     def panel_chunk(X, parts, Y, w, g, a, first, count):
         panel = T.alloc_buffer((kc // 2, pw) if pairs else ((kc, pw) if fmt.decoded else (1, 1)),
                                "uint32" if pairs else F32, scope="local", annotations=ON_STACK)
-        # pairs: the chunk's x k block rounded to BF16 pairs once for all the tile's panels.
-        xb = T.alloc_buffer((chunk_rows, kc // 2) if pairs else (1, 1), "uint32", scope="local", annotations=ON_STACK)
+        # AMX: the tile loads read the chunk's pairs of the k block from a copy on the stack (read
+        # in place from X, LLVM 20's tile configuration failed: "define the shape earlier").
+        xb = T.alloc_buffer((chunk_rows, kc // 2) if amx else (1, 1), "uint32", scope="local", annotations=ON_STACK)
         for kb in range(in_dim // kc):
-            if pairs:
+            if amx:
                 for r in range(count):
-                    for kv in range(kc // x_vector):
-                        xb[r, T.Ramp(kv * (x_vector // 2), 1, x_vector // 2)] = rounded_pairs(
-                            X[x_index(first + r, g, T.Ramp(kb * kc + kv * x_vector, 1, x_vector))], x_vector)
+                    for kv in range(kc // 2 // x_copy):
+                        xb[r, T.Ramp(kv * x_copy, 1, x_copy)] = X[x_index(first + r, g, T.Ramp(
+                            kb * kc // 2 + kv * x_copy, 1, x_copy))]
             for pb in range(tile // pw):
                 if pairs:
                     for k2 in range(kc // 2):  # vectors of 16 columns: the FP4 table decodes so
@@ -391,6 +394,16 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             panel_chunk(X, parts, Y, w, g, a, first + rc * chunk_rows, T.min(chunk_rows, count - rc * chunk_rows))
 
     @T.macro
+    def round_rows(X, XB, g, first, count):
+        # pairs: rows of x rounded to BF16 pairs (XB: x's layout, in_dim / 2 pairs a row) once
+        # for every column tile, which then read them (panel_rows' X); rounded per tile, the same
+        # rows were read and rounded once per 64 columns.
+        for r in range(count):
+            for kv in range(in_dim // x_vector):
+                XB[x_index(first + r, g, T.Ramp(kv * (x_vector // 2), 1, x_vector // 2))] = rounded_pairs(
+                    X[x_index(first + r, g, T.Ramp(kv * x_vector, 1, x_vector))], x_vector)
+
+    @T.macro
     def panel_rows(X, parts, Y, w, g, a, first, count):
         if pairs:  # the vdpbf16ps (or AMX) function linked into the kernel's module
             with T.attr(0, "pragma_import_llvm", tile_ir(cols // DOT_LANES, k_pairs, scaled) if amx else DOT_IR):
@@ -398,7 +411,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
         else:
             chunks(X, parts, Y, w, g, a, first, count)
 
-    return direct_rows, panel_rows
+    # With pairs, panel_rows takes x as round_rows wrote it.
+    return direct_rows, panel_rows, round_rows if pairs else None
 
 
 def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, compute: str = "fp32", *,
@@ -446,8 +460,10 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, c
 def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, compute: str):
     g = max(groups, 1)
     tiles = out_dim // column_tile(out_dim)
-    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv, compute=compute)
+    direct_rows, panel_rows, round_rows = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv,
+                                                        compute=compute)
     run = direct_rows if gemv else panel_rows
+    rounds_x = not gemv and round_rows is not None  # the bf16 GEMM's x, rounded to pairs first
     lead = (groups,) if groups else ()
     outer = (lambda n: (n,)) if gemv else (lambda n: (n, GEMM_ROWS))  # noqa: E731
     rows = (lambda n: n) if gemv else (lambda n: n * GEMM_ROWS)  # noqa: E731
@@ -455,6 +471,18 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, 
     x_flat = (lambda n: (rows(n), g)) if gemv else (lambda n: (g, rows(n)))  # noqa: E731
     storage = tir_format(quant).parts(out_dim, in_dim)
     (w_shape, w_dtype), (s_shape, s_dtype) = storage[0], storage[-1]
+
+    @T.macro
+    def jobs(X, parts, Y, n):
+        if rounds_x:
+            XB = T.alloc_buffer(x_flat(n) + (in_dim // 2,), "uint32")
+            for r in T.parallel(g * rows(n)):
+                round_rows(X, XB, r // rows(n), r % rows(n), 1)
+            for job in T.parallel(g * tiles):
+                run(XB, parts, Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
+        else:
+            for job in T.parallel(g * tiles):
+                run(X, parts, Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
 
     if len(storage) == 2:
         @T.prim_func
@@ -468,8 +496,7 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, 
             W = T.decl_buffer((g,) + w_shape, w_dtype, data=W0.data)
             S = T.decl_buffer((g,) + s_shape, s_dtype, data=S0.data)
             Y = T.decl_buffer((rows(n), g, out_dim), F32, data=Y0.data)
-            for job in T.parallel(g * tiles):
-                run(X, (W, S), Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
+            jobs(X, (W, S), Y, n)
         return f
 
     @T.prim_func
@@ -481,8 +508,7 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, 
         X = T.decl_buffer(x_flat(n) + (in_dim,), F32, data=X0.data)
         W = T.decl_buffer((g,) + w_shape, w_dtype, data=W0.data)
         Y = T.decl_buffer((rows(n), g, out_dim), F32, data=Y0.data)
-        for job in T.parallel(g * tiles):
-            run(X, (W,), Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
+        jobs(X, (W,), Y, n)
     return f
 
 
@@ -504,12 +530,13 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
     tiles = out_dim // tile
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
     cpu = not max_lanes
-    direct_rows, panel_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu, compute=compute)
+    direct_rows, panel_rows, round_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu, compute=compute)
+    rounds_x = round_rows is not None  # the bf16 GEMM's x, rounded to pairs first (XB)
 
     @T.macro
-    def body(X, OFF, parts, Y, job):  # expert job % E, column tile job // E
+    def body(X, XB, OFF, parts, Y, job):  # expert job % E, column tile job // E
         if cpu and OFF[job % n_experts + 1] - OFF[job % n_experts] > GEMV_ROWS:
-            panel_rows(X, parts, Y, job % n_experts, 0, job // n_experts, OFF[job % n_experts],
+            panel_rows(XB, parts, Y, job % n_experts, 0, job // n_experts, OFF[job % n_experts],
                        OFF[job % n_experts + 1] - OFF[job % n_experts])
         else:
             direct_rows(X, parts, Y, job % n_experts, 0, job // n_experts, OFF[job % n_experts],
@@ -517,8 +544,15 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
 
     @T.macro
     def jobs(X, OFF, parts, Y):
-        for job in T.parallel(n_experts * tiles):
-            body(X, OFF, parts, Y, job)
+        if rounds_x:
+            XB = T.alloc_buffer((X.shape[0], in_dim // 2), "uint32")
+            for r in T.parallel(X.shape[0]):
+                round_rows(X, XB, 0, r, 1)
+            for job in T.parallel(n_experts * tiles):
+                body(X, XB, OFF, parts, Y, job)
+        else:
+            for job in T.parallel(n_experts * tiles):
+                body(X, X, OFF, parts, Y, job)
     return expert_linear_function(out_dim, in_dim, quant, n_experts, jobs)
 
 
