@@ -10,7 +10,10 @@ CPU the pool tensors are the :class:`KVPool`'s numpy arrays, shared zero-copy th
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -352,10 +355,6 @@ def request_tile_data(artifact: Path) -> None:
     CPU with AMX (``kernels.cpu_features`` amx_tile) run on: until a process asks, its first tile
     instruction kills it (SIGILL). The permission covers every thread of the process, and asking
     again is harmless. C++ twin: step.cc, request_tile_data."""
-    import ctypes
-    import platform
-    import sys
-
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return  # check_cpu found /proc/cpuinfo x86 flags: an x86-64 Linux, or its emulation
     libc = ctypes.CDLL(None, use_errno=True)

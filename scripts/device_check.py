@@ -396,7 +396,7 @@ def host_amx() -> bool:
         return True
     tests = Path(__file__).resolve().parents[1] / "tests" / "test_amx_matmul.py"
     run = subprocess.run([sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-k",
-                          "tiles_of_this_cpu"], capture_output=True, text=True)
+                          "tiles_of_this_cpu"], capture_output=True, text=True, timeout=600)
     print(f"host CPU ({host.model}), AMX tiles: {run.stdout.strip().splitlines()[-1]}")
     return run.returncode == 0
 

@@ -86,7 +86,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     by the weights (exactly BF16 values), summed in fp32 the same way (``kernels.bf16``): with
     vdpbf16ps where the CPU has AVX512-BF16 and the panel is whole vectors (``pairs``: the panel
     and x held as BF16 pairs of consecutive inputs, x rounded once for all column tiles by
-    ``round_rows``, which the kernels run first), else with fp32 FMAs on the rounded x. The
+    ``round_row``, which the kernels run first), else with fp32 FMAs on the rounded x. The
     direct loop (decode steps) stays exact. Where the CPU also has AMX-BF16
     (``amx``), the micro-kernel takes blocks of up to AMX_ROWS rows (the last one the rows left)
     and runs their products on AMX tiles (``bf16.tile_ir``): every group's sums (scaled), or the
@@ -135,7 +135,7 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
     half = rb // 2
     x_value = rounded if bf16 else (lambda x: x)  # noqa: E731  (the FMA micro-kernel's x)
     x_vector = math.gcd(in_dim, 32)  # inputs of x rounded into pairs at once
-    x_copy = math.gcd(kc // 2, 16) if pairs else 1  # AMX: pairs of x copied at once
+    x_copy = math.gcd(kc // 2, 16) if amx else 1  # AMX: pairs of x copied at once
     # FP4 codes by table where every vector holds 16 columns (AVX-512; see raw_e2m1_by_table):
     # a little faster, streamed and in cache (bench/RESULTS.md; the decode shares the vector
     # pipes with the FMAs, which the table does not remove).
@@ -394,14 +394,13 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
             panel_chunk(X, parts, Y, w, g, a, first + rc * chunk_rows, T.min(chunk_rows, count - rc * chunk_rows))
 
     @T.macro
-    def round_rows(X, XB, g, first, count):
-        # pairs: rows of x rounded to BF16 pairs (XB: x's layout, in_dim / 2 pairs a row) once
+    def round_row(X, XB, g, row):
+        # pairs: a row of x rounded to BF16 pairs (XB: x's layout, in_dim / 2 pairs a row) once
         # for every column tile, which then read them (panel_rows' X); rounded per tile, the same
-        # rows were read and rounded once per 64 columns.
-        for r in range(count):
-            for kv in range(in_dim // x_vector):
-                XB[x_index(first + r, g, T.Ramp(kv * (x_vector // 2), 1, x_vector // 2))] = rounded_pairs(
-                    X[x_index(first + r, g, T.Ramp(kv * x_vector, 1, x_vector))], x_vector)
+        # row was read and rounded once per 64 columns.
+        for kv in range(in_dim // x_vector):
+            XB[x_index(row, g, T.Ramp(kv * (x_vector // 2), 1, x_vector // 2))] = rounded_pairs(
+                X[x_index(row, g, T.Ramp(kv * x_vector, 1, x_vector))], x_vector)
 
     @T.macro
     def panel_rows(X, parts, Y, w, g, a, first, count):
@@ -411,8 +410,8 @@ def _matmul_loops(out_dim: int, in_dim: int, quant: str, grouped_rows: bool, col
         else:
             chunks(X, parts, Y, w, g, a, first, count)
 
-    # With pairs, panel_rows takes x as round_rows wrote it.
-    return direct_rows, panel_rows, round_rows if pairs else None
+    # With pairs, panel_rows takes x as round_row wrote it.
+    return direct_rows, panel_rows, round_row if pairs else None
 
 
 def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, compute: str = "fp32", *,
@@ -460,10 +459,10 @@ def linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int = 0, c
 def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, compute: str):
     g = max(groups, 1)
     tiles = out_dim // column_tile(out_dim)
-    direct_rows, panel_rows, round_rows = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv,
-                                                        compute=compute)
+    direct_rows, panel_rows, round_row = _matmul_loops(out_dim, in_dim, quant, True, group_major_x=not gemv,
+                                                       compute=compute)
     run = direct_rows if gemv else panel_rows
-    rounds_x = not gemv and round_rows is not None  # the bf16 GEMM's x, rounded to pairs first
+    rounds_x = not gemv and round_row is not None  # the bf16 GEMM's x, rounded to pairs first
     lead = (groups,) if groups else ()
     outer = (lambda n: (n,)) if gemv else (lambda n: (n, GEMM_ROWS))  # noqa: E731
     rows = (lambda n: n) if gemv else (lambda n: n * GEMM_ROWS)  # noqa: E731
@@ -477,7 +476,7 @@ def _cpu_linear(out_dim: int, in_dim: int, quant: str, gemv: bool, groups: int, 
         if rounds_x:
             XB = T.alloc_buffer(x_flat(n) + (in_dim // 2,), "uint32")
             for r in T.parallel(g * rows(n)):
-                round_rows(X, XB, r // rows(n), r % rows(n), 1)
+                round_row(X, XB, r // rows(n), r % rows(n))
             for job in T.parallel(g * tiles):
                 run(XB, parts, Y, job // tiles, job // tiles, job % tiles, 0, rows(n))
         else:
@@ -530,8 +529,8 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
     tiles = out_dim // tile
     columns = T.vectorized if not max_lanes or tile <= max_lanes else T.serial
     cpu = not max_lanes
-    direct_rows, panel_rows, round_rows = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu, compute=compute)
-    rounds_x = round_rows is not None  # the bf16 GEMM's x, rounded to pairs first (XB)
+    direct_rows, panel_rows, round_row = _matmul_loops(out_dim, in_dim, quant, False, columns, cpu, compute=compute)
+    rounds_x = round_row is not None  # the bf16 GEMM's x, rounded to pairs first (XB)
 
     @T.macro
     def body(X, XB, OFF, parts, Y, job):  # expert job % E, column tile job // E
@@ -547,7 +546,7 @@ def expert_linear(out_dim: int, in_dim: int, quant: str, n_experts: int, decode:
         if rounds_x:
             XB = T.alloc_buffer((X.shape[0], in_dim // 2), "uint32")
             for r in T.parallel(X.shape[0]):
-                round_rows(X, XB, 0, r, 1)
+                round_row(X, XB, 0, r)
             for job in T.parallel(n_experts * tiles):
                 body(X, XB, OFF, parts, Y, job)
         else:

@@ -82,9 +82,9 @@ class CompiledStep {
   std::optional<tvm::ffi::Function> encode_image_;  // manifest "vision.function", when the model has a tower
   int64_t patch_size_ = 0, max_patches_ = 0;         // manifest "vision": patch_size, tower.max_patches
   tvm::ffi::Array<tvm::ffi::Tensor> params_;
+  tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
   double release_every_;  // seconds; see EngineOptions::release_cached_memory_every
   std::chrono::steady_clock::time_point released_at_ = std::chrono::steady_clock::now();
-  tvm::ffi::Array<tvm::ffi::Tensor> pool_tensors_;
 };
 
 }  // namespace dsv4c
